@@ -1,0 +1,43 @@
+"""The engine: chunked, content-addressed, delta-encoded checkpoints on any fsspec URL.
+
+Framework-free: imports torch, numpy, fsspec and zstandard, never lightning or accelerate.
+"""
+
+from lightning_incremental.core.config import StoreConfig
+from lightning_incremental.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    ManifestError,
+    NotAStoreError,
+    PickleNotAllowedError,
+    StepError,
+    StorageError,
+    UnsupportedValueError,
+)
+from lightning_incremental.core.results import GcReport, SaveHandle, SaveResult, VerifyReport
+from lightning_incremental.core.storage import Storage
+from lightning_incremental.core.store import CheckpointStore
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointStore",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "GcReport",
+    "ManifestError",
+    "NotAStoreError",
+    "PickleNotAllowedError",
+    "SaveHandle",
+    "SaveResult",
+    "StepError",
+    "Storage",
+    "StorageError",
+    "StoreConfig",
+    "UnsupportedValueError",
+    "VerifyReport",
+]

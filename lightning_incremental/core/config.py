@@ -1,0 +1,120 @@
+"""Store configuration: one frozen, keyword-only dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_incremental.core.errors import ConfigError
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """How a :class:`~lightning_incremental.core.CheckpointStore` encodes and writes checkpoints.
+
+    Attributes:
+        chunk_size: bytes per chunk of a tensor's raw data (a multiple of 16). Chunks are the unit
+            of deduplication and of delta encoding: smaller chunks find more unchanged data in
+            sparse updates, larger ones cost less manifest and hashing overhead. Default 4 MiB.
+        full_every: every ``full_every``-th checkpoint is a full base: no chunk of it depends on a
+            delta. ``1`` disables delta chains entirely. Default 10.
+        max_chain: the longest chain of XOR deltas one chunk may depend on; a chunk whose chain
+            would grow past it is stored standalone. Bounds restore work. Default 8.
+        max_chain_ratio: a chunk's chain (its base plus deltas) may store at most this many times
+            the chunk's raw size; past it the chunk is stored standalone. Bounds restore reads for
+            dense updates, where every delta is large. Default 2.0.
+        compression_level: zstd level, -7..22. 1 is fast and already captures most of what the
+            byte-grouped planes give. Default 1.
+        xor_delta: encode changed chunks as XOR against the previous checkpoint when smaller.
+            Needs the previous snapshot in host memory (see ``xor_base_memory``). Default True.
+        xor_base_memory: most bytes of the previous snapshot kept in host memory as XOR base;
+            ``None`` keeps all of it (host memory equal to the checkpoint's tensor bytes), ``0``
+            is the same as ``xor_delta=False``. Tensors past the budget are stored standalone
+            when they change. Default None.
+        keep_last: after each commit, delete checkpoints older than the newest ``keep_last``
+            (never an object that a kept checkpoint still needs). ``None`` keeps all. Default None.
+        max_in_flight: saves that may be queued or running in the background; ``save`` blocks
+            (back-pressure) while this many are pending. Each holds one snapshot of the state in
+            host memory. Default 1.
+        workers: threads that hash, encode, compress and write in the background (zstd, numpy
+            and file I/O release the GIL). Default 2.
+        pack_size: encoded chunks are appended to pack objects of about this size, so a save of
+            thousands of small tensors writes a few objects, not thousands. Default 64 MiB.
+        fsync: fsync data objects and manifests on local disks before a checkpoint is reported
+            committed. Turn off only for scratch stores. Default True.
+        allow_pickle: save values the JSON skeleton cannot express by pickling them, and accept
+            loading checkpoints that hold pickles. Loading a pickle executes code: only for
+            checkpoints you trust. Default False.
+        generation: the writer's fencing generation, recorded in every manifest. Default 0.
+    """
+
+    chunk_size: int = 4 * MiB
+    full_every: int = 10
+    max_chain: int = 8
+    max_chain_ratio: float = 2.0
+    compression_level: int = 1
+    xor_delta: bool = True
+    xor_base_memory: int | None = None
+    keep_last: int | None = None
+    max_in_flight: int = 1
+    workers: int = 2
+    pack_size: int = 64 * MiB
+    fsync: bool = True
+    allow_pickle: bool = False
+    generation: int = 0
+
+    def __post_init__(self) -> None:
+        _int("chunk_size", self.chunk_size, minimum=16)
+        if self.chunk_size % 16:
+            raise ConfigError(f"chunk_size must be a multiple of 16 bytes, got {self.chunk_size}")
+        _int("full_every", self.full_every, minimum=1)
+        _int("max_chain", self.max_chain, minimum=0)
+        if isinstance(self.max_chain_ratio, bool) or not isinstance(self.max_chain_ratio, (int, float)):
+            raise ConfigError(f"max_chain_ratio must be a number, got {self.max_chain_ratio!r}")
+        if not self.max_chain_ratio >= 1.0:
+            raise ConfigError(f"max_chain_ratio must be >= 1.0, got {self.max_chain_ratio!r}")
+        _int("compression_level", self.compression_level, minimum=-7)
+        if self.compression_level > 22 or self.compression_level == 0:
+            raise ConfigError(
+                f"compression_level must be in -7..-1 or 1..22, got {self.compression_level}"
+            )
+        _bool("xor_delta", self.xor_delta)
+        if self.xor_base_memory is not None:
+            _int("xor_base_memory", self.xor_base_memory, minimum=0)
+        if self.keep_last is not None:
+            _int("keep_last", self.keep_last, minimum=1)
+        _int("max_in_flight", self.max_in_flight, minimum=1)
+        _int("workers", self.workers, minimum=1)
+        _int("pack_size", self.pack_size, minimum=1)
+        _bool("fsync", self.fsync)
+        _bool("allow_pickle", self.allow_pickle)
+        _int("generation", self.generation, minimum=0)
+
+    @property
+    def uses_xor(self) -> bool:
+        return self.xor_delta and self.full_every > 1 and self.xor_base_memory != 0
+
+    def replace(self, **changes: Any) -> StoreConfig:
+        """A copy with ``changes`` applied (validated)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(
+                f"unknown store option(s) {sorted(unknown)}; valid: "
+                f"{sorted(f.name for f in dataclasses.fields(self))}"
+            )
+        return dataclasses.replace(self, **changes)
+
+
+def _int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")

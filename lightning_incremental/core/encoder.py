@@ -1,0 +1,243 @@
+"""The save pipeline after the snapshot: hash, reuse, delta-encode, compress, pack, write.
+
+Runs on the store's background thread; CPU-heavy work (compression, XOR, byte grouping) and the
+object writes are spread over the store's worker pool — zstd, numpy and file I/O release the GIL.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lightning_incremental.core import codec
+from lightning_incremental.core.config import StoreConfig
+from lightning_incremental.core.manifest import pack_path
+from lightning_incremental.core.storage import Storage
+from lightning_incremental.core.tree import Leaf
+
+
+@dataclass
+class Parent:
+    """The newest committed checkpoint, as the next save builds on it."""
+
+    step: int
+    manifest: dict[str, Any]
+    # XOR base: tensor path -> (its raw bytes, its chunk hashes); only what fits the budget.
+    base: dict[str, tuple[np.ndarray, list[str]]] = field(default_factory=dict)
+
+
+@dataclass
+class Encoded:
+    """The result of encoding one save: manifest tables and figures."""
+
+    tensors: list[dict[str, Any]]
+    chunks: dict[str, dict[str, Any]]
+    packs: dict[str, dict[str, int]]
+    bytes_written: int = 0
+    encode_s: float = 0.0
+    write_s: float = 0.0
+    chunks_total: int = 0
+    chunks_reused: int = 0
+    chunks_delta: int = 0
+    chunks_full: int = 0
+
+
+@dataclass
+class _Task:
+    digest: str
+    raw: np.ndarray
+    width: int
+    base: np.ndarray | None
+    base_digest: str | None
+    base_recipe: dict[str, Any] | None
+
+
+def _encode_task(task: _Task, level: int, max_chain_ratio: float) -> tuple[str, bytes, float]:
+    start = time.perf_counter()
+    full = codec.encode_full(task.raw, task.width, level)
+    kind, blob = codec.KIND_FULL, full
+    if task.base is not None and task.base_recipe is not None:
+        delta = codec.encode_xor(task.raw, task.base, task.width, level)
+        chain = task.base_recipe["chain"] + len(delta)
+        if len(delta) < len(full) and chain <= max_chain_ratio * task.raw.size:
+            kind, blob = codec.KIND_XOR, delta
+    return kind, blob, time.perf_counter() - start
+
+
+class _PackWriter:
+    """Appends encoded chunks to pack objects and writes full packs in the background."""
+
+    def __init__(self, storage: Storage, pool: Executor, pack_size: int, out: Encoded) -> None:
+        self.storage, self.pool, self.pack_size, self.out = storage, pool, pack_size, out
+        self.parts: list[bytes] = []
+        self.filled = 0
+        self.pending_recipes: list[dict[str, Any]] = []
+        self.writes: deque[Future[float]] = deque()
+
+    def add(self, blob: bytes, recipe: dict[str, Any]) -> None:
+        recipe["offset"] = self.filled
+        recipe["length"] = len(blob)
+        self.parts.append(blob)
+        self.filled += len(blob)
+        self.pending_recipes.append(recipe)
+        if self.filled >= self.pack_size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.parts:
+            return
+        data = b"".join(self.parts)
+        path = pack_path(codec.chunk_hash(data))
+        for recipe in self.pending_recipes:
+            recipe["pack"] = path
+        self.out.packs[path] = {"size": len(data)}
+        self.out.bytes_written += len(data)
+        self.parts, self.filled, self.pending_recipes = [], 0, []
+        self.writes.append(self.pool.submit(self._write, path, data))
+        while len(self.writes) > 2:
+            self.out.write_s += self.writes.popleft().result()
+
+    def _write(self, path: str, data: bytes) -> float:
+        start = time.perf_counter()
+        self.storage.put(path, data)
+        return time.perf_counter() - start
+
+    def finish(self) -> None:
+        """Flush the last pack and wait until every pack is durable (re-raising write errors)."""
+        self.flush()
+        while self.writes:
+            self.out.write_s += self.writes.popleft().result()
+
+    def abandon(self) -> None:
+        for fut in self.writes:
+            fut.cancel()
+        for fut in self.writes:
+            if not fut.cancelled():
+                fut.exception()  # wait; the first error is already being raised
+
+
+def encode(
+    leaves: list[Leaf],
+    parent: Parent | None,
+    *,
+    full_base: bool,
+    config: StoreConfig,
+    storage: Storage,
+    pool: Executor,
+) -> Encoded:
+    """Encode and write the data of one checkpoint; returns its manifest tables once every object
+    it wrote is durable. Writes nothing visible: the caller commits the manifest."""
+    parent_chunks: dict[str, Any] = parent.manifest["chunks"] if parent else {}
+    out = Encoded(tensors=[], chunks={}, packs={})
+    pack = _PackWriter(storage, pool, config.pack_size, out)
+    window: deque[tuple[Future[tuple[str, bytes, float]], _Task]] = deque()
+    scheduled: set[str] = set()
+
+    def adopt(digest: str) -> None:
+        while digest not in out.chunks:
+            recipe = parent_chunks[digest]
+            out.chunks[digest] = recipe
+            out.packs[recipe["pack"]] = parent.manifest["packs"][recipe["pack"]]  # type: ignore[union-attr]
+            if recipe["kind"] != codec.KIND_XOR:
+                return
+            digest = recipe["base"]
+
+    def drain(limit: int) -> None:
+        while len(window) > limit:
+            fut, task = window.popleft()
+            kind, blob, seconds = fut.result()
+            out.encode_s += seconds
+            recipe: dict[str, Any] = {
+                "size": int(task.raw.size), "width": task.width, "kind": kind,
+                "base": None, "depth": 0, "chain": len(blob),
+            }
+            if kind == codec.KIND_XOR:
+                assert task.base_digest is not None and task.base_recipe is not None
+                adopt(task.base_digest)
+                recipe["base"] = task.base_digest
+                recipe["depth"] = task.base_recipe["depth"] + 1
+                recipe["chain"] = task.base_recipe["chain"] + len(blob)
+                out.chunks_delta += 1
+            else:
+                out.chunks_full += 1
+            pack.add(blob, recipe)
+            out.chunks[task.digest] = recipe
+
+    try:
+        for leaf in leaves:
+            raw = leaf.raw()
+            width = leaf.width
+            xor_base = parent.base.get(leaf.path) if (parent and config.uses_xor) else None
+            if xor_base is not None and xor_base[0].size != raw.size:
+                xor_base = None
+            digests = []
+            for offset in range(0, raw.size, config.chunk_size):
+                piece = raw[offset : offset + config.chunk_size]
+                digest = codec.chunk_hash(piece)
+                digests.append(digest)
+                out.chunks_total += 1
+                if digest in out.chunks or digest in scheduled:
+                    out.chunks_reused += 1
+                    continue
+                known = parent_chunks.get(digest)
+                if known is not None and (not full_base or known["depth"] == 0):
+                    adopt(digest)
+                    out.chunks_reused += 1
+                    continue
+                task = _Task(digest, piece, width, None, None, None)
+                if xor_base is not None and not full_base:
+                    index = offset // config.chunk_size
+                    base_digest = xor_base[1][index]
+                    base_recipe = parent_chunks.get(base_digest)
+                    if base_recipe is not None and base_recipe["depth"] < config.max_chain:
+                        task.base = xor_base[0][offset : offset + config.chunk_size]
+                        task.base_digest, task.base_recipe = base_digest, base_recipe
+                scheduled.add(digest)
+                window.append(
+                    (pool.submit(_encode_task, task, config.compression_level,
+                                 config.max_chain_ratio), task)
+                )
+                drain(2 * config.workers)
+            out.tensors.append(
+                {
+                    "path": leaf.path,
+                    "dtype": leaf.dtype,
+                    "shape": leaf.shape,
+                    "nbytes": int(raw.size),
+                    "width": width,
+                    "device": leaf.device,
+                    "numpy": leaf.is_numpy,
+                    "param": leaf.parameter,
+                    "requires_grad": leaf.requires_grad,
+                    "chunks": digests,
+                }
+            )
+        drain(0)
+        pack.finish()
+    except BaseException:
+        for fut, _ in window:
+            fut.cancel()
+        pack.abandon()
+        raise
+    return out
+
+
+def xor_base(leaves: list[Leaf], tensors: list[dict[str, Any]], budget: int | None) -> dict[
+    str, tuple[np.ndarray, list[str]]
+]:
+    """The XOR base kept for the next save: the snapshot's bytes, tensor by tensor, within
+    ``budget`` bytes (None: no limit)."""
+    base: dict[str, tuple[np.ndarray, list[str]]] = {}
+    used = 0
+    for leaf, entry in zip(leaves, tensors):
+        raw = leaf.raw()
+        if budget is not None and used + raw.size > budget:
+            continue
+        base[leaf.path] = (raw, entry["chunks"])
+        used += raw.size
+    return base

@@ -1,0 +1,816 @@
+"""CheckpointStore: the engine's public entry point."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from lightning_incremental._version import __version__
+from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.codec import chunk_hash
+from lightning_incremental.core.config import StoreConfig
+from lightning_incremental.core.decoder import ObjectReader, decode_chunk, restore_arrays
+from lightning_incremental.core.encoder import Parent, encode, xor_base
+from lightning_incremental.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    ManifestError,
+    NotAStoreError,
+    PickleNotAllowedError,
+    StepError,
+    UnsupportedValueError,
+)
+from lightning_incremental.core.results import (
+    GcReport,
+    ObjectCheck,
+    SaveHandle,
+    SaveResult,
+    VerifyReport,
+)
+from lightning_incremental.core.storage import TMP_PREFIX, LocalStorage, Storage, open_storage
+from lightning_incremental.core.tree import Leaf, flatten, torch_dtype, unflatten
+
+log = logging.getLogger("lightning_incremental")
+
+MapLocation = Union[
+    None, str, torch.device, dict[str, str], Callable[[torch.Tensor, str], torch.Tensor]
+]
+STALE_TMP_S = 3600.0
+
+
+class CheckpointStore:
+    """Incremental, verified checkpoints of nested state dicts on any fsspec URL.
+
+    ``save`` blocks only for a snapshot of the state's tensors to host memory; hashing, delta
+    encoding, compression and writing run in the background and commit a manifest last. ``load``
+    returns exactly what was saved (bit-identical tensors) or raises.
+
+    Args:
+        url: a local path, ``file://``, ``memory://``, ``s3://`` or any fsspec URL; or a
+            :class:`~lightning_incremental.core.storage.Storage` instance.
+        storage_options: passed to the fsspec filesystem (credentials, endpoint, ...). They are
+            never written to manifests or logs.
+        config: a :class:`StoreConfig`; keyword ``options`` override its fields.
+
+    Raises:
+        ConfigError: an invalid option, URL or protocol.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | Storage,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        config: StoreConfig | None = None,
+        **options: Any,
+    ) -> None:
+        if config is not None and not isinstance(config, StoreConfig):
+            raise ConfigError(f"config must be a StoreConfig, got {type(config).__name__}")
+        self.config = (config or StoreConfig()).replace(**options) if options else (
+            config or StoreConfig()
+        )
+        self.storage = url if isinstance(url, Storage) else open_storage(url, storage_options)
+        if isinstance(self.storage, LocalStorage):
+            self.storage.fsync = self.config.fsync
+        self.url = self.storage.url
+        self._lock = threading.RLock()
+        self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="li-worker")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="li-save")
+        self._slots = threading.BoundedSemaphore(self.config.max_in_flight)
+        self._handles: list[SaveHandle] = []
+        self._parent: Parent | None = None
+        self._initialised = False
+        self._last_step: int | None = None  # newest step saved or being saved
+        self._committed: int | None = None  # newest step committed (and not known corrupt)
+        self._quarantined: set[int] = set()
+        self._marker_written = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self, state: dict[str, Any], step: int, *, metadata: dict[str, Any] | None = None
+    ) -> SaveHandle:
+        """Snapshot ``state`` and save it as checkpoint ``step`` in the background.
+
+        Blocks only to copy the state's tensors to host memory (and, under back-pressure, while
+        ``max_in_flight`` saves are pending). Mutating ``state`` afterwards does not change what
+        is saved.
+
+        Args:
+            state: a dict (any nesting of dict/list/tuple) of tensors and plain values.
+            step: a non-negative int, greater than every step already saved in this store.
+            metadata: plain JSON values recorded in the manifest's audit trail (e.g. loss).
+
+        Raises:
+            TypeError: ``state`` is not a dict.
+            StepError: ``step`` is not an int, or not greater than the newest saved step.
+            UnsupportedValueError: a value that needs pickling, naming its key path.
+            Exception: the undelivered error of an earlier save (it is raised once).
+        """
+        started = time.perf_counter()
+        self._check_open()
+        self._raise_undelivered()
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"state must be a dict (e.g. {{'model': model.state_dict()}}), got "
+                f"{type(state).__name__}"
+            )
+        meta = _plain_json(metadata, "metadata")
+        with self._lock:
+            self._initialise()
+            self._check_step(step)
+            self._last_step = step
+        acquired = False
+        try:
+            self._slots.acquire()
+            acquired = True
+            waited = time.perf_counter() - started
+            skeleton, leaves, pickled = flatten(state, allow_pickle=self.config.allow_pickle)
+        except BaseException:
+            if acquired:
+                self._slots.release()
+            self._rewind_last_step(step)
+            raise
+        handle = SaveHandle(step)
+        snapshot_s = time.perf_counter() - started
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done() or h._error] + [handle]
+        self._saver.submit(
+            self._run_save, handle, skeleton, leaves, pickled, meta, started, snapshot_s, waited
+        )
+        return handle
+
+    def wait(self) -> list[SaveResult]:
+        """Wait for every pending save; returns their results, oldest first.
+
+        Raises:
+            Exception: the first error of a pending save that was not delivered yet.
+        """
+        with self._lock:
+            handles = list(self._handles)
+        results = []
+        for handle in handles:
+            handle._done.wait()
+        self._raise_undelivered()
+        for handle in handles:
+            if handle._result is not None:
+                results.append(handle._result)
+        return results
+
+    def _run_save(
+        self,
+        handle: SaveHandle,
+        skeleton: Any,
+        leaves: list[Leaf],
+        pickled: list[str],
+        meta: dict[str, Any] | None,
+        started: float,
+        snapshot_s: float,
+        waited: float,
+    ) -> None:
+        try:
+            result = self._commit(handle.step, skeleton, leaves, pickled, meta, started,
+                                  snapshot_s, waited)
+        except BaseException as exc:  # delivered through the handle, the next save and close
+            self._rewind_last_step(handle.step)
+            log.error("checkpoint step %d failed: %s", handle.step, exc)
+            handle._finish(None, exc)
+        else:
+            handle._finish(result, None)
+        finally:
+            self._slots.release()
+
+    def _commit(
+        self,
+        step: int,
+        skeleton: Any,
+        leaves: list[Leaf],
+        pickled: list[str],
+        meta: dict[str, Any] | None,
+        started: float,
+        snapshot_s: float,
+        waited: float,
+    ) -> SaveResult:
+        parent = self._parent
+        full_base = parent is None or parent.manifest["since_base"] + 1 >= self.config.full_every
+        self._write_marker()
+        enc = encode(leaves, parent, full_base=full_base, config=self.config,
+                     storage=self.storage, pool=self._pool)
+        body = {
+            "format": mf.FORMAT,
+            "version": mf.VERSION,
+            "step": step,
+            "parent": parent.step if parent else None,
+            "generation": self.config.generation,
+            "since_base": 0 if full_base else parent.manifest["since_base"] + 1,  # type: ignore[union-attr]
+            "chunk_size": self.config.chunk_size,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "audit": _audit(meta),
+            "pickled": pickled,
+            "tree": skeleton,
+            "tensors": enc.tensors,
+            "chunks": enc.chunks,
+            "packs": enc.packs,
+        }
+        bytes_logical = sum(t["nbytes"] for t in enc.tensors)
+        body["stats"] = {
+            "bytes_logical": bytes_logical,
+            "bytes_data": enc.bytes_written,
+            "chunks_total": enc.chunks_total,
+            "chunks_reused": enc.chunks_reused,
+            "chunks_delta": enc.chunks_delta,
+            "chunks_full": enc.chunks_full,
+            "full_base": full_base,
+        }
+        data = mf.dumps(body)
+        write_start = time.perf_counter()
+        self._unquarantine(step)
+        if not self.storage.put(mf.manifest_path(step), data):
+            raise StepError(
+                f"step {step} is already committed in {self.url} (another writer saved it); "
+                "checkpoints are create-only — use a newer step"
+            )
+        write_s = enc.write_s + time.perf_counter() - write_start
+        with self._lock:
+            base = xor_base(leaves, enc.tensors, self.config.xor_base_memory) if (
+                self.config.uses_xor
+            ) else {}
+            self._parent = Parent(step, body, base)
+            self._committed = step
+        total_s = time.perf_counter() - started
+        result = SaveResult(
+            step=step,
+            bytes_logical=bytes_logical,
+            bytes_written=enc.bytes_written + len(data),
+            snapshot_s=snapshot_s,
+            wait_s=waited,
+            encode_s=enc.encode_s,
+            write_s=write_s,
+            total_s=total_s,
+            full_base=full_base,
+            chunks_total=enc.chunks_total,
+            chunks_reused=enc.chunks_reused,
+            chunks_delta=enc.chunks_delta,
+            chunks_full=enc.chunks_full,
+            objects_written=sum(1 for p in enc.packs if p not in (
+                parent.manifest["packs"] if parent else {})),
+        )
+        log.info(
+            "checkpoint step %d committed: %d of %d bytes written (%.1fx), %.3fs blocked",
+            step, result.bytes_written, bytes_logical, result.ratio, snapshot_s,
+        )
+        if self.config.keep_last is not None:
+            try:
+                self._gc(self.config.keep_last, (), 0.0, False)
+            except CheckpointError as exc:
+                warnings.warn(
+                    f"retention after step {step} failed, nothing was deleted past the failure "
+                    f"and the checkpoint is committed: {exc}",
+                    stacklevel=1,
+                )
+                log.warning("retention after step %d failed: %s", step, exc)
+        return result
+
+    # ------------------------------------------------------------------ loading
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        steps = []
+        for path in self.storage.list(mf.MANIFEST_DIR):
+            step = mf.step_of(path.rsplit("/", 1)[-1])
+            if step is not None and path.count("/") == 1:
+                steps.append(step)
+        return sorted(steps)
+
+    def load(
+        self, step: int | None = None, *, map_location: MapLocation = None, strict: bool = False
+    ) -> dict[str, Any]:
+        """Restore a checkpoint: bit-identical tensors (dtype, shape, bytes), same structure.
+
+        Args:
+            step: the step to load; None loads the newest committed checkpoint that verifies,
+                falling back past corrupt ones with a warning naming what was bad.
+            map_location: like ``torch.load``'s: a device, a ``{saved: target}`` dict, or a
+                callable ``(cpu_tensor, saved_device) -> tensor``. None: the saved device.
+            strict: with ``step=None``, raise on the newest checkpoint's corruption instead of
+                falling back.
+
+        Raises:
+            CheckpointNotFoundError: no store at the URL, an empty store, or a missing step.
+            NotAStoreError: the location exists but is not a store.
+            CorruptCheckpointError: the checkpoint (or with ``step=None`` every one) is corrupt.
+            FormatVersionError: written by a newer version of this library.
+            PickleNotAllowedError: it holds pickles and ``allow_pickle`` is off.
+        """
+        self._check_open()
+        if step is not None:
+            _check_step_type(step)
+        steps = self.steps()
+        if not steps:
+            self._raise_empty()
+        if step is not None:
+            if step not in steps:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint at step {step} in {self.url}; committed steps: "
+                    f"{_summary(steps)}"
+                )
+            return self._load_step(step, map_location)
+        problems = []
+        for candidate in reversed(steps):
+            try:
+                state = self._load_step(candidate, map_location)
+            except CorruptCheckpointError as exc:
+                if strict:
+                    raise
+                problems.append(str(exc))
+                with self._lock:
+                    self._quarantined.add(candidate)
+                message = f"checkpoint step {candidate} in {self.url} is unusable: {exc}"
+                log.warning(message)
+                warnings.warn(message + " — falling back to an older checkpoint", stacklevel=2)
+                continue
+            if problems:
+                log.warning("restored step %d after skipping %d corrupt checkpoint(s)",
+                            candidate, len(problems))
+            return state
+        raise CorruptCheckpointError(
+            f"no intact checkpoint in {self.url}; every committed one is corrupt:\n  "
+            + "\n  ".join(problems)
+        )
+
+    def _read_manifest(self, step: int) -> dict[str, Any]:
+        where = f"step {step} of {self.url}"
+        try:
+            data = self.storage.get(mf.manifest_path(step))
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"checkpoint {where} does not exist") from exc
+        doc = mf.loads(data, where)
+        if doc["step"] != step:
+            raise ManifestError(f"manifest {where} records step {doc['step']}")
+        return doc
+
+    def _load_step(self, step: int, map_location: MapLocation) -> dict[str, Any]:
+        doc = self._read_manifest(step)
+        where = f"step {step} of {self.url}"
+        if doc["pickled"] and not self.config.allow_pickle:
+            raise PickleNotAllowedError(
+                f"checkpoint {where} holds pickled objects at {', '.join(doc['pickled'][:5])}; "
+                "loading them executes code — open the store with allow_pickle=True only if "
+                "you trust this checkpoint"
+            )
+        holders: list[Any] = []
+
+        def alloc(entry: dict[str, Any]) -> np.ndarray:
+            holder, raw = _allocate(entry, where)
+            holders.append(holder)
+            return raw
+
+        buffers = restore_arrays(self.storage, doc, self._pool, where, alloc)
+        values = [
+            _materialise(holder, entry, map_location)
+            for holder, entry in zip(holders, doc["tensors"])
+        ]
+        state = unflatten(doc["tree"], values, allow_pickle=self.config.allow_pickle)
+        if not isinstance(state, dict):
+            raise ManifestError(f"manifest {where}: the state is not a dict")
+        self._adopt_loaded(step, doc, buffers)
+        return state
+
+    def _adopt_loaded(self, step: int, doc: dict[str, Any], buffers: list[np.ndarray]) -> None:
+        """After loading the newest checkpoint, keep its bytes as the next save's XOR base, so a
+        restarted job writes deltas from its first save on."""
+        with self._lock:
+            if any(not h.done() for h in self._handles):
+                return
+            self._initialise()
+            if self._committed_last() != step:
+                return
+            base: dict[str, tuple[np.ndarray, list[str]]] = {}
+            if self.config.uses_xor:
+                budget, used = self.config.xor_base_memory, 0
+                for entry, raw in zip(doc["tensors"], buffers):
+                    if budget is not None and used + raw.size > budget:
+                        continue
+                    base[entry["path"]] = (raw.copy(), entry["chunks"])
+                    used += raw.size
+            self._parent = Parent(step, doc, base)
+            self._committed = step
+
+    # ------------------------------------------------------------------ maintenance
+
+    def verify(self, step: int | None = None) -> VerifyReport:
+        """Check one checkpoint (default: the newest): read every object it needs, compare each
+        object's size and content hash, decode every chunk and compare its hash.
+
+        Raises:
+            CheckpointNotFoundError: empty store or missing step.
+        """
+        self._check_open()
+        steps = self.steps()
+        if not steps:
+            self._raise_empty()
+        if step is None:
+            step = steps[-1]
+        _check_step_type(step)
+        if step not in steps:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at step {step} in {self.url}; committed: "
+                f"{_summary(steps)}"
+            )
+        report = VerifyReport(step=step)
+        try:
+            doc = self._read_manifest(step)
+        except CheckpointError as exc:
+            report.errors.append(str(exc))
+            return report
+        where = f"step {step} of {self.url}"
+        blobs: dict[str, memoryview] = {}
+        good_packs: dict[str, memoryview] = {}
+        for path, info in sorted(doc["packs"].items()):
+            check = ObjectCheck(path=path, ok=False, size=info["size"])
+            try:
+                data = self.storage.get(path)
+            except FileNotFoundError:
+                check.error = "missing"
+            else:
+                if len(data) != info["size"]:
+                    check.error = f"size {len(data)}, expected {info['size']}"
+                elif f"{mf.PACK_DIR}/{chunk_hash(data)[:2]}/{chunk_hash(data)}.pack" != path:
+                    check.error = "content hash does not match its name"
+                else:
+                    check.ok = True
+                good_packs[path] = memoryview(data)
+            report.objects.append(check)
+            report.bytes_checked += len(good_packs.get(path, b""))
+        for digest, recipe in doc["chunks"].items():
+            view = good_packs.get(recipe["pack"])
+            if view is not None:
+                blobs[digest] = view[recipe["offset"] : recipe["offset"] + recipe["length"]]
+        for digest, recipe in doc["chunks"].items():
+            out = np.empty(recipe["size"], dtype=np.uint8)
+            try:
+                decode_chunk(digest, doc["chunks"], blobs, out, where)
+            except KeyError:
+                report.errors.append(f"chunk {digest}: its object {recipe['pack']} is unreadable")
+            except CorruptCheckpointError as exc:
+                report.errors.append(str(exc))
+            report.chunks_checked += 1
+        return report
+
+    def compact(self) -> SaveResult | None:
+        """Rewrite the newest checkpoint as a full base (no chunk depends on a delta), so the
+        checkpoints before it can be removed. Returns None when it already is one.
+
+        Raises:
+            CheckpointNotFoundError: empty store. CorruptCheckpointError: the newest is corrupt.
+        """
+        self.wait()
+        with self._lock:
+            steps = self.steps()
+            if not steps:
+                self._raise_empty()
+            step = steps[-1]
+            started = time.perf_counter()
+            doc = self._read_manifest(step)
+            if all(r["depth"] == 0 for r in doc["chunks"].values()):
+                return None
+            where = f"step {step} of {self.url}"
+            buffers = restore_arrays(
+                self.storage, doc, self._pool, where, lambda t: np.empty(t["nbytes"], np.uint8)
+            )
+            leaves = [
+                Leaf(path=t["path"], data=torch.from_numpy(raw), dtype=t["dtype"],
+                     shape=t["shape"], device=t["device"], width=t["width"],
+                     is_numpy=t["numpy"], parameter=t["param"], requires_grad=t["requires_grad"])
+                for t, raw in zip(doc["tensors"], buffers)
+            ]
+            enc = encode(leaves, Parent(step, doc), full_base=True, config=self.config,
+                         storage=self.storage, pool=self._pool)
+            body = dict(doc, tensors=enc.tensors, chunks=enc.chunks, packs=enc.packs,
+                        since_base=0)
+            body["audit"] = dict(doc["audit"], compacted=datetime.datetime.now(
+                datetime.timezone.utc).isoformat())
+            data = mf.dumps(body)
+            self.storage.put(mf.manifest_path(step), data, overwrite=True)
+            base = xor_base(leaves, enc.tensors, self.config.xor_base_memory) if (
+                self.config.uses_xor) else {}
+            self._parent = Parent(step, body, base)
+            elapsed = time.perf_counter() - started
+            return SaveResult(
+                step=step, bytes_logical=sum(t["nbytes"] for t in enc.tensors),
+                bytes_written=enc.bytes_written + len(data), snapshot_s=0.0, wait_s=0.0,
+                encode_s=enc.encode_s, write_s=enc.write_s, total_s=elapsed, full_base=True,
+                chunks_total=enc.chunks_total, chunks_reused=enc.chunks_reused,
+                chunks_delta=0, chunks_full=enc.chunks_full,
+                objects_written=len(set(enc.packs) - set(doc["packs"])),
+            )
+
+    def gc(
+        self,
+        keep_last: int | None = None,
+        *,
+        keep: Iterable[int] = (),
+        grace_s: float = 0.0,
+        dry_run: bool = False,
+    ) -> GcReport:
+        """Delete old checkpoints and every object no kept checkpoint needs.
+
+        Args:
+            keep_last: keep the newest ``keep_last`` checkpoints (None: keep every checkpoint
+                and only remove unreferenced objects).
+            keep: steps to keep in addition.
+            grace_s: leave unreferenced objects younger than this many seconds (a save in
+                another process may be about to reference them).
+            dry_run: report what would be removed, remove nothing.
+
+        Raises:
+            ConfigError: bad arguments. CorruptCheckpointError: a kept manifest is unreadable
+                (nothing is deleted then: the live set is unknown).
+        """
+        if keep_last is not None and (
+            isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+        ):
+            raise ConfigError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        keep = tuple(keep)
+        for step in keep:
+            _check_step_type(step)
+        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s < 0:
+            raise ConfigError(f"grace_s must be a number >= 0, got {grace_s!r}")
+        self.wait()
+        with self._lock:
+            return self._gc(keep_last, keep, float(grace_s), dry_run)
+
+    def _gc(
+        self, keep_last: int | None, keep: tuple[int, ...], grace_s: float, dry_run: bool
+    ) -> GcReport:
+        steps = self.steps()
+        kept = set(steps if keep_last is None else steps[-keep_last:]) | (set(keep) & set(steps))
+        removed = [s for s in steps if s not in kept]
+        live: set[str] = set()
+        for step in sorted(kept):
+            try:
+                live.update(self._read_manifest(step)["packs"])
+            except CheckpointError as exc:
+                raise CorruptCheckpointError(
+                    f"gc stopped before deleting anything: kept checkpoint step {step} cannot be "
+                    f"read, so the objects it needs are unknown ({exc})"
+                ) from exc
+        report = GcReport(sorted(kept), removed, [], 0, dry_run)
+        for step in removed:
+            if not dry_run:
+                self.storage.delete(mf.manifest_path(step))
+        now = time.time()
+        for path in self.storage.list(mf.PACK_DIR):
+            name = path.rsplit("/", 1)[-1]
+            stale_tmp = name.startswith(TMP_PREFIX)
+            if not stale_tmp and (path in live or not mf.is_pack_path(path)):
+                continue
+            min_age = max(grace_s, STALE_TMP_S) if stale_tmp else grace_s
+            if min_age > 0:
+                mtime = self.storage.mtime(path)
+                if mtime is None or now - mtime < min_age:
+                    continue
+            size = self.storage.size(path)
+            if not dry_run:
+                self.storage.delete(path)
+            report.removed_objects.append(path)
+            report.bytes_freed += size
+        if removed:
+            log.info("gc removed steps %s and %d objects (%d bytes)", _summary(removed),
+                     len(report.removed_objects), report.bytes_freed)
+        return report
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Wait for pending saves, stop the background threads, raise any undelivered error.
+        Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._saver.shutdown(wait=True)
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:
+            log.exception("closing %s while handling another error also failed", self.url)
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.url!r})"
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self!r} is closed; open a new CheckpointStore")
+
+    def _raise_undelivered(self) -> None:
+        with self._lock:
+            handles = list(self._handles)
+        for handle in handles:
+            error = handle._undelivered_error()
+            if error is not None:
+                raise error
+
+    def _initialise(self) -> None:
+        """On first use: the newest committed checkpoint becomes the parent of the next save."""
+        if self._initialised:
+            return
+        steps = self.steps()
+        self._last_step = steps[-1] if steps else None
+        for step in reversed(steps):
+            try:
+                self._parent = Parent(step, self._read_manifest(step))
+                self._committed = step
+                break
+            except CheckpointError as exc:
+                log.warning("not building on checkpoint step %d: %s", step, exc)
+                self._quarantined.add(step)
+        self._initialised = True
+
+    def _rewind_last_step(self, failed: int) -> None:
+        """A save of ``failed`` did not commit: the newest step is again the newest committed or
+        still pending one."""
+        with self._lock:
+            pending = [h.step for h in self._handles if not h.done() and h.step != failed]
+            known = [s for s in (self._committed, *pending) if s is not None]
+            self._last_step = max(known) if known else None
+
+    def _committed_last(self) -> int | None:
+        steps = [s for s in self.steps() if s not in self._quarantined]
+        return steps[-1] if steps else None
+
+    def _check_step(self, step: Any) -> None:
+        _check_step_type(step)
+        last = self._last_step
+        if last is not None and last in self._quarantined:
+            last = self._committed_last()
+        if last is not None and step <= last:
+            raise StepError(
+                f"step {step} is not newer than step {last}, already saved in {self.url}. "
+                "Steps must increase: checkpoints are immutable. Resume from the newest "
+                "checkpoint, or save to a new location to start a separate history."
+            )
+
+    def _unquarantine(self, step: int) -> None:
+        """Move corrupt checkpoints at or after ``step`` out of the way of the new history."""
+        with self._lock:
+            stale = sorted(s for s in self._quarantined if s >= step)
+        for old in stale:
+            source = mf.manifest_path(old)
+            try:
+                data = self.storage.get(source)
+            except FileNotFoundError:
+                data = None
+            if data is not None:
+                self.storage.put(f"{mf.QUARANTINE_DIR}/{old:020d}.json", data, overwrite=True)
+                self.storage.delete(source)
+                log.warning("moved corrupt checkpoint step %d to %s/", old, mf.QUARANTINE_DIR)
+            with self._lock:
+                self._quarantined.discard(old)
+
+    def _write_marker(self) -> None:
+        if not self._marker_written:
+            self.storage.put(mf.MARKER, mf.marker_bytes())
+            self._marker_written = True
+
+    def _raise_empty(self) -> None:
+        try:
+            marker = self.storage.get(mf.MARKER)
+        except FileNotFoundError:
+            marker = None
+        if marker is not None:
+            mf.check_marker(marker, f"{self.url}/{mf.MARKER}")
+            raise CheckpointNotFoundError(f"the store {self.url} holds no committed checkpoint yet")
+        if self.storage.exists(""):
+            raise NotAStoreError(
+                f"{self.url} exists but is not a lightning-incremental checkpoint store (it has "
+                f"no {mf.MARKER} and no manifests); pass the location checkpoints were saved to"
+            )
+        raise CheckpointNotFoundError(f"there is no checkpoint store at {self.url}")
+
+
+def _check_step_type(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise StepError(f"step must be an int, got {type(step).__name__} {step!r}")
+    if step < 0:
+        raise StepError(f"step must be >= 0, got {step}")
+
+
+def _summary(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    if len(steps) <= 8:
+        return ", ".join(map(str, steps))
+    return f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}"
+
+
+def _plain_json(value: Any, name: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict of plain JSON values, got {type(value).__name__}")
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))  # type: ignore[no-any-return]
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(f"{name} must hold plain JSON values only: {exc}") from exc
+
+
+def _audit(meta: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning_incremental": __version__,
+        "world_size": 1,
+        "metadata": meta or {},
+    }
+
+
+def _allocate(entry: dict[str, Any], where: str) -> tuple[Any, np.ndarray]:
+    """An empty array for a manifest tensor entry, and its flat uint8 view to decode into."""
+    nbytes = entry["nbytes"]
+    if entry["numpy"]:
+        try:
+            dtype = np.dtype(entry["dtype"])
+        except TypeError as exc:
+            raise ManifestError(f"manifest {where}: bad numpy dtype {entry['dtype']!r}") from exc
+        if dtype.kind not in "biufc" or dtype.hasobject:
+            raise ManifestError(f"manifest {where}: numpy dtype {dtype} is not numeric")
+        raw = np.empty(nbytes, dtype=np.uint8)
+        if nbytes != dtype.itemsize * int(np.prod(entry["shape"], dtype=np.int64)):
+            raise ManifestError(f"manifest {where}: tensor {entry['path']} has the wrong size")
+        return raw, raw
+    tensor = torch.empty(entry["shape"], dtype=torch_dtype(entry["dtype"]))
+    if tensor.numel() * tensor.element_size() != nbytes:
+        raise ManifestError(f"manifest {where}: tensor {entry['path']} has the wrong size")
+    raw = tensor.reshape(-1).view(torch.uint8).numpy() if nbytes else np.empty(0, np.uint8)
+    return tensor, raw
+
+
+def _materialise(holder: Any, entry: dict[str, Any], map_location: MapLocation) -> Any:
+    if entry["numpy"]:
+        return holder.view(np.dtype(entry["dtype"])).reshape(entry["shape"])
+    tensor = _place(holder, entry["device"], map_location)
+    if entry["param"]:
+        return torch.nn.Parameter(tensor, requires_grad=entry["requires_grad"])
+    if entry["requires_grad"] and (tensor.is_floating_point() or tensor.is_complex()):
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _place(tensor: torch.Tensor, saved: str, map_location: MapLocation) -> torch.Tensor:
+    if callable(map_location):
+        return map_location(tensor, saved)
+    target: Any
+    if map_location is None:
+        target = saved
+    elif isinstance(map_location, dict):
+        target = map_location.get(saved, saved)
+    elif isinstance(map_location, (str, torch.device)):
+        target = map_location
+    else:
+        raise ConfigError(f"map_location must be a device, dict or callable, got {map_location!r}")
+    device = torch.device(target)
+    if device.type == "cpu":
+        return tensor
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError(
+            f"the checkpoint holds tensors saved on {saved} but CUDA is not available; "
+            "pass map_location='cpu'"
+        )
+    return tensor.to(device)

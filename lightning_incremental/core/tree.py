@@ -1,0 +1,331 @@
+"""The checkpoint's skeleton: nested containers and plain values as JSON, tensors as leaves.
+
+``flatten`` walks a state, snapshots every tensor to host memory and returns a JSON-serialisable
+skeleton that refers to tensors by index. ``unflatten`` rebuilds the state. The skeleton can only
+express data (the same contract as ``torch.load(weights_only=True)``), so loading never runs code;
+values it cannot express are an error naming their key path, unless pickling was allowed.
+
+Skeleton nodes: JSON ``null``/``true``/``false``/ints/strings stand for themselves; everything else
+is a ``[tag, payload]`` list (tags below).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_incremental.core.codec import group_width
+from lightning_incremental.core.errors import ManifestError, UnsupportedValueError
+
+# Tags of non-JSON nodes.
+T_FLOAT, T_BYTES, T_LIST, T_TUPLE, T_DICT, T_ODICT = "f", "b", "l", "t", "d", "od"
+T_SET, T_FROZENSET, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE = "set", "fset", "c", "dtype", "dev", "size"
+T_TENSOR, T_NPSCALAR, T_PICKLE = "T", "npv", "pkl"
+
+
+@dataclass
+class Leaf:
+    """One array of the state, snapshotted to contiguous host memory."""
+
+    path: str  # key path of the leaf's first occurrence, e.g. "state['model']['w']"
+    data: torch.Tensor  # contiguous CPU tensor owning its bytes (numpy arrays are wrapped)
+    dtype: str  # torch dtype name ("float32") or numpy dtype string ("<u4") when is_numpy
+    shape: list[int]
+    device: str
+    width: int = 1  # byte-grouping width (see codec.group_width)
+    is_numpy: bool = False
+    parameter: bool = False
+    requires_grad: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def raw(self) -> np.ndarray:
+        """The leaf's bytes as a flat uint8 array (a view, no copy)."""
+        if self.nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        return self.data.reshape(-1).view(torch.uint8).numpy()
+
+
+def key_path(path: tuple[Any, ...]) -> str:
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise ManifestError(f"unknown torch dtype {name!r} in manifest")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _float_hex(value: float) -> str:
+    return value.hex() if math.isfinite(value) else repr(value)
+
+
+def _float_from_hex(text: str) -> float:
+    return float.fromhex(text) if text not in ("nan", "inf", "-inf") else float(text)
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaves: list[Leaf] = []
+        self.aliases: dict[tuple[Any, ...], int] = {}
+        self.pickled: list[str] = []
+        self.cuda = False
+
+    def node(self, value: Any, path: tuple[Any, ...]) -> Any:
+        kind = type(value)
+        if value is None or kind is bool or kind is str:
+            return value
+        if kind is int:
+            return value
+        if kind is float:
+            return [T_FLOAT, _float_hex(value)]
+        if kind is bytes:
+            return [T_BYTES, base64.b64encode(value).decode("ascii")]
+        if kind is list:
+            return [T_LIST, [self.node(v, (*path, i)) for i, v in enumerate(value)]]
+        if kind is tuple:
+            return [T_TUPLE, [self.node(v, (*path, i)) for i, v in enumerate(value)]]
+        if kind is dict or kind is OrderedDict:
+            tag = T_DICT if kind is dict else T_ODICT
+            items = [[self.key(k, path), self.node(v, (*path, k))] for k, v in value.items()]
+            return [tag, items]
+        if kind is set or kind is frozenset:
+            tag = T_SET if kind is set else T_FROZENSET
+            return [tag, [self.key(v, path) for v in value]]
+        if kind is complex:
+            return [T_COMPLEX, [_float_hex(value.real), _float_hex(value.imag)]]
+        if kind is torch.dtype:
+            return [T_DTYPE, dtype_name(value)]
+        if kind is torch.device:
+            return [T_DEVICE, str(value)]
+        if kind is torch.Size:
+            return [T_SIZE, list(value)]
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            return [T_TENSOR, self.tensor(value, path)]
+        if kind is np.ndarray and value.dtype.kind in "biufc" and not value.dtype.hasobject:
+            return [T_TENSOR, self.ndarray(value, path)]
+        if isinstance(value, np.generic) and value.dtype.kind in "biufc":
+            payload = base64.b64encode(value.tobytes()).decode("ascii")
+            return [T_NPSCALAR, [value.dtype.str, payload]]
+        return self.pickle(value, path)
+
+    def key(self, key: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(key, (torch.Tensor, np.ndarray)):
+            raise UnsupportedValueError(
+                f"{key_path(path)} has a {type(key).__name__} as a dict key or set member; "
+                "use str or int keys"
+            )
+        return self.node(key, path)
+
+    def pickle(self, value: Any, path: tuple[Any, ...]) -> Any:
+        where = key_path(path)
+        if not self.allow_pickle:
+            raise UnsupportedValueError(
+                f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a "
+                "checkpoint can only hold by pickling it (loading would then execute code). "
+                "Convert it to plain data (dict/list/str/int/float/tensor), or open the store "
+                "with allow_pickle=True if every reader trusts this checkpoint."
+            )
+        try:
+            blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise UnsupportedValueError(f"{where} cannot be pickled: {exc}") from exc
+        self.pickled.append(where)
+        return [T_PICKLE, base64.b64encode(blob).decode("ascii")]
+
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        where = key_path(path)
+        if t.layout != torch.strided:
+            raise UnsupportedValueError(
+                f"{where} is a {t.layout} tensor; only dense (strided) tensors are supported — "
+                "save t.to_dense() instead"
+            )
+        if t.is_quantized or t.is_nested:
+            raise UnsupportedValueError(f"{where} is a quantized or nested tensor; not supported")
+        if t.device.type == "meta":
+            raise UnsupportedValueError(f"{where} is a meta tensor and holds no data to save")
+        alias = (
+            t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else None,
+            t.device,
+            t.dtype,
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+        )
+        if alias[0] is not None and alias in self.aliases:
+            return self.aliases[alias]
+        src = t.detach()
+        if src.is_conj():
+            src = src.resolve_conj()
+        if src.is_neg():
+            src = src.resolve_neg()
+        on_cuda = src.device.type == "cuda"
+        pin = on_cuda and torch.cuda.is_available()
+        data = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+        data.copy_(src, non_blocking=on_cuda)
+        self.cuda = self.cuda or on_cuda
+        leaf = Leaf(
+            path=where,
+            data=data,
+            dtype=dtype_name(t.dtype),
+            shape=list(t.shape),
+            device=str(t.device),
+            width=group_width(t.element_size(), t.is_complex()),
+            parameter=isinstance(t, torch.nn.Parameter),
+            requires_grad=bool(t.requires_grad),
+        )
+        self.leaves.append(leaf)
+        index = len(self.leaves) - 1
+        if alias[0] is not None:
+            self.aliases[alias] = index
+        return index
+
+    def ndarray(self, a: np.ndarray, path: tuple[Any, ...]) -> int:
+        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy()
+        self.leaves.append(
+            Leaf(
+                path=key_path(path),
+                data=torch.from_numpy(flat),
+                dtype=a.dtype.str,
+                shape=list(a.shape),
+                device="cpu",
+                is_numpy=True,
+            )
+        )
+        return len(self.leaves) - 1
+
+
+def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, list[Leaf], list[str]]:
+    """Snapshot ``state``: its JSON skeleton, its arrays copied to host memory, and the key paths
+    of pickled values. Tensors that are the same view of the same storage become one leaf.
+
+    Raises:
+        UnsupportedValueError: a value the skeleton cannot express, naming its key path.
+    """
+    flattener = _Flattener(allow_pickle)
+    skeleton = flattener.node(state, ())
+    if flattener.cuda:
+        torch.cuda.synchronize()
+    return skeleton, flattener.leaves, flattener.pickled
+
+
+def unflatten(
+    skeleton: Any, tensors: list[Any], *, allow_pickle: bool = False
+) -> Any:
+    """Rebuild the state from its skeleton and its restored arrays (indexed like the leaves).
+
+    Raises:
+        ManifestError: a malformed skeleton.
+        PickleNotAllowedError: a pickled value and ``allow_pickle`` is False.
+    """
+    return _Unflattener(tensors, allow_pickle).node(skeleton, ())
+
+
+class _Unflattener:
+    def __init__(self, tensors: list[Any], allow_pickle: bool) -> None:
+        self.tensors = tensors
+        self.allow_pickle = allow_pickle
+        self.handlers: dict[str, Callable[[Any, tuple[Any, ...]], Any]] = {
+            T_FLOAT: lambda p, _: _float_from_hex(_str(p)),
+            T_BYTES: lambda p, _: base64.b64decode(_str(p), validate=True),
+            T_LIST: lambda p, path: [self.node(v, (*path, i)) for i, v in enumerate(_list(p))],
+            T_TUPLE: lambda p, path: tuple(self.node(v, (*path, i)) for i, v in enumerate(_list(p))),
+            T_DICT: lambda p, path: dict(self.items(p, path)),
+            T_ODICT: lambda p, path: OrderedDict(self.items(p, path)),
+            T_SET: lambda p, path: {self.node(v, path) for v in _list(p)},
+            T_FROZENSET: lambda p, path: frozenset(self.node(v, path) for v in _list(p)),
+            T_COMPLEX: lambda p, _: complex(*(_float_from_hex(_str(x)) for x in _pair(p))),
+            T_DTYPE: lambda p, _: torch_dtype(_str(p)),
+            T_DEVICE: lambda p, _: torch.device(_str(p)),
+            T_SIZE: lambda p, _: torch.Size([_int(x) for x in _list(p)]),
+            T_TENSOR: self.tensor,
+            T_NPSCALAR: self.np_scalar,
+            T_PICKLE: self.unpickle,
+        }
+
+    def node(self, node: Any, path: tuple[Any, ...]) -> Any:
+        if node is None or isinstance(node, (bool, int, str)):
+            return node
+        if not (isinstance(node, list) and len(node) == 2 and isinstance(node[0], str)):
+            raise ManifestError(f"malformed skeleton node at {key_path(path)}: {node!r:.80}")
+        handler = self.handlers.get(node[0])
+        if handler is None:
+            raise ManifestError(f"unknown skeleton tag {node[0]!r} at {key_path(path)}")
+        try:
+            return handler(node[1], path)
+        except (ValueError, TypeError) as exc:
+            if isinstance(exc, ManifestError):
+                raise
+            raise ManifestError(f"malformed skeleton node at {key_path(path)}: {exc}") from exc
+
+    def items(self, payload: Any, path: tuple[Any, ...]) -> list[tuple[Any, Any]]:
+        out = []
+        for pair in _list(payload):
+            key_node, value_node = _pair(pair)
+            key = self.node(key_node, path)
+            out.append((key, self.node(value_node, (*path, key))))
+        return out
+
+    def tensor(self, payload: Any, path: tuple[Any, ...]) -> Any:
+        index = _int(payload)
+        if not 0 <= index < len(self.tensors):
+            raise ManifestError(f"tensor index {index} out of range at {key_path(path)}")
+        return self.tensors[index]
+
+    def np_scalar(self, payload: Any, path: tuple[Any, ...]) -> Any:
+        dtype_str, data = _pair(payload)
+        dtype = np.dtype(_str(dtype_str))
+        if dtype.kind not in "biufc":
+            raise ManifestError(f"numpy scalar of dtype {dtype} at {key_path(path)}")
+        raw = base64.b64decode(_str(data), validate=True)
+        return np.frombuffer(raw, dtype=dtype)[0]
+
+    def unpickle(self, payload: Any, path: tuple[Any, ...]) -> Any:
+        if not self.allow_pickle:
+            from lightning_incremental.core.errors import PickleNotAllowedError
+
+            raise PickleNotAllowedError(
+                f"{key_path(path)} is a pickled object and loading it would execute code; "
+                "open the store with allow_pickle=True only if you trust this checkpoint"
+            )
+        return pickle.loads(base64.b64decode(_str(payload), validate=True))  # noqa: S301
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ManifestError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ManifestError(f"expected an int, got {type(value).__name__}")
+    return value
+
+
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise ManifestError(f"expected a list, got {type(value).__name__}")
+    return value
+
+
+def _pair(value: Any) -> list[Any]:
+    if not (isinstance(value, list) and len(value) == 2):
+        raise ManifestError(f"expected a pair, got {value!r:.80}")
+    return value

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from lightning_incremental.core import CheckpointStore
+
+
+@pytest.fixture(params=["local", "memory"])
+def store_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """A fresh store location on each storage backend of the conformance suite."""
+    if request.param == "local":
+        yield str(tmp_path / "store")
+    else:
+        url = f"memory://li-test-{uuid.uuid4().hex}"
+        yield url
+        import fsspec
+
+        fs = fsspec.filesystem("memory")
+        if fs.exists(url):
+            fs.rm(url, recursive=True)
+
+
+@pytest.fixture
+def local_url(tmp_path) -> str:
+    return str(tmp_path / "store")
+
+
+def small_store(url: str, **options) -> CheckpointStore:
+    """A store with small chunks and packs so that small test states span many objects."""
+    options.setdefault("chunk_size", 4096)
+    options.setdefault("pack_size", 16384)
+    return CheckpointStore(url, **options)
+
+
+def assert_state_equal(actual, expected, path: str = "state") -> None:
+    """Bit-exact equality of nested states: same types, dtypes, shapes and bytes."""
+    assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
+        a = actual.detach().contiguous().reshape(-1).view(torch.uint8) if actual.numel() else None
+        e = expected.detach().resolve_conj().resolve_neg().contiguous().cpu()
+        e = e.reshape(-1).view(torch.uint8) if e.numel() else None
+        if a is not None:
+            assert torch.equal(a, e), f"{path}: bytes differ"
+        assert actual.requires_grad == expected.requires_grad, f"{path}: requires_grad"
+    elif isinstance(expected, dict):
+        assert list(actual.keys()) == list(expected.keys()), f"{path}: keys differ"
+        for k in expected:
+            assert_state_equal(actual[k], expected[k], f"{path}[{k!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{path}: length differs"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_state_equal(a, e, f"{path}[{i}]")
+    elif isinstance(expected, float) and expected != expected:
+        assert actual != actual, f"{path}: expected nan"
+    else:
+        import numpy as np
+
+        if isinstance(expected, np.ndarray):
+            assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+            assert actual.tobytes() == expected.tobytes(), f"{path}: bytes differ"
+        else:
+            assert actual == expected, f"{path}: {actual!r} != {expected!r}"

@@ -23,7 +23,7 @@ _local = threading.local()
 
 def chunk_hash(data: np.ndarray | bytes | memoryview) -> str:
     """The 128-bit content hash (XXH3-128) of ``data``, as 32 hex digits."""
-    return xxhash.xxh3_128_hexdigest(data)
+    return xxhash.xxh3_128_hexdigest(data.data if isinstance(data, np.ndarray) else data)
 
 
 def group_width(itemsize: int, is_complex: bool) -> int:
@@ -75,14 +75,14 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def encode_full(raw: np.ndarray, width: int, level: int) -> bytes:
     """Standalone encoding of ``raw`` (uint8)."""
-    return _compressor(level).compress(group_bytes(raw, width))
+    return _compressor(level).compress(group_bytes(raw, width).data)
 
 
 def encode_xor(raw: np.ndarray, base: np.ndarray, width: int, level: int) -> bytes:
     """XOR-delta encoding of ``raw`` against ``base`` (uint8 arrays of equal length)."""
     if raw.size != base.size:
         raise ValueError(f"XOR base has {base.size} bytes, chunk has {raw.size}")
-    return _compressor(level).compress(group_bytes(np.bitwise_xor(raw, base), width))
+    return _compressor(level).compress(group_bytes(np.bitwise_xor(raw, base), width).data)
 
 
 def encode_best(

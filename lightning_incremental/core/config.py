@@ -72,7 +72,9 @@ class StoreConfig:
             raise ConfigError(f"chunk_size must be a multiple of 16 bytes, got {self.chunk_size}")
         _int("full_every", self.full_every, minimum=1)
         _int("max_chain", self.max_chain, minimum=0)
-        if isinstance(self.max_chain_ratio, bool) or not isinstance(self.max_chain_ratio, (int, float)):
+        if isinstance(self.max_chain_ratio, bool) or not isinstance(
+            self.max_chain_ratio, (int, float)
+        ):
             raise ConfigError(f"max_chain_ratio must be a number, got {self.max_chain_ratio!r}")
         if not self.max_chain_ratio >= 1.0:
             raise ConfigError(f"max_chain_ratio must be >= 1.0, got {self.max_chain_ratio!r}")

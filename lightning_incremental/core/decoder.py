@@ -50,7 +50,7 @@ class ObjectReader:
                     reads.append((path, start, end, members))
                     start, end, members = offset, offset + length, [item]
             reads.append((path, start, end, members))
-        for (path, start, end, members), data in zip(
+        for (_path, start, _end, members), data in zip(
             reads, pool.map(lambda r: self._read(r[0], r[1], r[2]), reads)
         ):
             view = memoryview(data)

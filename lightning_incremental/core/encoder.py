@@ -153,8 +153,12 @@ def encode(
             kind, blob, seconds = fut.result()
             out.encode_s += seconds
             recipe: dict[str, Any] = {
-                "size": int(task.raw.size), "width": task.width, "kind": kind,
-                "base": None, "depth": 0, "chain": len(blob),
+                "size": int(task.raw.size),
+                "width": task.width,
+                "kind": kind,
+                "base": None,
+                "depth": 0,
+                "chain": len(blob),
             }
             if kind == codec.KIND_XOR:
                 assert task.base_digest is not None and task.base_recipe is not None
@@ -199,8 +203,12 @@ def encode(
                         task.base_digest, task.base_recipe = base_digest, base_recipe
                 scheduled.add(digest)
                 window.append(
-                    (pool.submit(_encode_task, task, config.compression_level,
-                                 config.max_chain_ratio), task)
+                    (
+                        pool.submit(
+                            _encode_task, task, config.compression_level, config.max_chain_ratio
+                        ),
+                        task,
+                    )
                 )
                 drain(2 * config.workers)
             out.tensors.append(
@@ -227,9 +235,9 @@ def encode(
     return out
 
 
-def xor_base(leaves: list[Leaf], tensors: list[dict[str, Any]], budget: int | None) -> dict[
-    str, tuple[np.ndarray, list[str]]
-]:
+def xor_base(
+    leaves: list[Leaf], tensors: list[dict[str, Any]], budget: int | None
+) -> dict[str, tuple[np.ndarray, list[str]]]:
     """The XOR base kept for the next save: the snapshot's bytes, tensor by tensor, within
     ``budget`` bytes (None: no limit)."""
     base: dict[str, tuple[np.ndarray, list[str]]] = {}

@@ -6,9 +6,9 @@ garbage collection knows every live object from the kept manifests alone.
 
 Recipe of a chunk (keyed by the XXH3-128 of its raw bytes)::
 
-    {"pack": "packs/ab/<32 hex>.pack", "offset": int, "length": int,   # where its encoding is
-     "size": int, "width": int, "kind": "z" | "x",                      # raw size, byte grouping
-     "base": "<32 hex>" | null, "depth": int, "chain": int}            # XOR base, chain length/bytes
+    {"pack": "packs/ab/<32 hex>.pack", "offset": int, "length": int,  # its encoded bytes
+     "size": int, "width": int, "kind": "z" | "x",  # raw size, byte-group width, encoding
+     "base": "<32 hex>" | null, "depth": int, "chain": int}  # XOR base, chain length and bytes
 
 The manifest carries an XXH3-128 checksum of its own canonical JSON, so a flipped bit in a shape
 or a plain value is detected like a flipped bit in tensor data.
@@ -202,9 +202,10 @@ def _check_recipe(
         base_recipe = chunks.get(base) if isinstance(base, str) else None
         if not isinstance(base_recipe, dict):
             raise ManifestError(f"manifest {where}: delta chunk {digest} lacks its base {base!r}")
-        if base_recipe.get("depth") != recipe["depth"] - 1 or base_recipe.get("size") != recipe[
-            "size"
-        ]:
+        if (
+            base_recipe.get("depth") != recipe["depth"] - 1
+            or base_recipe.get("size") != recipe["size"]
+        ):
             raise ManifestError(f"manifest {where}: delta chunk {digest} has an inconsistent base")
     else:
         raise ManifestError(f"manifest {where}: chunk {digest} has unknown kind {kind!r}")

@@ -71,9 +71,7 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
     if not isinstance(url, str) or not url:
         raise ConfigError(f"url must be a non-empty str or path, got {url!r}")
     if storage_options is not None and not isinstance(storage_options, dict):
-        raise ConfigError(
-            f"storage_options must be a dict, got {type(storage_options).__name__}"
-        )
+        raise ConfigError(f"storage_options must be a dict, got {type(storage_options).__name__}")
     options = dict(storage_options or {})
     match = _SCHEME.match(url)
     if match is None:
@@ -112,8 +110,9 @@ def _translate(what: str) -> Iterator[None]:
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise StorageError(
-                exc.errno, f"disk full (ENOSPC) while {what}: free space or point the store "
-                "at a larger volume; the previous checkpoint is intact"
+                exc.errno,
+                f"disk full (ENOSPC) while {what}: free space or point the store "
+                "at a larger volume; the previous checkpoint is intact",
             ) from exc
         raise StorageError(exc.errno, f"storage error while {what}: {exc}") from exc
 
@@ -249,7 +248,7 @@ class LocalStorage(Storage):
 
     def list(self, prefix: str) -> list[str]:
         base = self._abs(prefix)
-        out = []
+        out: list[str] = []
         with _translate(f"listing {prefix} under {self.root}"):
             for dirpath, _, files in os.walk(base):
                 rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
@@ -287,4 +286,3 @@ def _silent_unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-

@@ -23,7 +23,7 @@ from lightning_incremental._version import __version__
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.codec import chunk_hash
 from lightning_incremental.core.config import StoreConfig
-from lightning_incremental.core.decoder import ObjectReader, decode_chunk, restore_arrays
+from lightning_incremental.core.decoder import decode_chunk, restore_arrays
 from lightning_incremental.core.encoder import Parent, encode, xor_base
 from lightning_incremental.core.errors import (
     CheckpointError,
@@ -82,8 +82,8 @@ class CheckpointStore:
     ) -> None:
         if config is not None and not isinstance(config, StoreConfig):
             raise ConfigError(f"config must be a StoreConfig, got {type(config).__name__}")
-        self.config = (config or StoreConfig()).replace(**options) if options else (
-            config or StoreConfig()
+        self.config = (
+            (config or StoreConfig()).replace(**options) if options else (config or StoreConfig())
         )
         self.storage = url if isinstance(url, Storage) else open_storage(url, storage_options)
         if isinstance(self.storage, LocalStorage):
@@ -142,6 +142,7 @@ class CheckpointStore:
             self._slots.acquire()
             acquired = True
             waited = time.perf_counter() - started
+            self._raise_undelivered()  # an earlier save may have failed while we waited
             skeleton, leaves, pickled = flatten(state, allow_pickle=self.config.allow_pickle)
         except BaseException:
             if acquired:
@@ -186,8 +187,9 @@ class CheckpointStore:
         waited: float,
     ) -> None:
         try:
-            result = self._commit(handle.step, skeleton, leaves, pickled, meta, started,
-                                  snapshot_s, waited)
+            result = self._commit(
+                handle.step, skeleton, leaves, pickled, meta, started, snapshot_s, waited
+            )
         except BaseException as exc:  # delivered through the handle, the next save and close
             self._rewind_last_step(handle.step)
             log.error("checkpoint step %d failed: %s", handle.step, exc)
@@ -211,8 +213,14 @@ class CheckpointStore:
         parent = self._parent
         full_base = parent is None or parent.manifest["since_base"] + 1 >= self.config.full_every
         self._write_marker()
-        enc = encode(leaves, parent, full_base=full_base, config=self.config,
-                     storage=self.storage, pool=self._pool)
+        enc = encode(
+            leaves,
+            parent,
+            full_base=full_base,
+            config=self.config,
+            storage=self.storage,
+            pool=self._pool,
+        )
         body = {
             "format": mf.FORMAT,
             "version": mf.VERSION,
@@ -249,9 +257,11 @@ class CheckpointStore:
             )
         write_s = enc.write_s + time.perf_counter() - write_start
         with self._lock:
-            base = xor_base(leaves, enc.tensors, self.config.xor_base_memory) if (
-                self.config.uses_xor
-            ) else {}
+            base = (
+                xor_base(leaves, enc.tensors, self.config.xor_base_memory)
+                if (self.config.uses_xor)
+                else {}
+            )
             self._parent = Parent(step, body, base)
             self._committed = step
         total_s = time.perf_counter() - started
@@ -269,12 +279,17 @@ class CheckpointStore:
             chunks_reused=enc.chunks_reused,
             chunks_delta=enc.chunks_delta,
             chunks_full=enc.chunks_full,
-            objects_written=sum(1 for p in enc.packs if p not in (
-                parent.manifest["packs"] if parent else {})),
+            objects_written=sum(
+                1 for p in enc.packs if p not in (parent.manifest["packs"] if parent else {})
+            ),
         )
         log.info(
             "checkpoint step %d committed: %d of %d bytes written (%.1fx), %.3fs blocked",
-            step, result.bytes_written, bytes_logical, result.ratio, snapshot_s,
+            step,
+            result.bytes_written,
+            bytes_logical,
+            result.ratio,
+            snapshot_s,
         )
         if self.config.keep_last is not None:
             try:
@@ -347,8 +362,11 @@ class CheckpointStore:
                 warnings.warn(message + " — falling back to an older checkpoint", stacklevel=2)
                 continue
             if problems:
-                log.warning("restored step %d after skipping %d corrupt checkpoint(s)",
-                            candidate, len(problems))
+                log.warning(
+                    "restored step %d after skipping %d corrupt checkpoint(s)",
+                    candidate,
+                    len(problems),
+                )
             return state
         raise CorruptCheckpointError(
             f"no intact checkpoint in {self.url}; every committed one is corrupt:\n  "
@@ -496,29 +514,54 @@ class CheckpointStore:
                 self.storage, doc, self._pool, where, lambda t: np.empty(t["nbytes"], np.uint8)
             )
             leaves = [
-                Leaf(path=t["path"], data=torch.from_numpy(raw), dtype=t["dtype"],
-                     shape=t["shape"], device=t["device"], width=t["width"],
-                     is_numpy=t["numpy"], parameter=t["param"], requires_grad=t["requires_grad"])
+                Leaf(
+                    path=t["path"],
+                    data=torch.from_numpy(raw),
+                    dtype=t["dtype"],
+                    shape=t["shape"],
+                    device=t["device"],
+                    width=t["width"],
+                    is_numpy=t["numpy"],
+                    parameter=t["param"],
+                    requires_grad=t["requires_grad"],
+                )
                 for t, raw in zip(doc["tensors"], buffers)
             ]
-            enc = encode(leaves, Parent(step, doc), full_base=True, config=self.config,
-                         storage=self.storage, pool=self._pool)
-            body = dict(doc, tensors=enc.tensors, chunks=enc.chunks, packs=enc.packs,
-                        since_base=0)
-            body["audit"] = dict(doc["audit"], compacted=datetime.datetime.now(
-                datetime.timezone.utc).isoformat())
+            enc = encode(
+                leaves,
+                Parent(step, doc),
+                full_base=True,
+                config=self.config,
+                storage=self.storage,
+                pool=self._pool,
+            )
+            body = dict(doc, tensors=enc.tensors, chunks=enc.chunks, packs=enc.packs, since_base=0)
+            body["audit"] = dict(
+                doc["audit"], compacted=datetime.datetime.now(datetime.timezone.utc).isoformat()
+            )
             data = mf.dumps(body)
             self.storage.put(mf.manifest_path(step), data, overwrite=True)
-            base = xor_base(leaves, enc.tensors, self.config.xor_base_memory) if (
-                self.config.uses_xor) else {}
+            base = (
+                xor_base(leaves, enc.tensors, self.config.xor_base_memory)
+                if (self.config.uses_xor)
+                else {}
+            )
             self._parent = Parent(step, body, base)
             elapsed = time.perf_counter() - started
             return SaveResult(
-                step=step, bytes_logical=sum(t["nbytes"] for t in enc.tensors),
-                bytes_written=enc.bytes_written + len(data), snapshot_s=0.0, wait_s=0.0,
-                encode_s=enc.encode_s, write_s=enc.write_s, total_s=elapsed, full_base=True,
-                chunks_total=enc.chunks_total, chunks_reused=enc.chunks_reused,
-                chunks_delta=0, chunks_full=enc.chunks_full,
+                step=step,
+                bytes_logical=sum(t["nbytes"] for t in enc.tensors),
+                bytes_written=enc.bytes_written + len(data),
+                snapshot_s=0.0,
+                wait_s=0.0,
+                encode_s=enc.encode_s,
+                write_s=enc.write_s,
+                total_s=elapsed,
+                full_base=True,
+                chunks_total=enc.chunks_total,
+                chunks_reused=enc.chunks_reused,
+                chunks_delta=0,
+                chunks_full=enc.chunks_full,
                 objects_written=len(set(enc.packs) - set(doc["packs"])),
             )
 
@@ -593,8 +636,12 @@ class CheckpointStore:
             report.removed_objects.append(path)
             report.bytes_freed += size
         if removed:
-            log.info("gc removed steps %s and %d objects (%d bytes)", _summary(removed),
-                     len(report.removed_objects), report.bytes_freed)
+            log.info(
+                "gc removed steps %s and %d objects (%d bytes)",
+                _summary(removed),
+                len(report.removed_objects),
+                report.bytes_freed,
+            )
         return report
 
     # ------------------------------------------------------------------ lifecycle
@@ -744,7 +791,7 @@ def _plain_json(value: Any, name: str) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         raise TypeError(f"{name} must be a dict of plain JSON values, got {type(value).__name__}")
     try:
-        return json.loads(json.dumps(value, allow_nan=False))  # type: ignore[no-any-return]
+        return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise UnsupportedValueError(f"{name} must hold plain JSON values only: {exc}") from exc
 

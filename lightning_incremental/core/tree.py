@@ -27,7 +27,14 @@ from lightning_incremental.core.errors import ManifestError, UnsupportedValueErr
 
 # Tags of non-JSON nodes.
 T_FLOAT, T_BYTES, T_LIST, T_TUPLE, T_DICT, T_ODICT = "f", "b", "l", "t", "d", "od"
-T_SET, T_FROZENSET, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE = "set", "fset", "c", "dtype", "dev", "size"
+T_SET, T_FROZENSET, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE = (
+    "set",
+    "fset",
+    "c",
+    "dtype",
+    "dev",
+    "size",
+)
 T_TENSOR, T_NPSCALAR, T_PICKLE = "T", "npv", "pkl"
 
 
@@ -225,9 +232,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, list[Leaf],
     return skeleton, flattener.leaves, flattener.pickled
 
 
-def unflatten(
-    skeleton: Any, tensors: list[Any], *, allow_pickle: bool = False
-) -> Any:
+def unflatten(skeleton: Any, tensors: list[Any], *, allow_pickle: bool = False) -> Any:
     """Rebuild the state from its skeleton and its restored arrays (indexed like the leaves).
 
     Raises:
@@ -245,7 +250,9 @@ class _Unflattener:
             T_FLOAT: lambda p, _: _float_from_hex(_str(p)),
             T_BYTES: lambda p, _: base64.b64decode(_str(p), validate=True),
             T_LIST: lambda p, path: [self.node(v, (*path, i)) for i, v in enumerate(_list(p))],
-            T_TUPLE: lambda p, path: tuple(self.node(v, (*path, i)) for i, v in enumerate(_list(p))),
+            T_TUPLE: lambda p, path: tuple(
+                self.node(v, (*path, i)) for i, v in enumerate(_list(p))
+            ),
             T_DICT: lambda p, path: dict(self.items(p, path)),
             T_ODICT: lambda p, path: OrderedDict(self.items(p, path)),
             T_SET: lambda p, path: {self.node(v, path) for v in _list(p)},

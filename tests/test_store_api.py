@@ -406,3 +406,16 @@ def test_verify_reports_every_object(store_url: str) -> None:
 def test_custom_storage_must_implement_the_interface() -> None:
     with pytest.raises(TypeError):
         Storage()  # type: ignore[abstract]
+
+
+def test_changing_chunk_size_between_sessions_stays_exact(local_url: str) -> None:
+    state = make_state(0, rows=2048)
+    with small_store(local_url, chunk_size=4096) as store:
+        store.save(state, 1).wait()
+    with small_store(local_url, chunk_size=1024) as store:
+        restored = store.load()
+        restored["model"]["w"][:100].mul_(1.001)
+        result = store.save(restored, 2).wait()
+        assert result.chunks_delta == 0, "no XOR across different chunkings"
+        assert_state_equal(store.load(2), restored)
+        assert store.verify(2).ok

@@ -177,8 +177,10 @@ def encode(
             raw = leaf.raw()
             width = leaf.width
             xor_base = parent.base.get(leaf.path) if (parent and config.uses_xor) else None
-            if xor_base is not None and xor_base[0].size != raw.size:
-                xor_base = None
+            if xor_base is not None and (
+                xor_base[0].size != raw.size or parent.manifest["chunk_size"] != config.chunk_size  # type: ignore[union-attr]
+            ):
+                xor_base = None  # different size or chunking: chunk i is not chunk i any more
             digests = []
             for offset in range(0, raw.size, config.chunk_size):
                 piece = raw[offset : offset + config.chunk_size]
@@ -198,7 +200,11 @@ def encode(
                     index = offset // config.chunk_size
                     base_digest = xor_base[1][index]
                     base_recipe = parent_chunks.get(base_digest)
-                    if base_recipe is not None and base_recipe["depth"] < config.max_chain:
+                    if (
+                        base_recipe is not None
+                        and base_recipe["depth"] < config.max_chain
+                        and base_recipe["size"] == piece.size
+                    ):
                         task.base = xor_base[0][offset : offset + config.chunk_size]
                         task.base_digest, task.base_recipe = base_digest, base_recipe
                 scheduled.add(digest)

@@ -152,7 +152,9 @@ class CheckpointStore:
         handle = SaveHandle(step)
         snapshot_s = time.perf_counter() - started
         with self._lock:
-            self._handles = [h for h in self._handles if not h.done() or h._error] + [handle]
+            self._handles = [
+                h for h in self._handles if not h.done() or (h._error and not h._delivered)
+            ] + [handle]
         self._saver.submit(
             self._run_save, handle, skeleton, leaves, pickled, meta, started, snapshot_s, waited
         )

@@ -96,6 +96,21 @@ def encode_best(
     return (KIND_XOR, delta) if len(delta) < len(full) else (KIND_FULL, full)
 
 
+def decompress(blob: bytes | memoryview, size: int) -> bytes:
+    """The grouped bytes of one object, exactly ``size`` of them.
+
+    Raises:
+        ValueError: not a valid zstd frame of ``size`` bytes.
+    """
+    try:
+        grouped = _decompressor().decompress(blob, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"zstd: {exc}") from exc
+    if len(grouped) != size:
+        raise ValueError(f"decoded to {len(grouped)} bytes, expected {size}")
+    return grouped
+
+
 def decode(
     blob: bytes | memoryview,
     kind: str,
@@ -112,13 +127,7 @@ def decode(
     """
     if kind not in (KIND_FULL, KIND_XOR):
         raise ValueError(f"unknown chunk encoding {kind!r}")
-    try:
-        grouped = _decompressor().decompress(blob, max_output_size=size)
-    except zstandard.ZstdError as exc:
-        raise ValueError(f"zstd: {exc}") from exc
-    if len(grouped) != size:
-        raise ValueError(f"decoded to {len(grouped)} bytes, expected {size}")
-    planes = np.frombuffer(grouped, dtype=np.uint8)
+    planes = np.frombuffer(decompress(blob, size), dtype=np.uint8)
     if out is None:
         out = np.empty(size, dtype=np.uint8)
     ungroup_bytes(planes, width, out)

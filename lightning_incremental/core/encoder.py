@@ -6,6 +6,7 @@ object writes are spread over the store's worker pool — zstd, numpy and file I
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from concurrent.futures import Executor, Future
@@ -19,6 +20,8 @@ from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.manifest import pack_path
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.tree import Leaf
+
+log = logging.getLogger("lightning_incremental")
 
 
 @dataclass
@@ -104,7 +107,16 @@ class _PackWriter:
 
     def _write(self, path: str, data: bytes) -> float:
         start = time.perf_counter()
-        self.storage.put(path, data)
+        if not self.storage.put(path, data):
+            # Same content, same name: normally a no-op. But a checkpoint must not build on an
+            # object that rotted or was left truncated, so the existing one is checked first.
+            try:
+                existing = self.storage.get(path)
+            except FileNotFoundError:
+                existing = b""
+            if len(existing) != len(data) or codec.chunk_hash(existing) != codec.chunk_hash(data):
+                log.warning("replacing damaged object %s with a good copy", path)
+                self.storage.put(path, data, overwrite=True)
         return time.perf_counter() - start
 
     def finish(self) -> None:

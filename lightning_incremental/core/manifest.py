@@ -21,8 +21,11 @@ import math
 import re
 from typing import Any
 
+import numpy as np
+
 from lightning_incremental.core.codec import HASH_LEN, KIND_FULL, KIND_XOR, chunk_hash
 from lightning_incremental.core.errors import FormatVersionError, ManifestError
+from lightning_incremental.core.tree import torch_dtype
 
 FORMAT = "lightning-incremental"
 VERSION = 1
@@ -232,8 +235,26 @@ def _check_tensor(index: int, tensor: Any, chunks: dict[str, Any], where: str) -
             f"manifest {where}: tensor {index} chunks hold {total} bytes, expected "
             f"{tensor['nbytes']}"
         )
-    if math.prod(shape) == 0 and tensor["nbytes"]:
-        raise ManifestError(f"manifest {where}: empty tensor {index} with data")
+    itemsize = _itemsize(tensor.get("dtype"), tensor.get("numpy"), where)
+    if math.prod(shape) * itemsize != tensor["nbytes"]:
+        raise ManifestError(
+            f"manifest {where}: tensor {tensor['path']} has the wrong size: shape {shape} of "
+            f"{tensor['dtype']} does not hold {tensor['nbytes']} bytes"
+        )
+
+
+def _itemsize(dtype: Any, is_numpy: Any, where: str) -> int:
+    if is_numpy is True:
+        try:
+            np_dtype = np.dtype(dtype)
+        except TypeError as exc:
+            raise ManifestError(f"manifest {where}: bad numpy dtype {dtype!r}") from exc
+        if np_dtype.kind not in "biufc" or np_dtype.hasobject:
+            raise ManifestError(f"manifest {where}: numpy dtype {np_dtype} is not numeric")
+        return int(np_dtype.itemsize)
+    if is_numpy is not False:
+        raise ManifestError(f"manifest {where}: tensor kind {is_numpy!r} is not a bool")
+    return int(torch_dtype(dtype).itemsize)
 
 
 def closure(digest: str, chunks: dict[str, Any]) -> list[str]:

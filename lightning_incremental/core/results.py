@@ -74,6 +74,18 @@ class SaveHandle:
         assert self._result is not None
         return self._result
 
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Block until the save finished; its error (which then counts as delivered) or None.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} still running after {timeout}s")
+        if self._error is not None:
+            self._delivered = True
+        return self._error
+
     def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
         self._result, self._error = result, error
         self._done.set()

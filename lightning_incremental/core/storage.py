@@ -252,7 +252,8 @@ class LocalStorage(Storage):
         with _translate(f"listing {prefix} under {self.root}"):
             for dirpath, _, files in os.walk(base):
                 rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-                out.extend(f"{rel_dir}/{name}" for name in files)
+                prefix_dir = "" if rel_dir == "." else f"{rel_dir}/"
+                out.extend(f"{prefix_dir}{name}" for name in files)
         return sorted(out)
 
     def delete(self, path: str) -> None:

@@ -398,7 +398,7 @@ class CheckpointStore:
         holders: list[Any] = []
 
         def alloc(entry: dict[str, Any]) -> np.ndarray:
-            holder, raw = _allocate(entry, where)
+            holder, raw = _allocate(entry)
             holders.append(holder)
             return raw
 
@@ -407,7 +407,12 @@ class CheckpointStore:
             _materialise(holder, entry, map_location)
             for holder, entry in zip(holders, doc["tensors"])
         ]
-        state = unflatten(doc["tree"], values, allow_pickle=self.config.allow_pickle)
+        try:
+            state = unflatten(doc["tree"], values, allow_pickle=self.config.allow_pickle)
+        except PickleNotAllowedError as exc:
+            raise PickleNotAllowedError(f"checkpoint {where}: {exc}") from exc
+        except ManifestError as exc:
+            raise ManifestError(f"manifest {where}: {exc}") from exc
         if not isinstance(state, dict):
             raise ManifestError(f"manifest {where}: the state is not a dict")
         self._adopt_loaded(step, doc, buffers)
@@ -810,23 +815,13 @@ def _audit(meta: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def _allocate(entry: dict[str, Any], where: str) -> tuple[Any, np.ndarray]:
-    """An empty array for a manifest tensor entry, and its flat uint8 view to decode into."""
+def _allocate(entry: dict[str, Any]) -> tuple[Any, np.ndarray]:
+    """An empty array for a (validated) manifest tensor entry, and its flat uint8 view."""
     nbytes = entry["nbytes"]
     if entry["numpy"]:
-        try:
-            dtype = np.dtype(entry["dtype"])
-        except TypeError as exc:
-            raise ManifestError(f"manifest {where}: bad numpy dtype {entry['dtype']!r}") from exc
-        if dtype.kind not in "biufc" or dtype.hasobject:
-            raise ManifestError(f"manifest {where}: numpy dtype {dtype} is not numeric")
         raw = np.empty(nbytes, dtype=np.uint8)
-        if nbytes != dtype.itemsize * int(np.prod(entry["shape"], dtype=np.int64)):
-            raise ManifestError(f"manifest {where}: tensor {entry['path']} has the wrong size")
         return raw, raw
     tensor = torch.empty(entry["shape"], dtype=torch_dtype(entry["dtype"]))
-    if tensor.numel() * tensor.element_size() != nbytes:
-        raise ManifestError(f"manifest {where}: tensor {entry['path']} has the wrong size")
     raw = tensor.reshape(-1).view(torch.uint8).numpy() if nbytes else np.empty(0, np.uint8)
     return tensor, raw
 

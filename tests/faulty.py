@@ -1,0 +1,214 @@
+"""FaultyStorage: a Storage wrapper that fails at a chosen phase of a save.
+
+It delegates every call to an inner :class:`Storage` (e.g. ``open_storage(url, None)``) and,
+once armed with :meth:`FaultyStorage.fail`, makes the Nth matching call raise. The phase of a
+call is read from its path (``packs/...`` data objects, ``manifests/...`` commit records,
+``store.json`` the store marker), so a test can say "fail the 2nd pack write" or "fail the
+manifest write after it landed" without knowing anything else about the engine.
+
+Where the fault fires relative to the real write (``when``):
+
+- ``"before"``: nothing is written, the caller sees the error (the backend refused the write);
+- ``"after"``: the write landed, then the caller sees an error (a crash or a lost response after
+  the object became durable — the ambiguous case every object store has);
+- ``"torn"``: only the first half of the bytes landed under the name, then an error. The
+  Storage contract forbids this (writes are atomic), so it models a broken backend.
+
+Errors are raised the way the engine's own backends raise them: an ``OSError`` carrying the
+errno, passed through the same translation the engine's storage classes apply, so the caller
+sees a :class:`~lightning_incremental.core.StorageError` (``translate=True``, the default), or
+the bare ``OSError`` a third-party Storage might raise (``translate=False``).
+"""
+
+from __future__ import annotations
+
+import errno as errnos
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from lightning_incremental.core.errors import StorageError
+from lightning_incremental.core.storage import Storage, _translate
+
+PHASES = ("marker", "pack", "manifest", "quarantine", "other")
+OPS = ("put", "get", "exists", "list", "delete", "size", "mtime")
+WHEN = ("before", "after", "torn")
+GATE_TIMEOUT_S = 60.0  # a held call that is never released fails instead of hanging the suite
+
+
+def phase_of(path: str) -> str:
+    """The phase of a save that a call on ``path`` belongs to."""
+    if path.startswith("packs/"):
+        return "pack"
+    if path.startswith("manifests/"):
+        return "manifest"
+    if path == "store.json":
+        return "marker"
+    if path.startswith("quarantine/"):
+        return "quarantine"
+    return "other"
+
+
+@dataclass
+class Fault:
+    """One armed fault: calls of ``op`` in ``phase`` number ``nth`` .. ``nth + times - 1``
+    (counted from when it was armed) fail; ``times=None`` fails every call from the Nth on (a
+    disk that stays full)."""
+
+    op: str
+    phase: str
+    nth: int = 1
+    times: int | None = 1
+    when: str = "before"
+    errno: int = errnos.EIO
+    translate: bool = True
+    seen: int = 0  # matching calls since armed
+
+    def fires(self) -> bool:
+        """Count one matching call; True when this one must fail."""
+        self.seen += 1
+        if self.seen < self.nth:
+            return False
+        return self.times is None or self.seen < self.nth + self.times
+
+
+class FaultyStorage(Storage):
+    """Delegates to ``inner``; fails the calls an armed :class:`Fault` selects.
+
+    Attributes:
+        calls: calls per ``(op, phase)`` since construction (failed ones included).
+        raised: every error this wrapper raised, in order.
+        landed: paths whose bytes reached the inner storage although the caller saw an error.
+    """
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self.raised: list[BaseException] = []
+        self.landed: list[str] = []
+        self._faults: list[Fault] = []
+        self._gates: dict[tuple[str, str], threading.Event] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ arming
+
+    def fail(
+        self,
+        phase: str,
+        *,
+        op: str = "put",
+        nth: int = 1,
+        times: int | None = 1,
+        when: str = "before",
+        errno: int = errnos.EIO,
+        translate: bool = True,
+    ) -> Fault:
+        """Arm a fault (see :class:`Fault`). ``errno=errno.ENOSPC`` is a full disk."""
+        if phase not in PHASES or op not in OPS or when not in WHEN:
+            raise ValueError(f"bad fault: phase={phase!r} op={op!r} when={when!r}")
+        if when != "before" and op != "put":
+            raise ValueError("only a put can land before failing")
+        if nth < 1 or (times is not None and times < 1):
+            raise ValueError(f"nth and times must be >= 1, got {nth}, {times}")
+        fault = Fault(op, phase, nth, times, when, errno, translate)
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def hold(self, phase: str, *, op: str = "put") -> threading.Event:
+        """Make calls of ``op`` in ``phase`` wait until the returned event is set (before any
+        fault on them fires), so a test can order a background save against its own calls."""
+        if phase not in PHASES or op not in OPS:
+            raise ValueError(f"bad gate: phase={phase!r} op={op!r}")
+        gate = threading.Event()
+        with self._lock:
+            self._gates[(op, phase)] = gate
+        return gate
+
+    def clear(self) -> None:
+        """Disarm every fault and open every gate: the storage works again."""
+        with self._lock:
+            self._faults.clear()
+            gates, self._gates = list(self._gates.values()), {}
+        for gate in gates:
+            gate.set()
+
+    def count(self, op: str, phase: str) -> int:
+        with self._lock:
+            return self.calls[(op, phase)]
+
+    # ------------------------------------------------------------------ internals
+
+    def _check(self, op: str, path: str) -> Fault | None:
+        """Count the call; the fault that fires on it, if any."""
+        phase = phase_of(path)
+        with self._lock:
+            gate = self._gates.get((op, phase))
+        if gate is not None and not gate.wait(GATE_TIMEOUT_S):
+            raise TimeoutError(f"{op} of {path} was held and never released (test bug)")
+        with self._lock:
+            self.calls[(op, phase)] += 1
+            firing = None
+            for fault in self._faults:
+                if fault.op == op and fault.phase == phase and fault.fires() and firing is None:
+                    firing = fault
+            return firing
+
+    def _error(self, fault: Fault, op: str, path: str) -> OSError:
+        exc = OSError(fault.errno, os.strerror(fault.errno), path)
+        if fault.translate:
+            try:
+                with _translate(f"{op} of {path} (injected fault)"):
+                    raise exc
+            except StorageError as translated:
+                exc = translated
+        with self._lock:
+            self.raised.append(exc)
+        return exc
+
+    def _guard(self, op: str, path: str) -> None:
+        fault = self._check(op, path)
+        if fault is not None:
+            raise self._error(fault, op, path)
+
+    # ------------------------------------------------------------------ Storage
+
+    def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
+        fault = self._check("put", path)
+        if fault is None:
+            return self.inner.put(path, data, overwrite=overwrite)
+        if fault.when == "after":
+            self.inner.put(path, data, overwrite=overwrite)
+            with self._lock:
+                self.landed.append(path)
+        elif fault.when == "torn":
+            self.inner.put(path, bytes(data)[: len(data) // 2], overwrite=overwrite)
+            with self._lock:
+                self.landed.append(path)
+        raise self._error(fault, "put", path)
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        self._guard("get", path)
+        return self.inner.get(path, start, end)
+
+    def exists(self, path: str) -> bool:
+        self._guard("exists", path)
+        return self.inner.exists(path)
+
+    def list(self, prefix: str) -> list[str]:
+        self._guard("list", prefix.rstrip("/") + "/")
+        return self.inner.list(prefix)
+
+    def delete(self, path: str) -> None:
+        self._guard("delete", path)
+        self.inner.delete(path)
+
+    def size(self, path: str) -> int:
+        self._guard("size", path)
+        return self.inner.size(path)
+
+    def mtime(self, path: str) -> float | None:
+        self._guard("mtime", path)
+        return self.inner.mtime(path)

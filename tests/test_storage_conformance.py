@@ -1,0 +1,281 @@
+"""One conformance suite for every storage backend (the ``store_url`` fixture: local directory,
+``memory://``; S3 joins by adding a fixture param). Backend-agnostic: only the public
+``open_storage`` / ``Storage`` interface and the ``CheckpointStore`` API are used.
+
+Part 1 pins the Storage interface the engine relies on; part 2 runs whole-store round trips.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_incremental.core import (
+    CheckpointNotFoundError,
+    CheckpointStore,
+    NotAStoreError,
+    StepError,
+)
+from lightning_incremental.core.storage import Storage, open_storage
+from tests.conftest import assert_state_equal, small_store
+
+# ---------------------------------------------------------------------------- Storage interface
+
+
+@pytest.fixture
+def storage(store_url: str) -> Storage:
+    return open_storage(store_url, None)
+
+
+DATA = bytes(range(256)) * 4 + b"tail"
+
+
+def test_put_then_get_exists_size(storage: Storage) -> None:
+    assert not storage.exists("packs/ab/obj")
+    assert storage.put("packs/ab/obj", DATA) is True
+    assert storage.exists("packs/ab/obj")
+    assert storage.get("packs/ab/obj") == DATA
+    assert storage.size("packs/ab/obj") == len(DATA)
+
+
+def test_put_accepts_memoryview_and_empty_data(storage: Storage) -> None:
+    assert storage.put("a/view", memoryview(DATA)[10:20]) is True
+    assert storage.get("a/view") == DATA[10:20]
+    assert storage.put("a/empty", b"") is True
+    assert storage.exists("a/empty")
+    assert storage.get("a/empty") == b""
+    assert storage.size("a/empty") == 0
+
+
+def test_put_is_create_only(storage: Storage) -> None:
+    assert storage.put("manifests/x.json", b"first") is True
+    assert storage.put("manifests/x.json", b"second, longer") is False
+    assert storage.get("manifests/x.json") == b"first"
+    assert storage.size("manifests/x.json") == len(b"first")
+
+
+def test_put_overwrite_replaces(storage: Storage) -> None:
+    assert storage.put("manifests/x.json", b"first, the longer one") is True
+    assert storage.put("manifests/x.json", b"second", overwrite=True) is True
+    assert storage.get("manifests/x.json") == b"second"
+    assert storage.size("manifests/x.json") == len(b"second")
+    assert storage.put("manifests/new.json", b"made", overwrite=True) is True
+    assert storage.get("manifests/new.json") == b"made"
+
+
+@pytest.mark.parametrize(
+    ("start", "end"),
+    [(0, 10), (5, 9), (100, 1028), (None, 7), (1000, None), (0, None), (3, 3),
+     (len(DATA) - 4, None)],
+)
+def test_get_range(storage: Storage, start: int | None, end: int | None) -> None:
+    storage.put("packs/cd/obj", DATA)
+    assert storage.get("packs/cd/obj", start, end) == DATA[start:end]
+
+
+def test_get_range_past_the_end_is_short_not_an_error(storage: Storage) -> None:
+    """Restore detects truncated objects by the length of what a range read returns."""
+    storage.put("packs/cd/obj", DATA)
+    assert storage.get("packs/cd/obj", len(DATA) - 3, len(DATA) + 100) == DATA[-3:]
+    assert storage.get("packs/cd/obj", len(DATA) + 5, len(DATA) + 9) == b""
+
+
+def test_missing_object(storage: Storage) -> None:
+    with pytest.raises(FileNotFoundError):
+        storage.get("packs/ee/missing")
+    with pytest.raises(FileNotFoundError):
+        storage.get("packs/ee/missing", 0, 4)
+    with pytest.raises(FileNotFoundError):
+        storage.size("packs/ee/missing")
+    assert storage.exists("packs/ee/missing") is False
+    storage.delete("packs/ee/missing")  # deleting a missing object is fine
+    storage.delete("never/made/dirs/x")
+
+
+def test_delete(storage: Storage) -> None:
+    storage.put("packs/ab/one", b"1")
+    storage.put("packs/ab/two", b"2")
+    storage.delete("packs/ab/one")
+    assert not storage.exists("packs/ab/one")
+    with pytest.raises(FileNotFoundError):
+        storage.get("packs/ab/one")
+    assert storage.list("packs") == ["packs/ab/two"]
+    assert storage.put("packs/ab/one", b"again") is True  # a deleted name can be created again
+    assert storage.get("packs/ab/one") == b"again"
+
+
+def test_list_is_recursive_and_relative(storage: Storage) -> None:
+    names = ["packs/ab/1.pack", "packs/ab/2.pack", "packs/cd/3.pack", "manifests/0.json", "top"]
+    for name in names:
+        storage.put(name, name.encode())
+    assert sorted(storage.list("packs")) == names[:3]
+    assert sorted(storage.list("packs/ab")) == ["packs/ab/1.pack", "packs/ab/2.pack"]
+    assert sorted(storage.list("manifests")) == ["manifests/0.json"]
+    assert storage.list("nothing-here") == []
+    assert storage.list("pack") == [], "a prefix is a directory, not a string prefix"
+    for path in storage.list("packs"):  # what list returns can be read back
+        assert storage.get(path) == path.encode()
+
+
+def test_list_of_the_root(storage: Storage) -> None:
+    for name in ["packs/ab/1.pack", "store.json"]:
+        storage.put(name, b"x")
+    assert sorted(storage.list("")) == ["packs/ab/1.pack", "store.json"]
+
+
+def test_list_shows_no_temporary_objects(storage: Storage) -> None:
+    """A write is atomic: after it, the listing holds the object and nothing else."""
+    storage.put("manifests/00.json", b"a" * 1000)
+    storage.put("manifests/00.json", b"b" * 10, overwrite=True)
+    storage.put("manifests/00.json", b"c")  # refused
+    assert storage.list("manifests") == ["manifests/00.json"]
+
+
+def test_mtime(storage: Storage) -> None:
+    storage.put("packs/ab/obj", b"x")
+    mtime = storage.mtime("packs/ab/obj")
+    assert mtime is None or (isinstance(mtime, float) and math.isfinite(mtime) and mtime > 0)
+
+
+def test_open_storage_reaches_the_same_objects(store_url: str) -> None:
+    open_storage(store_url, None).put("packs/ab/shared", DATA)
+    again = open_storage(store_url, None)
+    assert again.get("packs/ab/shared") == DATA
+    assert again.list("packs") == ["packs/ab/shared"]
+
+
+# ---------------------------------------------------------------------------- store round trips
+
+
+def _states(n: int) -> list[dict[str, Any]]:
+    """A run of ``n`` states: dense small updates (XOR deltas), a sparse one, a frozen tensor,
+    assorted dtypes and plain values."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 64, generator=g)
+    emb = torch.randn(96, 32, generator=g)
+    frozen = torch.randn(1024, generator=g).to(torch.bfloat16)
+    counts = torch.randint(0, 1000, (700,), generator=g, dtype=torch.int64)
+    out = []
+    for step in range(n):
+        w = w + 1e-3 * torch.randn(w.shape, generator=g)
+        emb = emb.clone()
+        emb[step % 96] -= 0.5
+        counts = counts + (torch.arange(700) % (step + 2) == 0)
+        out.append({
+            "model": {"w": w.clone(), "emb": emb.clone(), "frozen": frozen.clone()},
+            "counts": counts.clone(),
+            "flags": torch.tensor([True, False, step % 2 == 0]),
+            "scalar": torch.tensor(float(step)),
+            "empty": torch.empty(0, 3),
+            "meta": {"step": step, "loss": 1.0 / (step + 1), "name": "run", "ids": (1, 2)},
+        })
+    return out
+
+
+def _assert_loads(store: CheckpointStore, expected: dict[int, dict[str, Any]]) -> None:
+    assert store.steps() == sorted(expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_state_equal(store.load(), expected[max(expected)])
+    for step, state in expected.items():
+        assert_state_equal(store.load(step), state)
+        report = store.verify(step)
+        assert report.ok, report
+
+
+def test_store_round_trip(store_url: str) -> None:
+    states = _states(5)
+    with small_store(store_url, full_every=3) as store:
+        results = [store.save(state, step * 10).wait() for step, state in enumerate(states)]
+        _assert_loads(store, {i * 10: s for i, s in enumerate(states)})
+    assert [r.full_base for r in results] == [True, False, False, True, False]
+    assert sum(r.chunks_delta for r in results) > 0
+    assert sum(r.chunks_reused for r in results) > 0
+    with small_store(store_url) as fresh:  # another process opening the same location
+        _assert_loads(fresh, {i * 10: s for i, s in enumerate(states)})
+        with pytest.raises(CheckpointNotFoundError, match="step 5"):
+            fresh.load(5)
+        with pytest.raises(StepError):
+            fresh.save(states[0], 40)  # not newer than the newest committed
+
+
+def test_store_resumes_with_deltas_after_reopen(store_url: str) -> None:
+    states = _states(4)
+    with small_store(store_url) as store:
+        store.save(states[0], 0).wait()
+        store.save(states[1], 1).wait()
+    with small_store(store_url) as store:
+        assert_state_equal(store.load(), states[1])
+        result = store.save(states[2], 2).wait()
+        assert not result.full_base and result.chunks_delta > 0
+        store.save(states[3], 3).wait()
+    with small_store(store_url) as fresh:
+        _assert_loads(fresh, dict(enumerate(states)))
+
+
+def test_store_gc(store_url: str) -> None:
+    states = _states(5)
+    with small_store(store_url) as store:
+        for step, state in enumerate(states):
+            store.save(state, step).wait()
+        storage = open_storage(store_url, None)
+        before = set(storage.list("packs"))
+        dry = store.gc(keep_last=2, dry_run=True)
+        assert dry.removed_steps == [0, 1, 2] and set(storage.list("packs")) == before
+        report = store.gc(keep_last=2)
+        assert report.kept_steps == [3, 4] and report.removed_steps == [0, 1, 2]
+        assert sorted(report.removed_objects) == sorted(dry.removed_objects)
+        after = set(storage.list("packs"))
+        assert after == before - set(report.removed_objects)
+        # the kept deltas still need objects of the removed checkpoints: those stay
+        _assert_loads(store, {3: states[3], 4: states[4]})
+        assert store.gc().removed_objects == []  # nothing unreferenced is left
+
+
+def test_store_keep_last(store_url: str) -> None:
+    states = _states(6)
+    with small_store(store_url, keep_last=2) as store:
+        for step, state in enumerate(states):
+            store.save(state, step).wait()
+            assert store.steps() == list(range(max(0, step - 1), step + 1))
+        _assert_loads(store, {4: states[4], 5: states[5]})
+
+
+def test_store_compact(store_url: str) -> None:
+    states = _states(4)
+    with small_store(store_url) as store:
+        for step, state in enumerate(states):
+            store.save(state, step).wait()
+        result = store.compact()
+        assert result is not None and result.full_base and result.step == 3
+        assert store.compact() is None  # already a full base
+        _assert_loads(store, dict(enumerate(states)))
+        store.gc(keep_last=1)
+        _assert_loads(store, {3: states[3]})
+        store.save(states[0], 4).wait()  # the history goes on after compaction
+    with small_store(store_url) as fresh:
+        _assert_loads(fresh, {3: states[3], 4: states[0]})
+
+
+def test_empty_and_foreign_locations(store_url: str) -> None:
+    with small_store(store_url) as store:
+        assert store.steps() == []
+        with pytest.raises(CheckpointNotFoundError):
+            store.load()
+    open_storage(store_url, None).put("data/something.bin", b"not a checkpoint")
+    with small_store(store_url) as store:
+        with pytest.raises(NotAStoreError):
+            store.load()
+
+
+def test_storage_instance_and_url_are_the_same_store(store_url: str) -> None:
+    states = _states(2)
+    with CheckpointStore(open_storage(store_url, None), chunk_size=4096, pack_size=16384) as a:
+        a.save(states[0], 0).wait()
+    with small_store(store_url) as b:
+        b.save(states[1], 1).wait()
+        _assert_loads(b, dict(enumerate(states)))

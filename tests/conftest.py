@@ -42,9 +42,8 @@ def assert_state_equal(actual, expected, path: str = "state") -> None:
     if isinstance(expected, torch.Tensor):
         assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
         assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
-        a = actual.detach().contiguous().reshape(-1).view(torch.uint8) if actual.numel() else None
-        e = expected.detach().resolve_conj().resolve_neg().contiguous().cpu()
-        e = e.reshape(-1).view(torch.uint8) if e.numel() else None
+        a = _bytes_of(actual)
+        e = _bytes_of(expected)
         if a is not None:
             assert torch.equal(a, e), f"{path}: bytes differ"
         assert actual.requires_grad == expected.requires_grad, f"{path}: requires_grad"
@@ -66,3 +65,13 @@ def assert_state_equal(actual, expected, path: str = "state") -> None:
             assert actual.tobytes() == expected.tobytes(), f"{path}: bytes differ"
         else:
             assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
+    """A tensor's element bytes, whatever its strides, conj or neg bits."""
+    if not t.numel():
+        return None
+    src = t.detach().resolve_conj().resolve_neg().cpu()
+    dense = torch.empty(src.shape, dtype=src.dtype)
+    dense.copy_(src)
+    return dense.reshape(-1).view(torch.uint8)

@@ -103,6 +103,12 @@ def decompress(blob: bytes | memoryview, size: int) -> bytes:
         ValueError: not a valid zstd frame of ``size`` bytes.
     """
     try:
+        declared = zstandard.frame_content_size(blob)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"zstd: {exc}") from exc
+    if declared != size:  # checked first: zstd would allocate whatever a frame declares
+        raise ValueError(f"frame declares {declared} bytes, expected {size}")
+    try:
         grouped = _decompressor().decompress(blob, max_output_size=size)
     except zstandard.ZstdError as exc:
         raise ValueError(f"zstd: {exc}") from exc

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from lightning_incremental.core import codec
 from lightning_incremental.core.config import StoreConfig
@@ -32,6 +33,8 @@ class Parent:
     manifest: dict[str, Any]
     # XOR base: tensor path -> (its raw bytes, its chunk hashes); only what fits the budget.
     base: dict[str, tuple[np.ndarray, list[str]]] = field(default_factory=dict)
+    # The host buffers behind ``base``, recycled once a newer parent replaces this one.
+    buffers: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Encoded:
     tensors: list[dict[str, Any]]
     chunks: dict[str, dict[str, Any]]
     packs: dict[str, dict[str, int]]
+    written: set[str] = field(default_factory=set)  # packs this save wrote (the rest: adopted)
     bytes_written: int = 0
     encode_s: float = 0.0
     write_s: float = 0.0
@@ -99,6 +103,7 @@ class _PackWriter:
         for recipe in self.pending_recipes:
             recipe["pack"] = path
         self.out.packs[path] = {"size": len(data)}
+        self.out.written.add(path)
         self.out.bytes_written += len(data)
         self.parts, self.filled, self.pending_recipes = [], 0, []
         self.writes.append(self.pool.submit(self._write, path, data))
@@ -253,17 +258,25 @@ def encode(
     return out
 
 
-def xor_base(
-    leaves: list[Leaf], tensors: list[dict[str, Any]], budget: int | None
-) -> dict[str, tuple[np.ndarray, list[str]]]:
-    """The XOR base kept for the next save: the snapshot's bytes, tensor by tensor, within
-    ``budget`` bytes (None: no limit)."""
-    base: dict[str, tuple[np.ndarray, list[str]]] = {}
-    used = 0
+def next_parent(
+    step: int,
+    manifest: dict[str, Any],
+    leaves: list[Leaf],
+    tensors: list[dict[str, Any]],
+    config: StoreConfig,
+) -> tuple[Parent, list[torch.Tensor]]:
+    """The parent of the next save after ``step`` committed: its XOR base is this snapshot's
+    bytes, tensor by tensor, within ``config.xor_base_memory``. Also returns the snapshot buffers
+    the base does not keep (free to recycle)."""
+    parent = Parent(step, manifest)
+    spare: list[torch.Tensor] = []
+    used, budget = 0, config.xor_base_memory
     for leaf, entry in zip(leaves, tensors):
         raw = leaf.raw()
-        if budget is not None and used + raw.size > budget:
+        if not config.uses_xor or (budget is not None and used + raw.size > budget):
+            spare.append(leaf.data)
             continue
-        base[leaf.path] = (raw, entry["chunks"])
+        parent.base[leaf.path] = (raw, entry["chunks"])
+        parent.buffers.append(leaf.data)
         used += raw.size
-    return base
+    return parent, spare

@@ -21,10 +21,11 @@ import torch
 
 from lightning_incremental._version import __version__
 from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.codec import chunk_hash
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.decoder import decode_chunk, restore_arrays
-from lightning_incremental.core.encoder import Parent, encode, xor_base
+from lightning_incremental.core.encoder import Encoded, Parent, encode, next_parent
 from lightning_incremental.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -95,6 +96,7 @@ class CheckpointStore:
         self._slots = threading.BoundedSemaphore(self.config.max_in_flight)
         self._handles: list[SaveHandle] = []
         self._parent: Parent | None = None
+        self._buffers = BufferPool()  # snapshot memory recycled from replaced XOR bases
         self._initialised = False
         self._last_step: int | None = None  # newest step saved or being saved
         self._committed: int | None = None  # newest step committed (and not known corrupt)
@@ -143,7 +145,9 @@ class CheckpointStore:
             acquired = True
             waited = time.perf_counter() - started
             self._raise_undelivered()  # an earlier save may have failed while we waited
-            skeleton, leaves, pickled = flatten(state, allow_pickle=self.config.allow_pickle)
+            skeleton, leaves, pickled = flatten(
+                state, allow_pickle=self.config.allow_pickle, pool=self._buffers
+            )
         except BaseException:
             if acquired:
                 self._slots.release()
@@ -193,6 +197,7 @@ class CheckpointStore:
                 handle.step, skeleton, leaves, pickled, meta, started, snapshot_s, waited
             )
         except BaseException as exc:  # delivered through the handle, the next save and close
+            self._buffers.give([leaf.data for leaf in leaves if not leaf.is_numpy])
             self._rewind_last_step(handle.step)
             log.error("checkpoint step %d failed: %s", handle.step, exc)
             handle._finish(None, exc)
@@ -223,6 +228,35 @@ class CheckpointStore:
             storage=self.storage,
             pool=self._pool,
         )
+        vanished = self._vanished(enc)
+        if vanished:
+            # Another process compacted and collected this store since our parent was read:
+            # build on what is committed now, as a full base, rather than on what is gone.
+            log.warning(
+                "objects of checkpoint step %s vanished (%s): another process ran gc or compact "
+                "on %s; writing step %d as a full base",
+                parent.step if parent else None,
+                ", ".join(vanished[:3]),
+                self.url,
+                step,
+            )
+            parent = self._reload_parent()
+            full_base = True
+            enc = encode(
+                leaves,
+                parent,
+                full_base=True,
+                config=self.config,
+                storage=self.storage,
+                pool=self._pool,
+            )
+            vanished = self._vanished(enc)
+            if vanished:
+                raise CorruptCheckpointError(
+                    f"step {step} not committed: objects it would reuse are missing from "
+                    f"{self.url} ({', '.join(vanished[:3])}); another process is deleting "
+                    "objects of this store — give gc a grace period (grace_s) while training runs"
+                )
         body = {
             "format": mf.FORMAT,
             "version": mf.VERSION,
@@ -259,12 +293,7 @@ class CheckpointStore:
             )
         write_s = enc.write_s + time.perf_counter() - write_start
         with self._lock:
-            base = (
-                xor_base(leaves, enc.tensors, self.config.xor_base_memory)
-                if (self.config.uses_xor)
-                else {}
-            )
-            self._parent = Parent(step, body, base)
+            self._set_parent(*next_parent(step, body, leaves, enc.tensors, self.config))
             self._committed = step
         total_s = time.perf_counter() - started
         result = SaveResult(
@@ -427,15 +456,22 @@ class CheckpointStore:
             self._initialise()
             if self._committed_last() != step:
                 return
-            base: dict[str, tuple[np.ndarray, list[str]]] = {}
+            leaves = []
             if self.config.uses_xor:
-                budget, used = self.config.xor_base_memory, 0
                 for entry, raw in zip(doc["tensors"], buffers):
-                    if budget is not None and used + raw.size > budget:
-                        continue
-                    base[entry["path"]] = (raw.copy(), entry["chunks"])
-                    used += raw.size
-            self._parent = Parent(step, doc, base)
+                    copy = self._buffers.take(torch.Size([raw.size]), torch.uint8)
+                    copy.numpy()[:] = raw
+                    leaves.append(
+                        Leaf(
+                            path=entry["path"],
+                            data=copy,
+                            dtype="uint8",
+                            shape=[raw.size],
+                            device="cpu",
+                        )
+                    )
+            tensors = doc["tensors"][: len(leaves)]
+            self._set_parent(*next_parent(step, doc, leaves, tensors, self.config))
             self._committed = step
 
     # ------------------------------------------------------------------ maintenance
@@ -548,12 +584,7 @@ class CheckpointStore:
             )
             data = mf.dumps(body)
             self.storage.put(mf.manifest_path(step), data, overwrite=True)
-            base = (
-                xor_base(leaves, enc.tensors, self.config.xor_base_memory)
-                if (self.config.uses_xor)
-                else {}
-            )
-            self._parent = Parent(step, body, base)
+            self._set_parent(*next_parent(step, body, leaves, enc.tensors, self.config))
             elapsed = time.perf_counter() - started
             return SaveResult(
                 step=step,
@@ -664,6 +695,8 @@ class CheckpointStore:
             self._closed = True
             self._saver.shutdown(wait=True)
             self._pool.shutdown(wait=True)
+            self._parent = None
+            self._buffers.clear()
 
     def __enter__(self) -> CheckpointStore:
         return self
@@ -705,15 +738,35 @@ class CheckpointStore:
             return
         steps = self.steps()
         self._last_step = steps[-1] if steps else None
+        self._parent = self._newest_readable(steps)
+        self._committed = self._parent.step if self._parent else None
+        self._initialised = True
+
+    def _newest_readable(self, steps: list[int]) -> Parent | None:
         for step in reversed(steps):
             try:
-                self._parent = Parent(step, self._read_manifest(step))
-                self._committed = step
-                break
+                return Parent(step, self._read_manifest(step))
             except CheckpointError as exc:
                 log.warning("not building on checkpoint step %d: %s", step, exc)
                 self._quarantined.add(step)
-        self._initialised = True
+        return None
+
+    def _vanished(self, enc: Encoded) -> list[str]:
+        """Objects a save reuses from earlier checkpoints that are no longer in the store."""
+        return sorted(p for p in set(enc.packs) - enc.written if not self.storage.exists(p))
+
+    def _reload_parent(self) -> Parent | None:
+        """The newest committed checkpoint, read afresh from storage (no XOR base)."""
+        with self._lock:
+            parent = self._newest_readable(self.steps())
+            self._set_parent(parent, [])
+            return parent
+
+    def _set_parent(self, parent: Parent | None, spare: list[torch.Tensor]) -> None:
+        """Make ``parent`` the base of the next save; recycle the buffers no longer needed."""
+        with self._lock:
+            old, self._parent = self._parent, parent
+            self._buffers.give(spare + (old.buffers if old is not None else []))
 
     def _rewind_last_step(self, failed: int) -> None:
         """A save of ``failed`` did not commit: the newest step is again the newest committed or

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import math
 import pickle
+import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,8 +23,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.codec import group_width
-from lightning_incremental.core.errors import ManifestError, UnsupportedValueError
+from lightning_incremental.core.errors import (
+    CheckpointError,
+    ManifestError,
+    PickleNotAllowedError,
+    UnsupportedValueError,
+)
 
 # Tags of non-JSON nodes.
 T_FLOAT, T_BYTES, T_LIST, T_TUPLE, T_DICT, T_ODICT = "f", "b", "l", "t", "d", "od"
@@ -35,7 +42,7 @@ T_SET, T_FROZENSET, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE = (
     "dev",
     "size",
 )
-T_TENSOR, T_NPSCALAR, T_PICKLE = "T", "npv", "pkl"
+T_TENSOR, T_NPSCALAR, T_PICKLE, T_BIGINT = "T", "npv", "pkl", "i"
 
 
 @dataclass
@@ -79,16 +86,21 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _float_hex(value: float) -> str:
-    return value.hex() if math.isfinite(value) else repr(value)
+    """Exact text of a float: ``float.hex`` when finite, the IEEE bits (``x`` + 16 hex digits)
+    otherwise, so the sign and payload of a NaN survive."""
+    return value.hex() if math.isfinite(value) else "x" + struct.pack(">d", value).hex()
 
 
 def _float_from_hex(text: str) -> float:
-    return float.fromhex(text) if text not in ("nan", "inf", "-inf") else float(text)
+    if text.startswith("x"):
+        return float(struct.unpack(">d", bytes.fromhex(text[1:]))[0])
+    return float.fromhex(text)
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, pool: BufferPool | None) -> None:
         self.allow_pickle = allow_pickle
+        self.pool = pool
         self.leaves: list[Leaf] = []
         self.aliases: dict[tuple[Any, ...], int] = {}
         self.pickled: list[str] = []
@@ -99,7 +111,9 @@ class _Flattener:
         if value is None or kind is bool or kind is str:
             return value
         if kind is int:
-            return value
+            # JSON numbers past 64 bits are not portable (and Python caps int<->str at 4300
+            # digits): those go as hex text, which has no such limit.
+            return value if -(2**63) <= value < 2**64 else [T_BIGINT, hex(value)]
         if kind is float:
             return [T_FLOAT, _float_hex(value)]
         if kind is bytes:
@@ -167,13 +181,17 @@ class _Flattener:
             raise UnsupportedValueError(f"{where} is a quantized or nested tensor; not supported")
         if t.device.type == "meta":
             raise UnsupportedValueError(f"{where} is a meta tensor and holds no data to save")
-        alias = (
+        alias = (  # the same view of the same storage, seen the same way: one leaf
             t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else None,
             t.device,
             t.dtype,
             t.storage_offset(),
             tuple(t.shape),
             t.stride(),
+            type(t),
+            t.requires_grad,
+            t.is_conj(),
+            t.is_neg(),
         )
         if alias[0] is not None and alias in self.aliases:
             return self.aliases[alias]
@@ -184,7 +202,10 @@ class _Flattener:
             src = src.resolve_neg()
         on_cuda = src.device.type == "cuda"
         pin = on_cuda and torch.cuda.is_available()
-        data = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+        if self.pool is not None:
+            data = self.pool.take(src.shape, src.dtype, pin=pin)
+        else:
+            data = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
         data.copy_(src, non_blocking=on_cuda)
         self.cuda = self.cuda or on_cuda
         leaf = Leaf(
@@ -218,14 +239,17 @@ class _Flattener:
         return len(self.leaves) - 1
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, list[Leaf], list[str]]:
+def flatten(
+    state: Any, *, allow_pickle: bool = False, pool: BufferPool | None = None
+) -> tuple[Any, list[Leaf], list[str]]:
     """Snapshot ``state``: its JSON skeleton, its arrays copied to host memory, and the key paths
     of pickled values. Tensors that are the same view of the same storage become one leaf.
+    Snapshot buffers come from ``pool`` when given (recycled from earlier snapshots).
 
     Raises:
         UnsupportedValueError: a value the skeleton cannot express, naming its key path.
     """
-    flattener = _Flattener(allow_pickle)
+    flattener = _Flattener(allow_pickle, pool)
     skeleton = flattener.node(state, ())
     if flattener.cuda:
         torch.cuda.synchronize()
@@ -248,6 +272,7 @@ class _Unflattener:
         self.allow_pickle = allow_pickle
         self.handlers: dict[str, Callable[[Any, tuple[Any, ...]], Any]] = {
             T_FLOAT: lambda p, _: _float_from_hex(_str(p)),
+            T_BIGINT: lambda p, _: int(_str(p), 16),
             T_BYTES: lambda p, _: base64.b64decode(_str(p), validate=True),
             T_LIST: lambda p, path: [self.node(v, (*path, i)) for i, v in enumerate(_list(p))],
             T_TUPLE: lambda p, path: tuple(
@@ -276,9 +301,9 @@ class _Unflattener:
             raise ManifestError(f"unknown skeleton tag {node[0]!r} at {key_path(path)}")
         try:
             return handler(node[1], path)
-        except (ValueError, TypeError) as exc:
-            if isinstance(exc, ManifestError):
-                raise
+        except CheckpointError:
+            raise
+        except Exception as exc:  # hostile payloads: any parse failure is a bad manifest
             raise ManifestError(f"malformed skeleton node at {key_path(path)}: {exc}") from exc
 
     def items(self, payload: Any, path: tuple[Any, ...]) -> list[tuple[Any, Any]]:
@@ -305,8 +330,6 @@ class _Unflattener:
 
     def unpickle(self, payload: Any, path: tuple[Any, ...]) -> Any:
         if not self.allow_pickle:
-            from lightning_incremental.core.errors import PickleNotAllowedError
-
             raise PickleNotAllowedError(
                 f"{key_path(path)} is a pickled object and loading it would execute code; "
                 "open the store with allow_pickle=True only if you trust this checkpoint"

@@ -1,0 +1,54 @@
+"""Recycled host buffers for snapshots.
+
+Copying a state into freshly allocated memory costs a page fault per page on first touch —
+about as much as the copy itself. Once a checkpoint is committed, the snapshot it replaced as
+XOR base is no longer needed; its buffers are kept here and the next snapshot copies into them,
+so a steady-state save blocks only for the memcpy. The pool holds at most the buffers it was
+given back (one snapshot's worth): it does not raise peak memory, it keeps it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import torch
+
+
+class BufferPool:
+    """Flat uint8 host tensors keyed by (size, pinned), handed out as views of any dtype."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
+
+    def take(self, shape: torch.Size, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``."""
+        nbytes = shape.numel() * dtype.itemsize
+        if nbytes:
+            with self._lock:
+                free = self._free.get((nbytes, pin))
+                flat = free.pop() if free else None
+            if flat is not None:
+                return flat.view(dtype).view(shape)
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+    def give(self, tensors: list[torch.Tensor]) -> None:
+        """Return snapshot buffers nothing references any more."""
+        with self._lock:
+            for tensor in tensors:
+                if tensor.numel() == 0 or not tensor.is_contiguous():
+                    continue
+                flat = tensor.reshape(-1).view(torch.uint8)
+                if flat.untyped_storage().nbytes() != flat.numel():
+                    continue  # a view into a larger buffer: not ours to recycle
+                self._free[(flat.numel(), tensor.is_pinned())].append(flat)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(size * len(v) for (size, _), v in self._free.items())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, as_completed
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,9 @@ COALESCE_GAP = 1 << 20
 MAX_READ = 64 << 20
 
 
+Read = tuple[str, int, int, list[tuple[int, int, str]]]  # path, start, end, members
+
+
 class ObjectReader:
     """Fetches the byte ranges of pack objects a set of chunks needs, coalescing reads."""
 
@@ -31,14 +34,15 @@ class ObjectReader:
         self.storage, self.manifest, self.where = storage, manifest, where
         self.blobs: dict[str, memoryview] = {}
 
-    def fetch(self, digests: set[str], pool: Executor) -> None:
+    def plan(self, digests: set[str]) -> list[Read]:
+        """Coalesced reads covering the encoded bytes of ``digests``."""
         chunks = self.manifest["chunks"]
         by_pack: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
         for digest in digests:
             recipe = chunks[digest]
             by_pack[recipe["pack"]].append((recipe["offset"], recipe["length"], digest))
-        reads: list[tuple[str, int, int, list[tuple[int, int, str]]]] = []
-        for path, ranges in by_pack.items():
+        reads: list[Read] = []
+        for path, ranges in sorted(by_pack.items()):
             ranges.sort()
             start, end, members = ranges[0][0], ranges[0][0] + ranges[0][1], [ranges[0]]
             for item in ranges[1:]:
@@ -50,14 +54,11 @@ class ObjectReader:
                     reads.append((path, start, end, members))
                     start, end, members = offset, offset + length, [item]
             reads.append((path, start, end, members))
-        for (_path, start, _end, members), data in zip(
-            reads, pool.map(lambda r: self._read(r[0], r[1], r[2]), reads)
-        ):
-            view = memoryview(data)
-            for offset, length, digest in members:
-                self.blobs[digest] = view[offset - start : offset - start + length]
+        return reads
 
-    def _read(self, path: str, start: int, end: int) -> bytes:
+    def read(self, plan: Read) -> list[str]:
+        """Perform one planned read; returns the digests it made available."""
+        path, start, end, members = plan
         try:
             data = self.storage.get(path, start, end)
         except FileNotFoundError as exc:
@@ -69,7 +70,10 @@ class ObjectReader:
                 f"checkpoint {self.where}: object {path} is truncated (read {len(data)} of "
                 f"{end - start} bytes at offset {start})"
             )
-        return data
+        view = memoryview(data)
+        for offset, length, digest in members:
+            self.blobs[digest] = view[offset - start : offset - start + length]
+        return [digest for _, _, digest in members]
 
 
 def decode_chunk(
@@ -147,21 +151,44 @@ def restore_arrays(
     alloc: Callable[[dict[str, Any]], np.ndarray],
 ) -> list[np.ndarray]:
     """Decode every tensor of ``manifest`` into buffers from ``alloc(tensor_entry)`` (flat
-    uint8 of ``nbytes``). Raises CorruptCheckpointError naming the first bad object."""
+    uint8 of ``nbytes``). Reads and decoding overlap: a chunk is decoded as soon as every link
+    of its chain has been read. Raises CorruptCheckpointError naming the first bad object."""
     chunks = manifest["chunks"]
-    needed: set[str] = set()
-    for tensor in manifest["tensors"]:
-        for digest in tensor["chunks"]:
-            needed.update(closure(digest, chunks))
     reader = ObjectReader(storage, manifest, where)
-    reader.fetch(needed, pool)
     buffers = [alloc(t) for t in manifest["tensors"]]
-    jobs: list[tuple[str, np.ndarray]] = []
+    waiting: dict[str, list[int]] = defaultdict(list)  # link -> jobs that need it
+    jobs: list[tuple[str, np.ndarray, set[str]]] = []
+    needed: set[str] = set()
     for tensor, buf in zip(manifest["tensors"], buffers):
         offset = 0
         for digest in tensor["chunks"]:
             size = chunks[digest]["size"]
-            jobs.append((digest, buf[offset : offset + size]))
+            links = set(closure(digest, chunks))
+            for link in links:
+                waiting[link].append(len(jobs))
+            jobs.append((digest, buf[offset : offset + size], links))
+            needed |= links
             offset += size
-    list(pool.map(lambda job: decode_chunk(job[0], chunks, reader.blobs, job[1], where), jobs))
+
+    def decode(index: int) -> None:
+        digest, out, _ = jobs[index]
+        decode_chunk(digest, chunks, reader.blobs, out, where)
+
+    reads = [pool.submit(reader.read, plan) for plan in reader.plan(needed)]
+    decodes: list[Future[None]] = []
+    try:
+        started: set[int] = set()
+        for done in as_completed(reads):
+            for link in done.result():
+                for index in waiting.pop(link, []):
+                    if index not in started and jobs[index][2].issubset(reader.blobs):
+                        started.add(index)
+                        decodes.append(pool.submit(decode, index))
+        for fut in decodes:
+            fut.result()
+    except BaseException:
+        pending: list[Future[Any]] = [*reads, *decodes]
+        for fut in pending:
+            fut.cancel()
+        raise
     return buffers

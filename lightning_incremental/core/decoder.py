@@ -60,7 +60,7 @@ class ObjectReader:
         """Perform one planned read; returns the digests it made available."""
         path, start, end, members = plan
         try:
-            data = self.storage.get(path, start, end)
+            data = self.storage.get_view(path, start, end)
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(
                 f"checkpoint {self.where}: object {path} is missing from the store"
@@ -70,9 +70,8 @@ class ObjectReader:
                 f"checkpoint {self.where}: object {path} is truncated (read {len(data)} of "
                 f"{end - start} bytes at offset {start})"
             )
-        view = memoryview(data)
         for offset, length, digest in members:
-            self.blobs[digest] = view[offset - start : offset - start + length]
+            self.blobs[digest] = data[offset - start : offset - start + length]
         return [digest for _, _, digest in members]
 
 
@@ -149,30 +148,41 @@ def restore_arrays(
     pool: Executor,
     where: str,
     alloc: Callable[[dict[str, Any]], np.ndarray],
+    mirrors: list[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
     """Decode every tensor of ``manifest`` into buffers from ``alloc(tensor_entry)`` (flat
-    uint8 of ``nbytes``). Reads and decoding overlap: a chunk is decoded as soon as every link
-    of its chain has been read. Raises CorruptCheckpointError naming the first bad object."""
+    uint8 of ``nbytes``), and into ``mirrors[i]`` too for the first ``len(mirrors)`` tensors (a
+    second copy, made chunk by chunk on the workers while the chunk is hot in cache). Reads and
+    decoding overlap: a chunk is decoded as soon as every link of its chain has been read.
+
+    Raises:
+        CorruptCheckpointError: naming the first bad object.
+    """
     chunks = manifest["chunks"]
     reader = ObjectReader(storage, manifest, where)
     buffers = [alloc(t) for t in manifest["tensors"]]
+    mirrors = mirrors or []
     waiting: dict[str, list[int]] = defaultdict(list)  # link -> jobs that need it
-    jobs: list[tuple[str, np.ndarray, set[str]]] = []
+    jobs: list[tuple[str, np.ndarray, np.ndarray | None, set[str]]] = []
     needed: set[str] = set()
-    for tensor, buf in zip(manifest["tensors"], buffers):
+    for index, (tensor, buf) in enumerate(zip(manifest["tensors"], buffers)):
+        mirror = mirrors[index] if index < len(mirrors) else None
         offset = 0
         for digest in tensor["chunks"]:
             size = chunks[digest]["size"]
             links = set(closure(digest, chunks))
             for link in links:
                 waiting[link].append(len(jobs))
-            jobs.append((digest, buf[offset : offset + size], links))
+            copy = mirror[offset : offset + size] if mirror is not None else None
+            jobs.append((digest, buf[offset : offset + size], copy, links))
             needed |= links
             offset += size
 
     def decode(index: int) -> None:
-        digest, out, _ = jobs[index]
+        digest, out, copy, _ = jobs[index]
         decode_chunk(digest, chunks, reader.blobs, out, where)
+        if copy is not None:
+            copy[:] = out
 
     reads = [pool.submit(reader.read, plan) for plan in reader.plan(needed)]
     decodes: list[Future[None]] = []
@@ -181,7 +191,7 @@ def restore_arrays(
         for done in as_completed(reads):
             for link in done.result():
                 for index in waiting.pop(link, []):
-                    if index not in started and jobs[index][2].issubset(reader.blobs):
+                    if index not in started and jobs[index][3].issubset(reader.blobs):
                         started.add(index)
                         decodes.append(pool.submit(decode, index))
         for fut in decodes:

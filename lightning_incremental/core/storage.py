@@ -9,6 +9,7 @@ create-only check atomic) and the directory is fsynced.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import posixpath
 import re
@@ -24,6 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning_incremental.core.errors import ConfigError, StorageError
 
 TMP_PREFIX = ".tmp-"
+MMAP_MIN = 1 << 20  # smaller reads are copied: a mapping costs more than it saves
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
 
 
@@ -40,6 +42,10 @@ class Storage(ABC):
     @abstractmethod
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of the object. Raises FileNotFoundError when it is missing."""
+
+    def get_view(self, path: str, start: int, end: int) -> memoryview:
+        """Like ``get``, as a read-only buffer; backends may map instead of copying."""
+        return memoryview(self.get(path, start, end))
 
     @abstractmethod
     def exists(self, path: str) -> bool: ...
@@ -242,6 +248,18 @@ class LocalStorage(Storage):
             if end is None:
                 return fh.read()
             return fh.read(max(0, end - (start or 0)))
+
+    def get_view(self, path: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` mapped read-only instead of copied. Objects are immutable and
+        only ever replaced by rename, never rewritten in place, so the mapping stays valid."""
+        with _translate(f"reading {path} under {self.root}"), open(self._abs(path), "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if end > size or end - start < MMAP_MIN:
+                fh.seek(start)
+                return memoryview(fh.read(max(0, end - start)))
+            align = start - start % mmap.ALLOCATIONGRANULARITY
+            mapped = mmap.mmap(fh.fileno(), end - align, offset=align, access=mmap.ACCESS_READ)
+        return memoryview(mapped)[start - align :]
 
     def exists(self, path: str) -> bool:
         return os.path.exists(self._abs(path))

@@ -431,7 +431,20 @@ class CheckpointStore:
             holders.append(holder)
             return raw
 
-        buffers = restore_arrays(self.storage, doc, self._pool, where, alloc)
+        mirrors = self._base_mirrors(step, doc)
+        try:
+            restore_arrays(
+                self.storage,
+                doc,
+                self._pool,
+                where,
+                alloc,
+                [m.numpy() for m in mirrors] if mirrors is not None else None,
+            )
+        except BaseException:
+            if mirrors is not None:
+                self._buffers.give(mirrors)
+            raise
         values = [
             _materialise(holder, entry, map_location)
             for holder, entry in zip(holders, doc["tensors"])
@@ -444,32 +457,40 @@ class CheckpointStore:
             raise ManifestError(f"manifest {where}: {exc}") from exc
         if not isinstance(state, dict):
             raise ManifestError(f"manifest {where}: the state is not a dict")
-        self._adopt_loaded(step, doc, buffers)
+        if mirrors is not None:
+            self._adopt_loaded(step, doc, mirrors)
         return state
 
-    def _adopt_loaded(self, step: int, doc: dict[str, Any], buffers: list[np.ndarray]) -> None:
-        """After loading the newest checkpoint, keep its bytes as the next save's XOR base, so a
-        restarted job writes deltas from its first save on."""
+    def _base_mirrors(self, step: int, doc: dict[str, Any]) -> list[torch.Tensor] | None:
+        """When ``step`` is what the next save builds on, buffers (within the XOR-base budget)
+        that the restore fills with a copy of each tensor's bytes — the next save's XOR base, so
+        a restarted job writes deltas from its first save on. None when it is not."""
         with self._lock:
-            if any(not h.done() for h in self._handles):
-                return
+            if not self.config.uses_xor or any(not h.done() for h in self._handles):
+                return None
             self._initialise()
             if self._committed_last() != step:
+                return None
+        mirrors, used, budget = [], 0, self.config.xor_base_memory
+        for entry in doc["tensors"]:
+            if budget is not None and used + entry["nbytes"] > budget:
+                break
+            mirrors.append(self._buffers.take(torch.Size([entry["nbytes"]]), torch.uint8))
+            used += entry["nbytes"]
+        return mirrors
+
+    def _adopt_loaded(self, step: int, doc: dict[str, Any], mirrors: list[torch.Tensor]) -> None:
+        """Make the loaded checkpoint (whose bytes ``mirrors`` hold) the next save's parent."""
+        leaves = [
+            Leaf(
+                path=entry["path"], data=data, dtype="uint8", shape=[entry["nbytes"]], device="cpu"
+            )
+            for entry, data in zip(doc["tensors"], mirrors)
+        ]
+        with self._lock:
+            if any(not h.done() for h in self._handles):
+                self._buffers.give(mirrors)
                 return
-            leaves = []
-            if self.config.uses_xor:
-                for entry, raw in zip(doc["tensors"], buffers):
-                    copy = self._buffers.take(torch.Size([raw.size]), torch.uint8)
-                    copy.numpy()[:] = raw
-                    leaves.append(
-                        Leaf(
-                            path=entry["path"],
-                            data=copy,
-                            dtype="uint8",
-                            shape=[raw.size],
-                            device="cpu",
-                        )
-                    )
             tensors = doc["tensors"][: len(leaves)]
             self._set_parent(*next_parent(step, doc, leaves, tensors, self.config))
             self._committed = step

@@ -13,7 +13,10 @@ from typing import Any
 from lightning_incremental._version import __version__
 from lightning_incremental.core import CheckpointStore, StoreConfig
 
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "IncrementalCheckpoint": "lightning_incremental.callback",
+    "IncrementalCheckpointIO": "lightning_incremental.checkpoint_io",
+}
 
 __all__ = ["CheckpointStore", "StoreConfig", "__version__", *_LAZY]
 

@@ -419,3 +419,36 @@ def test_changing_chunk_size_between_sessions_stays_exact(local_url: str) -> Non
         assert result.chunks_delta == 0, "no XOR across different chunkings"
         assert_state_equal(store.load(2), restored)
         assert store.verify(2).ok
+
+
+def test_delete_one_checkpoint_keeps_the_others_exact(local_url: str) -> None:
+    state = make_state(0, rows=1024)
+    saved = {}
+    with small_store(local_url) as store:
+        for step in (1, 2, 3, 4):
+            state["model"]["w"][step * 10 : step * 10 + 3] += 1.0
+            store.save(state, step).wait()
+            saved[step] = {
+                "model": {k: v.clone() for k, v in state["model"].items()},
+                "step": 0,
+                "name": "run",
+            }
+        store.delete(2)
+        store.delete(4)  # the newest: the next save still builds on it
+        with pytest.raises(CheckpointNotFoundError, match="step 4"):
+            store.delete(4)
+        assert store.steps() == [1, 3]
+        state["model"]["w"][60:63] += 1.0
+        store.save(state, 5).wait()
+        saved[5] = {
+            "model": {k: v.clone() for k, v in state["model"].items()},
+            "step": 0,
+            "name": "run",
+        }
+    with small_store(local_url) as store:
+        for step in (1, 3, 5):
+            assert_state_equal(store.load(step), saved[step])
+            assert store.verify(step).ok
+        store.delete(5)
+        store.gc()
+        assert_state_equal(store.load(), saved[3])

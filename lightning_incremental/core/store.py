@@ -659,13 +659,38 @@ class CheckpointStore:
         with self._lock:
             return self._gc(keep_last, keep, float(grace_s), dry_run)
 
+    def delete(self, step: int) -> GcReport:
+        """Delete one committed checkpoint, then every object no remaining checkpoint needs.
+        Later checkpoints never depend on it: each manifest names every object it needs.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed.
+        """
+        _check_step_type(step)
+        self.wait()
+        with self._lock:
+            steps = self.steps()
+            if step not in steps:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint at step {step} in {self.url}; committed: "
+                    f"{_summary(steps)}"
+                )
+            return self._gc(None, (), 0.0, False, drop=(step,))
+
     def _gc(
-        self, keep_last: int | None, keep: tuple[int, ...], grace_s: float, dry_run: bool
+        self,
+        keep_last: int | None,
+        keep: tuple[int, ...],
+        grace_s: float,
+        dry_run: bool,
+        drop: tuple[int, ...] = (),
     ) -> GcReport:
         steps = self.steps()
         kept = set(steps if keep_last is None else steps[-keep_last:]) | (set(keep) & set(steps))
+        kept -= set(drop)
         removed = [s for s in steps if s not in kept]
-        live: set[str] = set()
+        # What the next save builds on stays, even if its checkpoint goes.
+        live: set[str] = set(self._parent.manifest["packs"]) if self._parent else set()
         for step in sorted(kept):
             try:
                 live.update(self._read_manifest(step)["packs"])

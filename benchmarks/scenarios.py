@@ -1,0 +1,154 @@
+"""Scenarios: how the model is set up and trained between checkpoints.
+
+A scenario is a function ``(Params) -> Workload`` registered with ``@scenario``. The runner
+trains the workload for ``workload.steps_before(i)`` steps before checkpoint ``i`` and saves
+``workload.state(step)`` with every system. Adding one (LoRA, sparse embedding, ...) is a new
+function here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.model import ModelConfig, RandomTokens, TinyLM, param_count, train_step
+
+
+@dataclass(frozen=True)
+class Params:
+    """What every scenario is built from."""
+
+    model: ModelConfig
+    interval: int = 10  # training steps between checkpoints
+    seed: int = 0
+    lr: float = 3e-4  # constant AdamW learning rate (pre-training-like)
+    weight_decay: float = 0.01
+
+
+@dataclass
+class Workload:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    data: RandomTokens
+    interval: int  # training steps between checkpoints
+    # Training steps before checkpoint ``i`` (default: ``interval`` every time).
+    schedule: Callable[[int, int], int] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def steps_before(self, checkpoint: int) -> int:
+        if self.schedule is None:
+            return self.interval
+        return self.schedule(checkpoint, self.interval)
+
+    def train(self, steps: int) -> float | None:
+        self.model.train()
+        loss = None
+        for _ in range(steps):
+            loss = train_step(self.model, self.optimizer, self.data())
+        return loss
+
+    def state(self, step: int) -> dict[str, Any]:
+        """A Lightning-like checkpoint dict (what ``trainer.save_checkpoint`` would hold)."""
+        return {
+            "epoch": 0,
+            "global_step": step,
+            "state_dict": self.model.state_dict(),
+            "optimizer_states": [self.optimizer.state_dict()],
+            "rng": {"torch": torch.get_rng_state(), "data": self.data.gen.get_state()},
+        }
+
+
+ScenarioFn = Callable[[Params], Workload]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    build: ScenarioFn
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def scenario(name: str, description: str) -> Callable[[ScenarioFn], ScenarioFn]:
+    def register(fn: ScenarioFn) -> ScenarioFn:
+        SCENARIOS[name] = Scenario(name, description, fn)
+        return fn
+
+    return register
+
+
+def _adamw(params: Any, p: Params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=p.lr, weight_decay=p.weight_decay)
+
+
+def _info(model: nn.Module) -> dict[str, Any]:
+    total, trainable = param_count(model), param_count(model, trainable_only=True)
+    return {
+        "params": total,
+        "trainable_params": trainable,
+        "trainable_fraction": trainable / total if total else 0.0,
+    }
+
+
+@scenario("dense_fp32", "all parameters trained, fp32 weights and AdamW state")
+def dense_fp32(p: Params) -> Workload:
+    torch.manual_seed(p.seed)
+    model = TinyLM(p.model)
+    return Workload(
+        model,
+        _adamw(model.parameters(), p),
+        RandomTokens(p.model, p.seed),
+        p.interval,
+        info=_info(model),
+    )
+
+
+@scenario("bf16", "all parameters trained, bf16 weights (AdamW state in bf16 as it comes)")
+def bf16(p: Params) -> Workload:
+    torch.manual_seed(p.seed)
+    model = TinyLM(p.model).to(torch.bfloat16)
+    return Workload(
+        model,
+        _adamw(model.parameters(), p),
+        RandomTokens(p.model, p.seed),
+        p.interval,
+        info=_info(model),
+    )
+
+
+def freeze_bottom(model: nn.Module, frozen_fraction: float) -> None:
+    """Fine-tune the top only: keep the top-most parameters trainable (final norm, then the last
+    block's tensors, top down, contiguously) as long as adding the next one brings the trainable
+    count closer to ``1 - frozen_fraction`` of the total; freeze everything below
+    (``requires_grad=False``)."""
+    params = list(model.parameters())
+    target = (1.0 - frozen_fraction) * sum(p.numel() for p in params)
+    trainable, freezing = 0, False
+    for p in reversed(params):
+        freezing = freezing or abs(trainable + p.numel() - target) > abs(trainable - target)
+        if freezing:
+            p.requires_grad_(False)
+        else:
+            trainable += p.numel()
+
+
+@scenario("frozen90", "~90% of parameters frozen (bottom), top trained; full model in the state")
+def frozen90(p: Params) -> Workload:
+    torch.manual_seed(p.seed)
+    model = TinyLM(p.model)
+    freeze_bottom(model, 0.90)
+    optimizer = _adamw([t for t in model.parameters() if t.requires_grad], p)
+    return Workload(model, optimizer, RandomTokens(p.model, p.seed), p.interval, info=_info(model))
+
+
+@scenario("unchanged", "dense fp32; trained before the first checkpoint only, then re-saved")
+def unchanged(p: Params) -> Workload:
+    work = dense_fp32(p)
+    work.schedule = lambda checkpoint, k: k if checkpoint == 0 else 0
+    return work

@@ -1,0 +1,48 @@
+"""Smoke test of the benchmark harness: the quick mode runs end to end and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads((tmp_path / "quick.json").read_text())
+    assert {"cpu_count", "ram_bytes", "torch", "python"} <= set(doc["machine"])
+    records = doc["records"]
+    systems = {r["system"] for r in records}
+    assert {"torch_save", "incremental"} <= systems
+    for record in records:
+        for key, kind in (
+            ("scenario", str),
+            ("system", str),
+            ("bytes_written", int),
+            ("stall_s", float),
+            ("save_s", float),
+        ):
+            assert isinstance(record[key], kind), (key, record)
+        assert record["restore_s"] is None or isinstance(record["restore_s"], float)
+    unchanged = [
+        r for r in records if r["scenario"] == "unchanged" and r["system"] == "incremental"
+    ]
+    plain = [r for r in records if r["scenario"] == "unchanged" and r["system"] == "torch_save"]
+    assert unchanged and plain
+    # a save where nothing changed writes a manifest, not the state
+    assert unchanged[-1]["bytes_written"] < 0.05 * plain[-1]["bytes_written"]
+    assert (tmp_path / "quick.md").read_text().count("|") > 20

@@ -18,13 +18,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import re
+import socket
 from typing import Any
 
 import numpy as np
+import torch
 
+from lightning_incremental._version import __version__
 from lightning_incremental.core.codec import HASH_LEN, KIND_FULL, KIND_XOR, chunk_hash
-from lightning_incremental.core.errors import FormatVersionError, ManifestError
+from lightning_incremental.core.errors import (
+    FormatVersionError,
+    ManifestError,
+    UnsupportedValueError,
+)
 from lightning_incremental.core.tree import torch_dtype
 
 FORMAT = "lightning-incremental"
@@ -264,3 +273,26 @@ def closure(digest: str, chunks: dict[str, Any]) -> list[str]:
         chain.append(chunks[chain[-1]]["base"])
     chain.reverse()
     return chain
+
+
+def plain_json(value: Any, name: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict of plain JSON values, got {type(value).__name__}")
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(f"{name} must hold plain JSON values only: {exc}") from exc
+
+
+def audit_record(meta: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning_incremental": __version__,
+        "world_size": 1,
+        "metadata": meta or {},
+    }

@@ -3,28 +3,23 @@
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
-import platform
-import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
 
-from lightning_incremental._version import __version__
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.buffers import BufferPool
-from lightning_incremental.core.codec import chunk_hash
 from lightning_incremental.core.config import StoreConfig
-from lightning_incremental.core.decoder import decode_chunk, restore_arrays
+from lightning_incremental.core.decoder import restore_arrays
 from lightning_incremental.core.encoder import Encoded, Parent, encode, next_parent
 from lightning_incremental.core.errors import (
     CheckpointError,
@@ -35,24 +30,19 @@ from lightning_incremental.core.errors import (
     NotAStoreError,
     PickleNotAllowedError,
     StepError,
-    UnsupportedValueError,
 )
+from lightning_incremental.core.maintenance import sweep, verify_manifest
+from lightning_incremental.core.materialise import MapLocation, allocate, materialise
 from lightning_incremental.core.results import (
     GcReport,
-    ObjectCheck,
     SaveHandle,
     SaveResult,
     VerifyReport,
 )
-from lightning_incremental.core.storage import TMP_PREFIX, LocalStorage, Storage, open_storage
-from lightning_incremental.core.tree import Leaf, flatten, torch_dtype, unflatten
+from lightning_incremental.core.storage import LocalStorage, Storage, open_storage
+from lightning_incremental.core.tree import Leaf, flatten, unflatten
 
 log = logging.getLogger("lightning_incremental")
-
-MapLocation = Union[
-    None, str, torch.device, dict[str, str], Callable[[torch.Tensor, str], torch.Tensor]
-]
-STALE_TMP_S = 3600.0
 
 
 class CheckpointStore:
@@ -134,7 +124,7 @@ class CheckpointStore:
                 f"state must be a dict (e.g. {{'model': model.state_dict()}}), got "
                 f"{type(state).__name__}"
             )
-        meta = _plain_json(metadata, "metadata")
+        meta = mf.plain_json(metadata, "metadata")
         with self._lock:
             self._initialise()
             self._check_step(step)
@@ -266,7 +256,7 @@ class CheckpointStore:
             "since_base": 0 if full_base else parent.manifest["since_base"] + 1,  # type: ignore[union-attr]
             "chunk_size": self.config.chunk_size,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "audit": _audit(meta),
+            "audit": mf.audit_record(meta),
             "pickled": pickled,
             "tree": skeleton,
             "tensors": enc.tensors,
@@ -427,7 +417,7 @@ class CheckpointStore:
         holders: list[Any] = []
 
         def alloc(entry: dict[str, Any]) -> np.ndarray:
-            holder, raw = _allocate(entry)
+            holder, raw = allocate(entry)
             holders.append(holder)
             return raw
 
@@ -446,7 +436,7 @@ class CheckpointStore:
                 self._buffers.give(mirrors)
             raise
         values = [
-            _materialise(holder, entry, map_location)
+            materialise(holder, entry, map_location)
             for holder, entry in zip(holders, doc["tensors"])
         ]
         try:
@@ -522,39 +512,7 @@ class CheckpointStore:
         except CheckpointError as exc:
             report.errors.append(str(exc))
             return report
-        where = f"step {step} of {self.url}"
-        blobs: dict[str, memoryview] = {}
-        good_packs: dict[str, memoryview] = {}
-        for path, info in sorted(doc["packs"].items()):
-            check = ObjectCheck(path=path, ok=False, size=info["size"])
-            try:
-                data = self.storage.get(path)
-            except FileNotFoundError:
-                check.error = "missing"
-            else:
-                if len(data) != info["size"]:
-                    check.error = f"size {len(data)}, expected {info['size']}"
-                elif f"{mf.PACK_DIR}/{chunk_hash(data)[:2]}/{chunk_hash(data)}.pack" != path:
-                    check.error = "content hash does not match its name"
-                else:
-                    check.ok = True
-                good_packs[path] = memoryview(data)
-            report.objects.append(check)
-            report.bytes_checked += len(good_packs.get(path, b""))
-        for digest, recipe in doc["chunks"].items():
-            view = good_packs.get(recipe["pack"])
-            if view is not None:
-                blobs[digest] = view[recipe["offset"] : recipe["offset"] + recipe["length"]]
-        for digest, recipe in doc["chunks"].items():
-            out = np.empty(recipe["size"], dtype=np.uint8)
-            try:
-                decode_chunk(digest, doc["chunks"], blobs, out, where)
-            except KeyError:
-                report.errors.append(f"chunk {digest}: its object {recipe['pack']} is unreadable")
-            except CorruptCheckpointError as exc:
-                report.errors.append(str(exc))
-            report.chunks_checked += 1
-        return report
+        return verify_manifest(self.storage, doc, report, f"step {step} of {self.url}")
 
     def compact(self) -> SaveResult | None:
         """Rewrite the newest checkpoint as a full base (no chunk depends on a delta), so the
@@ -703,22 +661,7 @@ class CheckpointStore:
         for step in removed:
             if not dry_run:
                 self.storage.delete(mf.manifest_path(step))
-        now = time.time()
-        for path in self.storage.list(mf.PACK_DIR):
-            name = path.rsplit("/", 1)[-1]
-            stale_tmp = name.startswith(TMP_PREFIX)
-            if not stale_tmp and (path in live or not mf.is_pack_path(path)):
-                continue
-            min_age = max(grace_s, STALE_TMP_S) if stale_tmp else grace_s
-            if min_age > 0:
-                mtime = self.storage.mtime(path)
-                if mtime is None or now - mtime < min_age:
-                    continue
-            size = self.storage.size(path)
-            if not dry_run:
-                self.storage.delete(path)
-            report.removed_objects.append(path)
-            report.bytes_freed += size
+        report.removed_objects, report.bytes_freed = sweep(self.storage, live, grace_s, dry_run)
         if removed:
             log.info(
                 "gc removed steps %s and %d objects (%d bytes)",
@@ -889,71 +832,3 @@ def _summary(steps: list[int]) -> str:
     if len(steps) <= 8:
         return ", ".join(map(str, steps))
     return f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}"
-
-
-def _plain_json(value: Any, name: str) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise TypeError(f"{name} must be a dict of plain JSON values, got {type(value).__name__}")
-    try:
-        return json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedValueError(f"{name} must hold plain JSON values only: {exc}") from exc
-
-
-def _audit(meta: dict[str, Any] | None) -> dict[str, Any]:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning_incremental": __version__,
-        "world_size": 1,
-        "metadata": meta or {},
-    }
-
-
-def _allocate(entry: dict[str, Any]) -> tuple[Any, np.ndarray]:
-    """An empty array for a (validated) manifest tensor entry, and its flat uint8 view."""
-    nbytes = entry["nbytes"]
-    if entry["numpy"]:
-        raw = np.empty(nbytes, dtype=np.uint8)
-        return raw, raw
-    tensor = torch.empty(entry["shape"], dtype=torch_dtype(entry["dtype"]))
-    raw = tensor.reshape(-1).view(torch.uint8).numpy() if nbytes else np.empty(0, np.uint8)
-    return tensor, raw
-
-
-def _materialise(holder: Any, entry: dict[str, Any], map_location: MapLocation) -> Any:
-    if entry["numpy"]:
-        return holder.view(np.dtype(entry["dtype"])).reshape(entry["shape"])
-    tensor = _place(holder, entry["device"], map_location)
-    if entry["param"]:
-        return torch.nn.Parameter(tensor, requires_grad=entry["requires_grad"])
-    if entry["requires_grad"] and (tensor.is_floating_point() or tensor.is_complex()):
-        tensor.requires_grad_(True)
-    return tensor
-
-
-def _place(tensor: torch.Tensor, saved: str, map_location: MapLocation) -> torch.Tensor:
-    if callable(map_location):
-        return map_location(tensor, saved)
-    target: Any
-    if map_location is None:
-        target = saved
-    elif isinstance(map_location, dict):
-        target = map_location.get(saved, saved)
-    elif isinstance(map_location, (str, torch.device)):
-        target = map_location
-    else:
-        raise ConfigError(f"map_location must be a device, dict or callable, got {map_location!r}")
-    device = torch.device(target)
-    if device.type == "cpu":
-        return tensor
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError(
-            f"the checkpoint holds tensors saved on {saved} but CUDA is not available; "
-            "pass map_location='cpu'"
-        )
-    return tensor.to(device)

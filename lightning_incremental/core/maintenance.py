@@ -1,0 +1,85 @@
+"""Maintenance on stored checkpoints: verification and the sweep of unreferenced objects.
+
+Functions of a storage and manifests, so the store's methods stay short and the logic can be
+read (and tested) in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.codec import chunk_hash
+from lightning_incremental.core.decoder import decode_chunk
+from lightning_incremental.core.errors import CorruptCheckpointError
+from lightning_incremental.core.results import ObjectCheck, VerifyReport
+from lightning_incremental.core.storage import TMP_PREFIX, Storage
+
+STALE_TMP_S = 3600.0  # temporary files younger than this may belong to a write in progress
+
+
+def verify_manifest(
+    storage: Storage, doc: dict[str, Any], report: VerifyReport, where: str
+) -> VerifyReport:
+    """Read every object ``doc`` names, check its size and content hash, then decode every chunk
+    and check its hash; record each finding in ``report``."""
+    blobs: dict[str, memoryview] = {}
+    read: dict[str, memoryview] = {}
+    for path, info in sorted(doc["packs"].items()):
+        check = ObjectCheck(path=path, ok=False, size=info["size"])
+        try:
+            data = storage.get(path)
+        except FileNotFoundError:
+            check.error = "missing"
+        else:
+            digest = chunk_hash(data)
+            if len(data) != info["size"]:
+                check.error = f"size {len(data)}, expected {info['size']}"
+            elif mf.pack_path(digest) != path:
+                check.error = "content hash does not match its name"
+            else:
+                check.ok = True
+            read[path] = memoryview(data)  # decoded below even when bad: names the chunks hit
+            report.bytes_checked += len(data)
+        report.objects.append(check)
+    for digest, recipe in doc["chunks"].items():
+        view = read.get(recipe["pack"])
+        if view is not None:
+            blobs[digest] = view[recipe["offset"] : recipe["offset"] + recipe["length"]]
+    for digest, recipe in doc["chunks"].items():
+        out = np.empty(recipe["size"], dtype=np.uint8)
+        try:
+            decode_chunk(digest, doc["chunks"], blobs, out, where)
+        except KeyError:
+            report.errors.append(f"chunk {digest}: its object {recipe['pack']} is unreadable")
+        except CorruptCheckpointError as exc:
+            report.errors.append(str(exc))
+        report.chunks_checked += 1
+    return report
+
+
+def sweep(storage: Storage, live: set[str], grace_s: float, dry_run: bool) -> tuple[list[str], int]:
+    """Delete every pack object not in ``live`` and older than ``grace_s`` seconds, and stale
+    temporary files; returns the paths removed (or that would be, with ``dry_run``) and bytes."""
+    removed: list[str] = []
+    freed = 0
+    now = time.time()
+    for path in storage.list(mf.PACK_DIR):
+        name = path.rsplit("/", 1)[-1]
+        stale_tmp = name.startswith(TMP_PREFIX)
+        if not stale_tmp and (path in live or not mf.is_pack_path(path)):
+            continue
+        min_age = max(grace_s, STALE_TMP_S) if stale_tmp else grace_s
+        if min_age > 0:
+            mtime = storage.mtime(path)
+            if mtime is None or now - mtime < min_age:
+                continue
+        size = storage.size(path)
+        if not dry_run:
+            storage.delete(path)
+        removed.append(path)
+        freed += size
+    return removed, freed

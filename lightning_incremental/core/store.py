@@ -207,46 +207,8 @@ class CheckpointStore:
         snapshot_s: float,
         waited: float,
     ) -> SaveResult:
-        parent = self._parent
-        full_base = parent is None or parent.manifest["since_base"] + 1 >= self.config.full_every
         self._write_marker()
-        enc = encode(
-            leaves,
-            parent,
-            full_base=full_base,
-            config=self.config,
-            storage=self.storage,
-            pool=self._pool,
-        )
-        vanished = self._vanished(enc)
-        if vanished:
-            # Another process compacted and collected this store since our parent was read:
-            # build on what is committed now, as a full base, rather than on what is gone.
-            log.warning(
-                "objects of checkpoint step %s vanished (%s): another process ran gc or compact "
-                "on %s; writing step %d as a full base",
-                parent.step if parent else None,
-                ", ".join(vanished[:3]),
-                self.url,
-                step,
-            )
-            parent = self._reload_parent()
-            full_base = True
-            enc = encode(
-                leaves,
-                parent,
-                full_base=True,
-                config=self.config,
-                storage=self.storage,
-                pool=self._pool,
-            )
-            vanished = self._vanished(enc)
-            if vanished:
-                raise CorruptCheckpointError(
-                    f"step {step} not committed: objects it would reuse are missing from "
-                    f"{self.url} ({', '.join(vanished[:3])}); another process is deleting "
-                    "objects of this store — give gc a grace period (grace_s) while training runs"
-                )
+        parent, full_base, enc = self._encode(step, leaves)
         body = {
             "format": mf.FORMAT,
             "version": mf.VERSION,
@@ -739,6 +701,42 @@ class CheckpointStore:
                 log.warning("not building on checkpoint step %d: %s", step, exc)
                 self._quarantined.add(step)
         return None
+
+    def _encode(self, step: int, leaves: list[Leaf]) -> tuple[Parent | None, bool, Encoded]:
+        """Encode and write a save's data on top of the parent; returns the parent used, whether
+        this is a full base, and the encoding, once everything it names is durable."""
+        parent = self._parent
+        full_base = parent is None or parent.manifest["since_base"] + 1 >= self.config.full_every
+        for attempt in (1, 2):
+            enc = encode(
+                leaves,
+                parent,
+                full_base=full_base,
+                config=self.config,
+                storage=self.storage,
+                pool=self._pool,
+            )
+            vanished = self._vanished(enc)
+            if not vanished:
+                return parent, full_base, enc
+            if attempt == 2:
+                raise CorruptCheckpointError(
+                    f"step {step} not committed: objects it would reuse are missing from "
+                    f"{self.url} ({', '.join(vanished[:3])}); another process is deleting "
+                    "objects of this store — give gc a grace period (grace_s) while training runs"
+                )
+            # Another process compacted and collected this store since our parent was read:
+            # build on what is committed now, as a full base, rather than on what is gone.
+            log.warning(
+                "objects of checkpoint step %s vanished (%s): another process ran gc or compact "
+                "on %s; writing step %d as a full base",
+                parent.step if parent else None,
+                ", ".join(vanished[:3]),
+                self.url,
+                step,
+            )
+            parent, full_base = self._reload_parent(), True
+        raise AssertionError("unreachable")
 
     def _vanished(self, enc: Encoded) -> list[str]:
         """Objects a save reuses from earlier checkpoints that are no longer in the store."""

@@ -317,21 +317,11 @@ class CheckpointStore:
             FormatVersionError: written by a newer version of this library.
             PickleNotAllowedError: it holds pickles and ``allow_pickle`` is off.
         """
-        self._check_open()
         if step is not None:
-            _check_step_type(step)
-        steps = self.steps()
-        if not steps:
-            self._raise_empty()
-        if step is not None:
-            if step not in steps:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint at step {step} in {self.url}; committed steps: "
-                    f"{_summary(steps)}"
-                )
-            return self._load_step(step, map_location)
+            return self._load_step(self._resolve_step(step), map_location)
+        newest = self._resolve_step(None)
         problems = []
-        for candidate in reversed(steps):
+        for candidate in reversed([s for s in self.steps() if s <= newest]):
             try:
                 state = self._load_step(candidate, map_location)
             except CorruptCheckpointError as exc:
@@ -355,6 +345,34 @@ class CheckpointStore:
             f"no intact checkpoint in {self.url}; every committed one is corrupt:\n  "
             + "\n  ".join(problems)
         )
+
+    def manifest(self, step: int | None = None) -> dict[str, Any]:
+        """The validated manifest of a committed checkpoint (default: the newest): its tensors,
+        chunk recipes, statistics and audit trail. Read-only information for tools.
+
+        Raises:
+            CheckpointNotFoundError: empty store or missing step.
+            CorruptCheckpointError: the manifest does not validate.
+        """
+        step = self._resolve_step(step)
+        return self._read_manifest(step)
+
+    def _resolve_step(self, step: int | None) -> int:
+        """``step``, or the newest committed one when None; checked to be committed."""
+        self._check_open()
+        if step is not None:
+            _check_step_type(step)
+        steps = self.steps()
+        if not steps:
+            self._raise_empty()
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at step {step} in {self.url}; committed steps: "
+                f"{_summary(steps)}"
+            )
+        return step
 
     def _read_manifest(self, step: int) -> dict[str, Any]:
         where = f"step {step} of {self.url}"
@@ -456,18 +474,7 @@ class CheckpointStore:
         Raises:
             CheckpointNotFoundError: empty store or missing step.
         """
-        self._check_open()
-        steps = self.steps()
-        if not steps:
-            self._raise_empty()
-        if step is None:
-            step = steps[-1]
-        _check_step_type(step)
-        if step not in steps:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint at step {step} in {self.url}; committed: "
-                f"{_summary(steps)}"
-            )
+        step = self._resolve_step(step)
         report = VerifyReport(step=step)
         try:
             doc = self._read_manifest(step)
@@ -589,13 +596,7 @@ class CheckpointStore:
         _check_step_type(step)
         self.wait()
         with self._lock:
-            steps = self.steps()
-            if step not in steps:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint at step {step} in {self.url}; committed: "
-                    f"{_summary(steps)}"
-                )
-            return self._gc(None, (), 0.0, False, drop=(step,))
+            return self._gc(None, (), 0.0, False, drop=(self._resolve_step(step),))
 
     def _gc(
         self,

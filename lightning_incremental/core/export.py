@@ -1,0 +1,108 @@
+"""Export a restored checkpoint as a plain file that loads without this library.
+
+Formats:
+- ``torch``: ``torch.save`` of the whole state (loads with ``torch.load(weights_only=True)``).
+- ``lightning``: the same file, for a state that is a Lightning checkpoint (``state_dict``
+  present); ``Trainer.fit(ckpt_path=...)`` and ``Model.load_from_checkpoint`` accept it.
+- ``safetensors``: every tensor of the state, keyed by its dotted path (``state_dict.0.weight``);
+  plain values are not tensors and are left out (safetensors holds tensors only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_incremental.core.errors import ConfigError, UnsupportedValueError
+
+FORMATS = ("torch", "lightning", "safetensors")
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def export_state(state: dict[str, Any], to: str | os.PathLike[str], fmt: str) -> int:
+    """Write ``state`` to ``to`` in format ``fmt``; returns the bytes written.
+
+    Raises:
+        ConfigError: unknown format, or a ``lightning`` export of a non-Lightning state.
+        UnsupportedValueError: a tensor safetensors cannot hold, naming its key.
+    """
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    path = Path(to)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if fmt == "lightning" and "state_dict" not in state:
+        raise ConfigError(
+            "this checkpoint is not a Lightning checkpoint (no 'state_dict' key); "
+            "use --format torch"
+        )
+    if fmt in ("torch", "lightning"):
+        torch.save(state, tmp)
+    else:
+        _write_safetensors(dict(_tensors(state, "")), tmp)
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+def _tensors(value: Any, prefix: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors(item, f"{prefix}.{index}" if prefix else str(index))
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blobs = []
+    offset = 0
+    for name, tensor in tensors.items():
+        code = _SAFETENSORS_DTYPES.get(tensor.dtype)
+        if code is None:
+            raise UnsupportedValueError(
+                f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot hold; "
+                "use --format torch"
+            )
+        data = tensor.detach().cpu().contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        header[name] = {
+            "dtype": code,
+            "shape": list(data.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)))
+        fh.write(text)
+        for raw in blobs:
+            fh.write(raw)
+        fh.flush()
+        os.fsync(fh.fileno())

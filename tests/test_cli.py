@@ -1,0 +1,200 @@
+"""The ``lightning-incremental`` command on healthy and corrupted stores."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_incremental.cli import main
+from lightning_incremental.core import CheckpointStore
+from lightning_incremental.core import manifest as mf
+from tests.conftest import assert_state_equal
+
+
+def lightning_like(seed: int) -> dict:
+    """A Lightning-shaped state whose weights change in a few rows with ``seed`` (deltas win)."""
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    weight[: seed // 10] += 1.0
+    return {
+        "state_dict": {
+            "layer.weight": weight,
+            "layer.bias": torch.zeros(64),
+            "steps": torch.tensor(seed),
+        },
+        "epoch": seed,
+        "global_step": seed * 10,
+        "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}],
+    }
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "store"
+    with CheckpointStore(str(root), chunk_size=4096, pack_size=8192) as store:
+        for step in (10, 20, 30):
+            store.save(lightning_like(step), step, metadata={"loss": 1.0 / step}).wait()
+    return root
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, object]:
+    code = main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return code, json.loads(out) if out.strip() else None
+
+
+def corrupt_newest(root: Path) -> str:
+    doc = json.loads((root / mf.manifest_path(30)).read_bytes())
+    older = json.loads((root / mf.manifest_path(20)).read_bytes())["packs"]
+    pack = next(p for p in doc["packs"] if p not in older)
+    data = bytearray((root / pack).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (root / pack).write_bytes(bytes(data))
+    return pack
+
+
+def test_ls(store_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = run_json(capsys, "ls", str(store_dir))
+    assert code == 0
+    rows = doc["checkpoints"]  # type: ignore[index]
+    assert [r["step"] for r in rows] == [10, 20, 30]
+    assert rows[0]["full_base"] and rows[0]["chain_depth"] == 0
+    assert all(r["bytes_logical"] > 0 and r["world_size"] == 1 for r in rows)
+
+
+def test_inspect_shows_changes_and_audit(store_dir: Path, capsys) -> None:
+    code, doc = run_json(capsys, "inspect", str(store_dir), "20")
+    assert code == 0
+    assert doc["step"] == 20 and doc["parent"] == 10
+    assert doc["audit"]["metadata"] == {"loss": 0.05}
+    changed = {t["path"]: t["changed"] for t in doc["tensors"]}
+    assert changed["state['state_dict']['layer.weight']"] is True
+    assert changed["state['state_dict']['layer.bias']"] is False
+
+
+def test_verify_healthy_and_corrupt(store_dir: Path, capsys) -> None:
+    code, doc = run_json(capsys, "verify", str(store_dir), "--all")
+    assert code == 0 and all(r["ok"] for r in doc["checkpoints"])
+    pack = corrupt_newest(store_dir)
+    code, doc = run_json(capsys, "verify", str(store_dir))
+    assert code == 1
+    (report,) = doc["checkpoints"]
+    assert report["step"] == 30 and not report["ok"]
+    assert any(pack in e for e in report["errors"])
+    code, doc = run_json(capsys, "verify", str(store_dir), "20")
+    assert code == 0
+
+
+def test_diff(store_dir: Path, capsys) -> None:
+    code, doc = run_json(capsys, "diff", str(store_dir), "10", "30")
+    assert code == 0
+    paths = {r["path"]: r["change"] for r in doc["tensors"]}
+    assert paths["state['state_dict']['layer.weight']"] == "changed"
+    assert "state['state_dict']['layer.bias']" not in paths
+    assert doc["plain_values_equal"] is False
+
+
+@pytest.mark.parametrize("fmt", ["torch", "lightning", "safetensors"])
+def test_export_round_trips(store_dir: Path, tmp_path: Path, capsys, fmt: str) -> None:
+    target = tmp_path / f"out.{fmt}"
+    code, doc = run_json(
+        capsys, "export", str(store_dir), "20", "--to", str(target), "--format", fmt
+    )
+    assert code == 0 and doc["step"] == 20 and target.stat().st_size == doc["bytes"]
+    expected = CheckpointStore(str(store_dir)).load(20)
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        loaded = load_file(str(target))
+        assert set(loaded) == {
+            "state_dict.layer.weight",
+            "state_dict.layer.bias",
+            "state_dict.steps",
+        }
+        for key, tensor in expected["state_dict"].items():
+            assert_state_equal(loaded[f"state_dict.{key}"], tensor)
+    else:
+        assert_state_equal(torch.load(target, weights_only=True), expected)
+
+
+def test_export_lightning_needs_a_lightning_checkpoint(tmp_path: Path, capsys) -> None:
+    with CheckpointStore(str(tmp_path / "s")) as store:
+        store.save({"w": torch.ones(2)}, 1).wait()
+    assert (
+        main(["export", str(tmp_path / "s"), "--to", str(tmp_path / "x"), "--format", "lightning"])
+        == 2
+    )
+    assert "not a Lightning checkpoint" in capsys.readouterr().err
+
+
+def test_compact_then_gc(store_dir: Path, capsys) -> None:
+    code, doc = run_json(capsys, "compact", str(store_dir))
+    assert code == 0 and doc["compacted"] and doc["step"] == 30, doc
+    code, doc = run_json(capsys, "gc", str(store_dir), "--keep-last", "1", "--grace", "0")
+    assert code == 0 and doc["removed_steps"] == [10, 20] and doc["removed_objects"] > 0
+    assert_state_equal(CheckpointStore(str(store_dir)).load(), lightning_like(30))
+    code, doc = run_json(capsys, "gc", str(store_dir), "--dry-run")
+    assert code == 0 and doc["dry_run"] and doc["removed_objects"] == 0
+
+
+def test_errors_and_exit_codes(tmp_path: Path, store_dir: Path, capsys) -> None:
+    assert main(["ls", str(tmp_path / "missing")]) == 3
+    assert "no checkpoint store" in capsys.readouterr().err
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "x.txt").write_text("x")
+    assert main(["verify", str(tmp_path / "plain")]) == 3
+    assert "not a lightning-incremental checkpoint store" in capsys.readouterr().err
+    assert main(["inspect", str(store_dir), "25"]) == 3
+    assert "committed steps: 10, 20, 30" in capsys.readouterr().err
+    assert main(["ls", "nosuchproto://x"]) == 2
+    assert main(["ls", str(store_dir), "--storage-option", "novalue"]) == 2
+    assert main(["verify", str(store_dir), "10", "--all"]) == 2
+    with pytest.raises(SystemExit) as exited:
+        main(["frobnicate", str(store_dir)])
+    assert exited.value.code == 2
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, COLUMNS="120")
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_incremental.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+
+
+def test_the_command_in_a_subprocess(store_dir: Path, tmp_path: Path) -> None:
+    listed = _cli("ls", str(store_dir))
+    assert listed.returncode == 0 and "30" in listed.stdout
+    assert "\x1b[" not in listed.stdout, "no terminal: no colour codes"
+    verified = _cli("verify", str(store_dir), "--all", "--json")
+    assert verified.returncode == 0
+    assert [r["step"] for r in json.loads(verified.stdout)["checkpoints"]] == [10, 20, 30]
+    corrupt_newest(store_dir)
+    broken = _cli("verify", str(store_dir))
+    assert broken.returncode == 1 and "CORRUPT" in broken.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["inspect", "{store}"], 0),
+        (["diff", "{store}", "10", "20"], 0),
+        (["export", "{store}", "--to", "{tmp}/x.pt"], 0),
+        (["compact", "{store}"], 0),
+        (["gc", "{store}", "--keep-last", "2"], 0),
+        (["ls", "{tmp}/missing"], 3),
+    ],
+)
+def test_every_command_in_a_subprocess(store_dir: Path, tmp_path: Path, argv, code) -> None:
+    result = _cli(*(a.format(store=store_dir, tmp=tmp_path) for a in argv))
+    assert result.returncode == code, result.stdout + result.stderr

@@ -1,0 +1,270 @@
+"""Pointer files: the small JSON files at Lightning's checkpoint paths, each naming one step of
+the engine store next to it; and the few file operations they need, on local disks and fsspec
+URLs. Framework-free: used by :mod:`lightning_incremental.checkpoint_io`.
+
+A pointer file::
+
+    {"format": "lightning-incremental-pointer", "version": 1, "store": ".incremental",
+     "step": 7, "id": "<32 hex digits>", "global_step": 400, "epoch": 3}
+
+``store`` is one plain directory name, resolved against the pointer's own directory: a pointer
+cannot name anything outside it. ``id`` is a random identifier that the checkpoint's manifest
+records too (audit metadata ``checkpoint_id``), so that a pointer copied next to another run's
+store, whose step numbers overlap, is detected instead of loading the wrong checkpoint.
+``global_step`` and ``epoch`` repeat the checkpoint's own, for people and tools.
+
+Pointer files are JSON objects (first byte ``{``); ``torch.save`` files start with a zip or
+pickle header, so the two are told apart by their first bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from lightning_incremental.core import CheckpointError, CorruptCheckpointError, FormatVersionError
+
+POINTER_FORMAT = "lightning-incremental-pointer"
+POINTER_VERSION = 1
+MAX_POINTER_BYTES = 64 * 1024
+_STORE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
+_TMP_SUFFIX = ".li-tmp"  # not ".ckpt": Lightning's "last*.ckpt" search never sees one
+_TMP = re.compile(r"^\..*\.[0-9a-f]{32}\.li-tmp$")
+_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class PointerError(CorruptCheckpointError):
+    """A pointer file that is malformed, names a store outside its own directory, or names a
+    checkpoint of another history."""
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """What a checkpoint file at a Lightning path holds: where its checkpoint is."""
+
+    store: str
+    step: int
+    id: str | None = None  # also recorded in the checkpoint's manifest (audit metadata)
+    global_step: int | None = None
+    epoch: int | None = None
+
+    def dumps(self) -> bytes:
+        body = {
+            "format": POINTER_FORMAT,
+            "version": POINTER_VERSION,
+            "store": self.store,
+            "step": self.step,
+            "id": self.id,
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+        }
+        return (json.dumps(body, indent=1) + "\n").encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> Pointer:
+        """Raises: PointerError, FormatVersionError."""
+        if len(data) > MAX_POINTER_BYTES:
+            raise PointerError(
+                f"{where} is not a valid pointer file: larger than {MAX_POINTER_BYTES}"
+            )
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise PointerError(f"{where} is not a valid pointer file: {exc}") from exc
+        if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
+            raise PointerError(
+                f"{where} is JSON but not a lightning-incremental pointer file (its 'format' is "
+                f"not {POINTER_FORMAT!r})"
+            )
+        version = doc.get("version")
+        if not is_int(version) or version < 1:
+            raise PointerError(f"{where}: 'version' must be an int >= 1, got {version!r}")
+        if version > POINTER_VERSION:
+            raise FormatVersionError(
+                f"{where} is pointer format version {version}, newer than this library reads "
+                f"({POINTER_VERSION}); upgrade lightning-incremental"
+            )
+        store = doc.get("store")
+        if not isinstance(store, str) or not valid_store_name(store):
+            raise PointerError(
+                f"{where} names the store {store!r}: a pointer may only name a store directory "
+                "next to it (one plain path component, no '/', '..' or URL), so it cannot point "
+                "outside its own directory"
+            )
+        step = doc.get("step")
+        if not is_int(step) or step < 0:
+            raise PointerError(f"{where}: 'step' must be an int >= 0, got {step!r}")
+        ident = doc.get("id")
+        if ident is not None and not (isinstance(ident, str) and _ID.match(ident)):
+            raise PointerError(f"{where}: 'id' must be 32 hex digits or null, got {ident!r}")
+        progress = {}
+        for key in ("global_step", "epoch"):
+            value = doc.get(key)
+            if value is not None and not is_int(value):
+                raise PointerError(f"{where}: {key!r} must be an int or null, got {value!r}")
+            progress[key] = value
+        return cls(store, step, ident, **progress)
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    """A checkpoint path on a local disk or an fsspec filesystem."""
+
+    fs: Any
+    path: str  # the filesystem's own path (local: absolute)
+    display: str  # as the user wrote it
+    url_prefix: str  # "" for local files, "proto://" for fsspec URLs
+
+    @classmethod
+    def of(
+        cls, text: str, storage_options: dict[str, Any] | None, *, resolve: bool
+    ) -> CheckpointFile:
+        if not text or text.endswith(("/", os.sep)):
+            raise ValueError(f"a checkpoint path must name a file, got {text!r}")
+        match = _SCHEME.match(text)
+        if match is None or match.group(1).lower() == "file":
+            local = text[len("file://") :] if match else text
+            local = os.path.abspath(os.path.expanduser(local))
+            if resolve:
+                local = os.path.realpath(local)
+            else:  # the file itself may be a link this call replaces; its directory is resolved
+                local = os.path.join(
+                    os.path.realpath(os.path.dirname(local)), os.path.basename(local)
+                )
+            return cls(LocalFileSystem(), local, text, "")
+        fs, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
+        if isinstance(fs, LocalFileSystem):
+            return cls.of(path, None, resolve=resolve)
+        return cls(fs, path, text, f"{match.group(1)}://")
+
+    @property
+    def local(self) -> bool:
+        return not self.url_prefix
+
+    @property
+    def key(self) -> str:
+        return self.url_prefix + self.path
+
+    @property
+    def parts(self) -> list[str]:
+        return self.path.replace(os.sep, "/").split("/")[:-1]
+
+    @property
+    def path_url(self) -> str:
+        return self.url_prefix + self.path
+
+    def _dir(self) -> str:
+        return os.path.dirname(self.path) if self.local else posixpath.dirname(self.path)
+
+    def store_url(self, store_name: str) -> str:
+        if self.local:
+            return os.path.join(self._dir(), store_name)
+        return f"{self.url_prefix}{posixpath.join(self._dir(), store_name)}"
+
+    def isdir(self) -> bool:
+        return bool(self.fs.isdir(self.path))
+
+    def islink(self) -> bool:
+        return self.local and os.path.islink(self.path)
+
+    def head(self) -> bytes | None:
+        """The first bytes of the file; None when there is no file."""
+        try:
+            with self.fs.open(self.path, "rb") as fh:
+                return bytes(fh.read(16))
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def read(self) -> bytes:
+        with self.fs.open(self.path, "rb") as fh:
+            return bytes(fh.read(MAX_POINTER_BYTES + 1))
+
+    def remove(self) -> None:
+        try:
+            self.fs.rm_file(self.path)
+        except FileNotFoundError:
+            pass
+
+    def makedirs(self) -> None:
+        """Create the file's directory (ModelCheckpoint links into it right after a save)."""
+        self.fs.makedirs(self._dir(), exist_ok=True)
+
+    def write_atomic(self, data: bytes, *, fsync: bool) -> None:
+        directory = self._dir()
+        if not self.local:
+            self.fs.makedirs(directory, exist_ok=True)
+            self.fs.pipe_file(self.path, data)  # one PUT: atomic on object stores
+            return
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(
+            directory, f".{os.path.basename(self.path)}.{uuid.uuid4().hex}{_TMP_SUFFIX}"
+        )
+        try:
+            with open(tmp, "xb") as fh:
+                fh.write(data)
+                fh.flush()
+                if fsync:
+                    os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        if fsync:  # make the rename durable, as the engine does for its objects
+            try:
+                fd = os.open(directory, os.O_RDONLY)
+            except OSError:
+                return  # a platform that cannot open directories: the file itself was fsynced
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass  # some filesystems cannot fsync a directory (same policy as the engine)
+            finally:
+                os.close(fd)
+
+    def sibling_pointers(self) -> set[tuple[str, int]]:
+        """(store, step) named by every readable pointer file in this file's directory."""
+        found: set[tuple[str, int]] = set()
+        try:
+            entries = self.fs.ls(self._dir(), detail=True)
+        except FileNotFoundError:
+            return found
+        for info in entries:
+            name = info["name"]
+            if info.get("type") == "directory" or (info.get("size") or 0) > MAX_POINTER_BYTES:
+                continue
+            if _TMP.match(posixpath.basename(name)):
+                continue  # a pointer write that never completed names nothing
+            try:
+                with self.fs.open(name, "rb") as fh:
+                    data = bytes(fh.read(MAX_POINTER_BYTES + 1))
+                if looks_like_pointer(data):
+                    pointer = Pointer.parse(data, name)
+                    found.add((pointer.store, pointer.step))
+            except (OSError, CheckpointError):
+                continue  # dangling links, files vanishing meanwhile, other JSON files
+        return found
+
+
+def looks_like_pointer(head: bytes) -> bool:
+    """Pointer files are JSON objects; torch.save files start with a zip or pickle header."""
+    return head.lstrip()[:1] == b"{"
+
+
+def valid_store_name(name: str) -> bool:
+    return bool(_STORE_NAME.match(name)) and name not in (".", "..") and ".." not in name
+
+
+def is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)

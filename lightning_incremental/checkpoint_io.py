@@ -1,0 +1,597 @@
+"""IncrementalCheckpointIO: a Lightning ``CheckpointIO`` that saves through the engine.
+
+``Trainer(plugins=[IncrementalCheckpointIO()])`` makes every ``trainer.save_checkpoint`` —
+ModelCheckpoint's top-k, ``save_last`` and periodic saves included — incremental, with no other
+change to the user's code.
+
+How paths map to checkpoints
+----------------------------
+Lightning addresses checkpoints by file path and finds them by listing directories (``"last"``
+is the newest ``last*.ckpt`` file, ``best_model_path`` is a path, every ``fit/validate/test/
+predict(ckpt_path=...)`` checks that the file exists). So each path stays a real file:
+
+- every directory that checkpoints are saved to holds one engine store, in the hidden
+  sub-directory ``<dir>/.incremental`` (``store_name``);
+- each save becomes the next step of that store: steps are a sequence number (0, 1, 2, ...),
+  not the global step, because ModelCheckpoint saves the same global step under several names
+  (a top-k file and ``last.ckpt``); the second save costs a manifest, since nothing changed;
+- at the path Lightning asked for, a small JSON *pointer file* names the store (relative to the
+  pointer's own directory, so a checkpoint directory can be moved or copied whole) and the step::
+
+      {"format": "lightning-incremental-pointer", "version": 1, "store": ".incremental",
+       "step": 7, "id": "<32 hex digits>", "global_step": 400, "epoch": 3}
+
+  It is written only after the checkpoint committed, atomically (a temporary file renamed into
+  place on local disks, one PUT on object stores). A crash before that leaves no file, just a
+  committed step without a name (it is still loadable: pass the store directory as
+  ``ckpt_path`` to load its newest checkpoint).
+
+``load_checkpoint(path)`` reads the pointer, validates it (format, version, a store name that
+cannot leave the directory, an id that the step's manifest must record) and returns the complete
+checkpoint dict with bit-identical tensors. A path that is a plain ``torch.save`` file (no
+pointer) is loaded by Lightning's ``TorchCheckpointIO``, so runs can resume from checkpoints
+written before this plug-in was added. A path that is a store directory loads its newest
+committed checkpoint.
+
+``remove_checkpoint(path)`` (top-k rotation, replaced ``last`` files) deletes the pointer file,
+then the step, unless another pointer file in the directory names the same step (a ``last.ckpt``
+copy). Overwriting a pointer (ModelCheckpoint rewrites ``last.ckpt``) releases the old step the
+same way. The engine deletes a step's objects only when no remaining checkpoint needs them, so a
+removal never breaks a kept checkpoint.
+
+Async
+-----
+``save_checkpoint`` blocks only while the engine snapshots the state (one host copy, no second
+device copy); encoding, writing and the pointer file happen in the background. As with
+Lightning's ``AsyncCheckpointIO``, the file at ``path`` appears when the checkpoint committed:
+a background error is raised by the next ``save_checkpoint``/``load_checkpoint``/
+``remove_checkpoint``, by :meth:`IncrementalCheckpointIO.wait`, or by ``teardown`` (which
+Lightning calls at the end of every ``fit/validate/test/predict``, also when they fail) — never
+lost. ``teardown`` waits for every pending save, writes its pointer, and closes the stores; the
+plug-in reopens them on next use. After calling ``trainer.save_checkpoint`` outside of a
+Trainer stage, call :meth:`IncrementalCheckpointIO.wait` to be sure the file is there.
+
+What is covered
+---------------
+Lightning calls a ``CheckpointIO`` only from strategies that save one full checkpoint on global
+rank 0: single device, DDP (all its launchers, ``ddp_spawn`` included) and similar. Lightning
+gives a ``CheckpointIO`` no setup hook, so it cannot see the strategy; these are *not* covered:
+
+- ``DeepSpeedStrategy``: saves and loads with DeepSpeed's own checkpointing, never calling the
+  plug-in (its checkpoints stay DeepSpeed directories);
+- ``FSDPStrategy``/``ModelParallelStrategy`` with sharded state (their default): the same, with
+  ``torch.distributed.checkpoint``;
+- ``FSDPStrategy(state_dict_type="full")`` / ``ModelParallelStrategy(save_distributed_checkpoint
+  =False)``: saves through the plug-in but loads with ``torch.load`` directly, which fails on a
+  pointer file — do not combine them with this plug-in.
+
+The ``IncrementalCheckpoint`` callback covers these strategies where it can.
+
+Storage options and pickles
+---------------------------
+fsspec ``storage_options`` (credentials, endpoint) are given once, at construction, and used
+for stores and pointer files. Passing them per call (``trainer.save_checkpoint(...,
+storage_options=...)``) raises ``TypeError``, as ``TorchCheckpointIO`` does, rather than being
+ignored. Checkpoints hold data only and load without executing code; a value that needs pickle
+(e.g. an ``argparse.Namespace`` in ``hyper_parameters``) is an error naming its key, unless
+``allow_pickle=True``.
+
+One writer per directory: two processes saving to the same directory at once conflict on
+steps (the engine refuses the second, nothing is overwritten).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+from lightning_incremental._pointers import (
+    CheckpointFile,
+    Pointer,
+    PointerError,
+    is_int,
+    looks_like_pointer,
+    valid_store_name,
+)
+from lightning_incremental.core import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointStore,
+    ConfigError,
+    PickleNotAllowedError,
+    StoreConfig,
+    UnsupportedValueError,
+)
+
+log = logging.getLogger(__name__)
+
+_RUNTIME = ("_lock", "_stores", "_executor", "_jobs", "_pending")  # not pickled
+
+__all__ = ["IncrementalCheckpointIO", "PointerError"]
+
+
+class IncrementalCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` writing incremental, verified checkpoints through the engine.
+
+    ``Trainer(plugins=[IncrementalCheckpointIO()])``: ModelCheckpoint and
+    ``trainer.save_checkpoint`` keep their paths; each path becomes a small pointer file and the
+    data goes to one :class:`~lightning_incremental.core.CheckpointStore` per directory, in
+    ``<dir>/<store_name>``. See the module documentation for the mapping and what is covered.
+
+    Args:
+        storage_options: fsspec options (credentials, endpoint, ...) for checkpoint paths that
+            are URLs (``s3://...``); used for the stores and the pointer files.
+        allow_pickle: save values that only pickle can hold (and load checkpoints holding them).
+            Loading a pickle executes code: only for checkpoints every reader trusts.
+        store_name: name of the store directory created next to the checkpoint files.
+        **options: :class:`~lightning_incremental.core.StoreConfig` fields (``chunk_size``,
+            ``full_every``, ``xor_base_memory``, ``max_in_flight``, ``fsync``, ...).
+            ``keep_last`` is not accepted: what is kept is decided by ModelCheckpoint's
+            ``save_top_k``, through ``remove_checkpoint``.
+
+    Raises:
+        TypeError: ``storage_options`` is not a dict or None.
+        ConfigError: an invalid option or ``store_name``.
+    """
+
+    def __init__(
+        self,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+        store_name: str = ".incremental",
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(
+                f"storage_options must be a dict of fsspec options or None, got "
+                f"{type(storage_options).__name__}"
+            )
+        if not isinstance(store_name, str) or not valid_store_name(store_name):
+            raise ConfigError(
+                f"store_name must be one plain directory name (letters, digits, '_', '-', '.'; "
+                f"not '.' or '..'), got {store_name!r}"
+            )
+        if "keep_last" in options:
+            raise ConfigError(
+                "keep_last is not an option of IncrementalCheckpointIO: checkpoints are kept or "
+                "removed by Lightning (ModelCheckpoint(save_top_k=...)); the store keeps exactly "
+                "the checkpoints that files point to"
+            )
+        if not isinstance(allow_pickle, bool):
+            raise ConfigError(f"allow_pickle must be True or False, got {allow_pickle!r}")
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.allow_pickle = allow_pickle
+        self.store_name = store_name
+        self.config = StoreConfig(allow_pickle=allow_pickle).replace(**options)
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:  # the names are listed in _RUNTIME
+        self._lock = threading.Lock()
+        self._stores: dict[str, _OpenStore] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._jobs: list[Future[None]] = []  # background work, oldest first
+        self._pending: dict[str, Future[None]] = {}  # path -> its save's pointer job
+
+    # ------------------------------------------------------------------ CheckpointIO
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Snapshot ``checkpoint`` into the directory's store; its pointer file is written at
+        ``path`` once the checkpoint committed, in the background.
+
+        Raises:
+            TypeError: ``storage_options`` were passed (give them to the constructor).
+            UnsupportedValueError: a value that needs pickle, without ``allow_pickle``.
+            Exception: the error of an earlier background save, not delivered yet.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
+                "IncrementalCheckpointIO: pass fsspec options once, as "
+                "IncrementalCheckpointIO(storage_options=...)"
+            )
+        target = self._file(path)
+        if self.store_name in target.parts:
+            raise ValueError(
+                f"cannot save a checkpoint file inside the store directory {self.store_name!r} "
+                f"({target.display}); save it next to the store"
+            )
+        target.makedirs()  # at once, as TorchCheckpointIO: the file itself comes later
+        entry = self._store(target.store_url(self.store_name))
+        # Back-pressure, as the engine's (max_in_flight): the oldest saves must finish first,
+        # and their pointers land, so that their errors are raised here, before this save.
+        while len(entry.saving) >= self.config.max_in_flight:
+            entry.saving.popleft().exception()
+        self._raise_failed()
+        with entry.lock:
+            step = entry.next_step(lambda: target.sibling_pointers(), self.store_name)
+            pointer = Pointer(self.store_name, step, uuid.uuid4().hex, **_progress(checkpoint))
+            try:
+                handle = entry.store.save(
+                    checkpoint,
+                    step,
+                    metadata={
+                        "path": target.display,
+                        "checkpoint_id": pointer.id,
+                        "global_step": pointer.global_step,
+                        "epoch": pointer.epoch,
+                    },
+                )
+            except UnsupportedValueError as exc:
+                raise UnsupportedValueError(
+                    f"cannot save checkpoint {target.display}: {exc}\n"
+                    "With IncrementalCheckpointIO: make the value plain data (for "
+                    "hyper-parameters, e.g. self.save_hyperparameters(vars(args)) or "
+                    "save_hyperparameters(ignore=[...])), or construct "
+                    "IncrementalCheckpointIO(allow_pickle=True) if every reader trusts these "
+                    "checkpoints."
+                ) from exc
+            entry.reserved = step + 1
+
+        def finish() -> None:
+            handle.wait()
+            self._publish(target, entry, pointer)
+
+        job = self._submit(finish, f"saving {target.display}")
+        entry.saving.append(job)
+        with self._lock:
+            self._pending[target.key] = job
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """The complete checkpoint dict saved at ``path`` (bit-identical tensors).
+
+        Args:
+            path: a pointer file written by this plug-in, a plain ``torch.save`` checkpoint, or
+                a store directory (its newest committed checkpoint).
+            map_location: like ``torch.load``'s; ``None`` loads tensors to the CPU, as
+                Lightning's ``TorchCheckpointIO`` does.
+            weights_only: ``True`` refuses pickled values even with ``allow_pickle``; passed
+                through for plain ``torch.save`` files.
+
+        Raises:
+            FileNotFoundError: no file at ``path`` (``CheckpointNotFoundError`` when a pointer
+                names a step that is not in its store, or the store is missing or empty).
+            PointerError: a malformed pointer, or one naming a store outside its directory.
+            PickleNotAllowedError: the checkpoint holds pickles and they are not allowed.
+            CorruptCheckpointError: the checkpoint cannot be restored bit-exactly.
+        """
+        self.wait()
+        source = self._file(path, resolve=True)
+        if source.isdir():
+            return self._load_store(source.path_url, None, map_location, weights_only, source)
+        head = source.head()
+        if head is None:
+            raise FileNotFoundError(f"Checkpoint file not found: {source.display}")
+        if not looks_like_pointer(head):
+            return TorchCheckpointIO().load_checkpoint(
+                source.path,
+                map_location=_to_cpu if map_location is None else map_location,
+                weights_only=weights_only,
+            )
+        pointer = Pointer.parse(source.read(), source.display)
+        url = source.store_url(pointer.store)
+        if pointer.id is not None:
+            self._check_identity(url, pointer, source)
+        return self._load_store(url, pointer.step, map_location, weights_only, source)
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Delete the checkpoint file at ``path``; then, in the background, its step, unless
+        another pointer file in the directory names it. A symbolic link is only unlinked; a plain
+        ``torch.save`` file is removed as ``TorchCheckpointIO`` would.
+
+        Raises:
+            Exception: the error of an earlier background save, not delivered yet.
+        """
+        target = self._file(path)
+        pending = self._pending.get(target.key)
+        if pending is not None:
+            pending.exception()  # its pointer must land before it can be removed
+        self._raise_failed()
+        if target.islink():
+            target.remove()
+            return
+        head = target.head()
+        if head is None:
+            return
+        if not looks_like_pointer(head):
+            TorchCheckpointIO().remove_checkpoint(target.path)
+            return
+        try:
+            pointer = Pointer.parse(target.read(), target.display)
+        except CheckpointError as exc:
+            log.warning("removing %s, which is not a valid pointer file: %s", target.display, exc)
+            target.remove()
+            return
+        target.remove()
+        entry = self._store(target.store_url(pointer.store))
+        self._submit(
+            lambda: self._release(target, entry, pointer.store, pointer.step),
+            f"removing {target.display}",
+        )
+
+    @override
+    def teardown(self) -> None:
+        """Wait for every pending save and its pointer file, close the stores (the plug-in
+        reopens them on next use), then raise the first background error not delivered yet.
+
+        Raises:
+            Exception: the first background error (the others are logged).
+        """
+        errors: list[BaseException] = []
+        try:
+            self.wait()
+        except BaseException as exc:
+            errors.append(exc)
+        errors.extend(self._undelivered())
+        with self._lock:
+            stores, self._stores = list(self._stores.values()), {}
+            executor, self._executor = self._executor, None
+            self._jobs, self._pending = [], {}
+        if executor is not None:
+            executor.shutdown(wait=True)
+        for entry in stores:
+            try:
+                entry.store.close()
+            except BaseException as exc:
+                errors.append(exc)
+        for extra in errors[1:]:
+            log.error("another checkpoint error during teardown: %r", extra)
+        if errors:
+            raise errors[0]
+
+    # ------------------------------------------------------------------ public helpers
+
+    def wait(self) -> None:
+        """Block until every background save committed and its pointer file is written.
+
+        Raises:
+            Exception: the first background error not delivered yet.
+        """
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.exception()
+        self._raise_failed()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (``ddp_spawn`` sends the Trainer to its workers): without open stores,
+        threads and pending work, which the copy recreates on use."""
+        self.wait()  # what is sent must not depend on saves still in flight
+        state = dict(self.__dict__)
+        for name in _RUNTIME:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    def __repr__(self) -> str:
+        return f"IncrementalCheckpointIO(store_name={self.store_name!r})"
+
+    # ------------------------------------------------------------------ internals
+
+    def _open_store(self, url: str, config: StoreConfig) -> CheckpointStore:
+        """The engine store at ``url`` (an extension point, e.g. for instrumented storage)."""
+        return CheckpointStore(url, storage_options=self.storage_options, config=config)
+
+    def _store(self, url: str) -> _OpenStore:
+        with self._lock:
+            entry = self._stores.get(url)
+            if entry is None:
+                entry = _OpenStore(self._open_store(url, self.config))
+                self._stores[url] = entry
+            return entry
+
+    def _file(self, path: _PATH, *, resolve: bool = False) -> CheckpointFile:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"a checkpoint path must be a str or path, got {type(path).__name__}")
+        return CheckpointFile.of(os.fspath(path), self.storage_options, resolve=resolve)
+
+    def _load_store(
+        self,
+        url: str,
+        step: int | None,
+        map_location: Any,
+        weights_only: bool | None,
+        source: CheckpointFile,
+    ) -> dict[str, Any]:
+        what = f"step {step} of {url}" if step is not None else f"the newest checkpoint of {url}"
+        location = "cpu" if map_location is None else map_location
+        try:
+            if weights_only and self.allow_pickle:  # a one-off reader that refuses pickles
+                with self._open_store(url, self.config.replace(allow_pickle=False)) as store:
+                    return store.load(step, map_location=location)
+            entry = self._store(url)
+            return entry.store.load(step, map_location=location)
+        except PickleNotAllowedError as exc:
+            hint = (
+                "it was loaded with weights_only=True"
+                if self.allow_pickle
+                else "construct IncrementalCheckpointIO(allow_pickle=True) to load it"
+            )
+            raise PickleNotAllowedError(
+                f"cannot load {source.display} ({what}): {exc}; {hint}, only if you trust it"
+            ) from exc
+        except CheckpointError as exc:
+            raise _rewrap(exc, f"cannot load {source.display} ({what}): {exc}") from exc
+
+    def _check_identity(self, url: str, pointer: Pointer, source: CheckpointFile) -> None:
+        """The step's manifest must record the pointer's id: step numbers of different stores
+        overlap, and a pointer copied next to another store would load the wrong checkpoint.
+
+        Raises:
+            PointerError: another checkpoint. CheckpointError: the step cannot be read.
+        """
+        try:
+            audit = self._store(url).store.manifest(pointer.step).get("audit", {})
+        except CheckpointError as exc:
+            raise _rewrap(
+                exc, f"cannot load {source.display} (step {pointer.step} of {url}): {exc}"
+            ) from exc
+        metadata = audit.get("metadata") if isinstance(audit, dict) else None
+        recorded = metadata.get("checkpoint_id") if isinstance(metadata, dict) else None
+        if recorded != pointer.id:
+            raise PointerError(
+                f"{source.display} names step {pointer.step} of {url}, but that step is another "
+                f"checkpoint (id {recorded}, not {pointer.id}): the pointer file was copied "
+                "from another checkpoint directory or run; copy a checkpoint directory whole, "
+                f"with its {pointer.store} store"
+            )
+
+    def _publish(self, target: CheckpointFile, entry: _OpenStore, pointer: Pointer) -> None:
+        """After the commit: write the pointer; release the step it replaces."""
+        old: Pointer | None = None
+        head = target.head()
+        if head is not None and looks_like_pointer(head) and not target.islink():
+            try:
+                old = Pointer.parse(target.read(), target.display)
+            except CheckpointError:
+                old = None
+        target.write_atomic(pointer.dumps(), fsync=self.config.fsync)
+        if old is not None and old.store == pointer.store and old.step != pointer.step:
+            self._release(target, entry, old.store, old.step)
+
+    def _release(
+        self, target: CheckpointFile, entry: _OpenStore, store_name: str, step: int
+    ) -> None:
+        """Delete ``step`` unless a pointer file next to ``target`` still names it."""
+        if (store_name, step) in target.sibling_pointers():
+            log.debug("keeping step %d of %s: another pointer file names it", step, store_name)
+            return
+        with entry.lock:  # no save may start while the engine deletes unreferenced objects
+            try:
+                entry.store.delete(step)
+            except CheckpointNotFoundError:
+                log.debug("step %d of %s was already deleted", step, entry.store.url)
+
+    def _submit(self, work: Callable[[], None], what: str) -> Future[None]:
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:
+                log.error("IncrementalCheckpointIO: %s failed: %s", what, exc)
+                raise
+
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="li-checkpoint-io")
+                _drain_at_exit(self)
+            # finished jobs stay only while their error is undelivered
+            self._jobs = [j for j in self._jobs if not j.done() or j.exception() is not None]
+            self._pending = {k: j for k, j in self._pending.items() if not j.done()}
+            job = self._executor.submit(run)
+            self._jobs.append(job)
+        return job
+
+    def _undelivered(self) -> list[BaseException]:
+        """Errors of finished jobs, each returned once."""
+        with self._lock:
+            done = [j for j in self._jobs if j.done()]
+            self._jobs = [j for j in self._jobs if j not in done]
+        return [e for e in (j.exception() for j in done) if e is not None]
+
+    def _raise_failed(self) -> None:
+        errors = self._undelivered()
+        for extra in errors[1:]:
+            log.error("another background checkpoint error: %r", extra)
+        if errors:
+            raise errors[0]
+
+
+class _OpenStore:
+    """One directory's store, the lock that orders saves against deletes, the next step."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+        self.lock = threading.Lock()
+        self.reserved: int | None = None
+        self.saving: deque[Future[None]] = deque()  # this store's saves, oldest first
+
+    def next_step(self, pointers: Callable[[], set[tuple[str, int]]], store_name: str) -> int:
+        """After every committed step and every step a pointer file names (a step deleted
+        from the store is not reused while a stale pointer might still name it)."""
+        if self.reserved is None:
+            named = [step for store, step in pointers() if store == store_name]
+            self.reserved = max([-1, *self.store.steps(), *named]) + 1
+        return self.reserved
+
+
+_LIVE: weakref.WeakSet[IncrementalCheckpointIO] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+_hooked = False
+
+
+def _drain_at_exit(plugin: IncrementalCheckpointIO) -> None:
+    """Let saves still in flight when the interpreter exits commit and get their pointer file.
+
+    A save made after ``teardown`` (``trainer.save_checkpoint`` after ``fit``, ``ddp_spawn``
+    handing the weights back to the main process) may still be running when the script ends.
+    Interpreter shutdown first stops thread pools from taking new work, which would fail it;
+    this hook runs before that (``threading``'s exit hooks run last-registered first, after
+    ``concurrent.futures`` registered its own at import).
+    """
+    global _hooked
+    with _LIVE_LOCK:
+        _LIVE.add(plugin)
+        if _hooked:
+            return
+        try:
+            threading._register_atexit(_drain_all)  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):  # no such hook, or already shutting down
+            return
+        _hooked = True
+
+
+def _drain_all() -> None:
+    with _LIVE_LOCK:
+        plugins = list(_LIVE)
+    for plugin in plugins:
+        with plugin._lock:
+            jobs = list(plugin._jobs)
+        for job in jobs:
+            job.exception()  # failures were logged when they happened
+
+
+def _progress(checkpoint: Any) -> dict[str, int | None]:
+    """The checkpoint's global step and epoch, when it records them as ints."""
+    out: dict[str, int | None] = {}
+    for key in ("global_step", "epoch"):
+        value = checkpoint.get(key) if isinstance(checkpoint, dict) else None
+        out[key] = value if is_int(value) else None
+    return out
+
+
+def _rewrap(exc: CheckpointError, message: str) -> CheckpointError:
+    """The same kind of error, with the Lightning path it was about."""
+    try:
+        return type(exc)(message)
+    except TypeError:
+        return CheckpointError(message)
+
+
+def _to_cpu(storage: Any, location: str) -> Any:
+    return storage

@@ -7,13 +7,21 @@ import pytest
 import torch
 
 from lightning_incremental.core import CheckpointStore
+from tests.s3_server import s3_bucket, s3_defaults, s3_endpoint, s3_faults  # noqa: F401
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def store_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
-    """A fresh store location on each storage backend of the conformance suite."""
+    """A fresh store location on each storage backend of the conformance suite. The S3 store
+    is in a new bucket of the loopback endpoint (tests/s3_server.py), whose options are
+    fsspec's defaults for s3:// meanwhile, so the bare URL opens it."""
     if request.param == "local":
         yield str(tmp_path / "store")
+    elif request.param == "s3":
+        endpoint = request.getfixturevalue("s3_endpoint")
+        bucket = request.getfixturevalue("s3_bucket")
+        with s3_defaults(endpoint.options()):
+            yield f"s3://{bucket}/store"
     else:
         url = f"memory://li-test-{uuid.uuid4().hex}"
         yield url
@@ -75,3 +83,11 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
     dense = torch.empty(src.shape, dtype=src.dtype)
     dense.copy_(src)
     return dense.reshape(-1).view(torch.uint8)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fault-injection suite's S3 variants repeat, over HTTP, what the S3 suite already
+    covers with faults at the HTTP level: they run in the full suite, not the quick subset."""
+    for item in items:
+        if item.nodeid.startswith("tests/test_faults.py") and "[s3" in item.nodeid:
+            item.add_marker(pytest.mark.slow)

@@ -1,5 +1,5 @@
 """One conformance suite for every storage backend (the ``store_url`` fixture: local directory,
-``memory://``; S3 joins by adding a fixture param). Backend-agnostic: only the public
+``memory://``, and ``s3://`` on moto's server on loopback). Backend-agnostic: only the public
 ``open_storage`` / ``Storage`` interface and the ``CheckpointStore`` API are used.
 
 Part 1 pins the Storage interface the engine relies on; part 2 runs whole-store round trips.

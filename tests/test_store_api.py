@@ -452,3 +452,65 @@ def test_delete_one_checkpoint_keeps_the_others_exact(local_url: str) -> None:
         store.delete(5)
         store.gc()
         assert_state_equal(store.load(), saved[3])
+
+
+def test_a_save_pending_at_interpreter_exit_commits(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from lightning_incremental.core import CheckpointStore\n"
+        f"store = CheckpointStore({str(tmp_path / 's')!r})\n"
+        "store.save({'w': torch.arange(1_000_000, dtype=torch.float32)}, 7)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert "failed" not in out.stderr
+    with CheckpointStore(str(tmp_path / "s")) as store:
+        assert torch.equal(store.load(7)["w"], torch.arange(1_000_000, dtype=torch.float32))
+
+
+def test_state_dict_metadata_survives(store_url: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    state = {"model": model.state_dict()}
+    with small_store(store_url) as store:
+        store.save(state, 1).wait()
+        restored = store.load(1)["model"]
+    assert restored._metadata == state["model"]._metadata
+    assert restored._metadata["1"]["version"] == 2
+    torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).load_state_dict(restored)
+
+
+def test_done_callbacks_run_once_with_the_outcome(local_url: str) -> None:
+    seen: list[tuple[int, bool]] = []
+    with small_store(local_url) as store:
+        handle = store.save(make_state(), 1)
+        handle.add_done_callback(lambda h: seen.append((h.step, h.exception() is None)))
+        handle.wait()
+        handle.add_done_callback(lambda h: seen.append((h.step, True)))
+    assert seen == [(1, True), (1, True)]
+
+
+def test_loaded_step_world_size_and_resaving_a_corrupt_step(local_url: str) -> None:
+    with small_store(local_url, full_every=1) as store:
+        for step in (3, 6, 9):
+            store.save(make_state(step), step, world_size=2).wait()
+        with pytest.raises(ConfigError, match="world_size"):
+            store.save(make_state(), 10, world_size=0)
+    newest = json.loads(open(os.path.join(local_url, mf.manifest_path(9)), "rb").read())
+    assert newest["audit"]["world_size"] == 2
+    older = json.loads(open(os.path.join(local_url, mf.manifest_path(6)), "rb").read())["packs"]
+    for pack in set(newest["packs"]) - set(older):
+        os.remove(os.path.join(local_url, pack))
+    with small_store(local_url) as store:
+        assert store.loaded_step is None
+        with pytest.raises(CorruptCheckpointError):
+            store.load(9)
+        assert_state_equal(store.load(6), make_state(6))
+        assert store.loaded_step == 6
+        store.save(make_state(7), 9).wait()  # the corrupt step 9 is replaced, not a StepError
+        assert_state_equal(store.load(), make_state(7))
+        assert store.loaded_step == 9

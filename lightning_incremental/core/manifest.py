@@ -286,13 +286,14 @@ def plain_json(value: Any, name: str) -> dict[str, Any] | None:
         raise UnsupportedValueError(f"{name} must hold plain JSON values only: {exc}") from exc
 
 
-def audit_record(meta: dict[str, Any] | None) -> dict[str, Any]:
+def audit_record(meta: dict[str, Any] | None, world_size: int = 1) -> dict[str, Any]:
+    """Who, where and with what a checkpoint was written, plus the caller's metadata."""
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "lightning_incremental": __version__,
-        "world_size": 1,
+        "world_size": world_size,
         "metadata": meta or {},
     }

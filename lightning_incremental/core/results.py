@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+log = logging.getLogger("lightning_incremental")
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class SaveHandle:
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
         self._delivered = False
+        self._callbacks: list[Callable[[SaveHandle], None]] = []
+        self._callbacks_lock = threading.Lock()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -86,9 +92,26 @@ class SaveHandle:
             self._delivered = True
         return self._error
 
+    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
+        """Call ``fn(handle)`` once the save committed or failed (at once if it already has).
+        It runs on the store's background thread: keep it short, and do not call ``wait``
+        expecting anything but an immediate answer."""
+        with self._callbacks_lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
     def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
         self._result, self._error = result, error
-        self._done.set()
+        with self._callbacks_lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("a done-callback of the save of step %d raised", self.step)
 
     def _undelivered_error(self) -> BaseException | None:
         if self._done.is_set() and self._error is not None and not self._delivered:

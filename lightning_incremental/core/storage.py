@@ -15,7 +15,7 @@ import posixpath
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,6 +27,8 @@ from lightning_incremental.core.errors import ConfigError, StorageError
 TMP_PREFIX = ".tmp-"
 MMAP_MIN = 1 << 20  # smaller reads are copied: a mapping costs more than it saves
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
+S3_PROTOCOLS = ("s3", "s3a")
+SECRET_MIN_LEN = 4  # shorter option values ("s3", "us") are not worth redacting from text
 
 
 class Storage(ABC):
@@ -67,7 +69,11 @@ class Storage(ABC):
 
 
 def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Storage:
-    """The storage for ``url``: a local path, ``file://``, or any fsspec URL.
+    """The storage for ``url``: a local path, ``file://``, or any fsspec URL (``s3://`` and
+    ``s3a://`` get :class:`~lightning_incremental.core.s3.S3Storage`).
+
+    ``storage_options`` reach the backend and nothing else: no message, log record or stored
+    object of this library contains one of their values.
 
     Raises:
         ConfigError: unknown protocol, a backend that is not installed, bad storage options.
@@ -85,28 +91,87 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
             raise ConfigError("storage_options were given for a local path; they apply to URLs")
         return LocalStorage(os.path.abspath(os.path.expanduser(url)))
     protocol = match.group(1).lower()
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **options)
-    except ImportError as exc:
-        hint = " (pip install 'lightning-incremental[s3]')" if protocol in ("s3", "s3a") else ""
-        raise ConfigError(f"no backend for {protocol}:// is installed{hint}: {exc}") from exc
-    except ValueError as exc:
-        if "Protocol not known" in str(exc):
-            known = ", ".join(sorted(p for p in fsspec.available_protocols() if len(p) > 1)[:40])
+    if protocol in S3_PROTOCOLS:
+        try:
+            from lightning_incremental.core.s3 import S3Storage
+        except ImportError as exc:
             raise ConfigError(
-                f"unknown storage protocol {protocol!r} in {url!r}; fsspec knows: {known}"
+                f"no backend for {protocol}:// is installed (pip install "
+                f"'lightning-incremental[s3]'): {exc}"
             ) from exc
-        raise ConfigError(f"cannot open {url!r}: {exc}") from exc
-    except TypeError as exc:
-        raise ConfigError(f"bad storage_options for {protocol}://: {exc}") from exc
+        return S3Storage.from_url(url, options)
+    fs, root = filesystem(url, protocol, options)
     if isinstance(fs, LocalFileSystem):
         return LocalStorage(root)
-    return FsspecStorage(fs, root, url=f"{protocol}://{root}")
+    return FsspecStorage(fs, root, url=f"{protocol}://{root}", secrets=secret_strings(options))
+
+
+def filesystem(
+    url: str, protocol: str, options: dict[str, Any]
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem and root path of ``url``; errors name the problem, never an
+    option's value (with options, the backend's exception is not chained: its text may hold
+    one).
+
+    Raises:
+        ConfigError: unknown protocol, a backend that is not installed, bad storage options.
+    """
+    secrets = secret_strings(options)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except (ImportError, ValueError, TypeError) as exc:
+        text = redact(str(exc), secrets)
+        if isinstance(exc, ImportError):
+            hint = " (pip install 'lightning-incremental[s3]')" if protocol in S3_PROTOCOLS else ""
+            error = ConfigError(f"no backend for {protocol}:// is installed{hint}: {text}")
+        elif isinstance(exc, TypeError):
+            error = ConfigError(f"bad storage_options for {protocol}://: {text}")
+        elif "Protocol not known" in str(exc):
+            known = ", ".join(sorted(p for p in fsspec.available_protocols() if len(p) > 1)[:40])
+            error = ConfigError(
+                f"unknown storage protocol {protocol!r} in {url!r}; fsspec knows: {known}"
+            )
+        else:
+            error = ConfigError(f"cannot open {url!r}: {text}")
+        raise error from (None if secrets else exc)
+    return fs, root
+
+
+def secret_strings(options: Mapping[str, Any], where: str = "storage_options") -> dict[str, str]:
+    """Every string value in ``options`` (nested dicts and lists included), mapped to the
+    placeholder that replaces it in messages: ``<storage_options.secret>``. Every value is
+    treated as a secret — credentials hide under many names (``key``, ``aws_session_token``,
+    an endpoint with a password in it)."""
+    found: dict[str, str] = {}
+
+    def walk(value: Any, label: str) -> None:
+        if isinstance(value, str):
+            if len(value) >= SECRET_MIN_LEN:
+                found.setdefault(value, f"<{label}>")
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(item, f"{label}.{key}")
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for item in value:
+                walk(item, label)
+
+    walk(options, where)
+    return found
+
+
+def redact(text: str, secrets: Mapping[str, str]) -> str:
+    """``text`` with every value of ``secrets`` (from :func:`secret_strings`) replaced by its
+    placeholder, longest first so that a value containing another is replaced whole."""
+    for value in sorted(secrets, key=len, reverse=True):
+        text = text.replace(value, secrets[value])
+    return text
 
 
 @contextmanager
-def _translate(what: str) -> Iterator[None]:
-    """Turn backend errors into StorageError, keeping FileNotFoundError for missing objects."""
+def _translate(what: str, secrets: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Turn backend errors into StorageError, keeping FileNotFoundError for missing objects.
+    With ``secrets`` the message is redacted and the backend's exception is not shown in the
+    traceback (its text may hold an option's value)."""
     try:
         yield
     except FileNotFoundError:
@@ -120,24 +185,39 @@ def _translate(what: str) -> Iterator[None]:
                 f"disk full (ENOSPC) while {what}: free space or point the store "
                 "at a larger volume; the previous checkpoint is intact",
             ) from exc
+        if secrets:
+            raise StorageError(
+                exc.errno, f"storage error while {what}: {redact(str(exc), secrets)}"
+            ) from None
         raise StorageError(exc.errno, f"storage error while {what}: {exc}") from exc
 
 
 class FsspecStorage(Storage):
-    """Any fsspec filesystem (memory://, s3://, gs://, ...)."""
+    """Any other fsspec filesystem (memory://, gs://, az://, ...)."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, url: str) -> None:
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        root: str,
+        *,
+        url: str,
+        secrets: Mapping[str, str] | None = None,
+    ) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
+        self._secrets = dict(secrets or {})
         self._made: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
 
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}" if self.root else path
 
     def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
         target = self._abs(path)
-        with _translate(f"writing {path}"):
+        with _translate(f"writing {path}", self._secrets):
             if not overwrite and self.fs.exists(target):
                 return False
             parent = posixpath.dirname(target)
@@ -148,16 +228,16 @@ class FsspecStorage(Storage):
         return True
 
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        with _translate(f"reading {path}"):
+        with _translate(f"reading {path}", self._secrets):
             return bytes(self.fs.cat_file(self._abs(path), start=start, end=end))
 
     def exists(self, path: str) -> bool:
-        with _translate(f"checking {path}"):
+        with _translate(f"checking {path}", self._secrets):
             return bool(self.fs.exists(self._abs(path)))
 
     def list(self, prefix: str) -> list[str]:
         base = self._abs(prefix).rstrip("/")
-        with _translate(f"listing {prefix}"):
+        with _translate(f"listing {prefix}", self._secrets):
             try:
                 found = self.fs.find(base)
             except FileNotFoundError:
@@ -171,18 +251,18 @@ class FsspecStorage(Storage):
         return sorted(out)
 
     def delete(self, path: str) -> None:
-        with _translate(f"deleting {path}"):
+        with _translate(f"deleting {path}", self._secrets):
             try:
                 self.fs.rm_file(self._abs(path))
             except FileNotFoundError:
                 pass
 
     def size(self, path: str) -> int:
-        with _translate(f"reading the size of {path}"):
+        with _translate(f"reading the size of {path}", self._secrets):
             return int(self.fs.size(self._abs(path)))
 
     def mtime(self, path: str) -> float | None:
-        with _translate(f"reading the time of {path}"):
+        with _translate(f"reading the time of {path}", self._secrets):
             try:
                 modified = self.fs.modified(self._abs(path))
             except (NotImplementedError, AttributeError):

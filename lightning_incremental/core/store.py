@@ -8,6 +8,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
@@ -43,6 +44,22 @@ from lightning_incremental.core.storage import LocalStorage, Storage, open_stora
 from lightning_incremental.core.tree import Leaf, flatten, unflatten
 
 log = logging.getLogger("lightning_incremental")
+
+# Saves still running when the interpreter exits must finish: Python stops thread pools from
+# accepting work at shutdown, so the stores drain first. Hooks registered with
+# threading._register_atexit run before concurrent.futures' own (they run in reverse order).
+_OPEN_STORES: weakref.WeakSet[CheckpointStore] = weakref.WeakSet()
+
+
+def _drain_at_exit() -> None:
+    for store in list(_OPEN_STORES):
+        try:
+            store.close()
+        except Exception as exc:  # the process is ending: say what was lost, loudly
+            log.error("a checkpoint of %s failed while the process was exiting: %s", store.url, exc)
+
+
+threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
 
 
 class CheckpointStore:
@@ -80,7 +97,10 @@ class CheckpointStore:
         if isinstance(self.storage, LocalStorage):
             self.storage.fsync = self.config.fsync
         self.url = self.storage.url
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # guards the history state below
+        # Held while a save writes and commits, and while gc or compact deletes or rewrites:
+        # objects a save is about to reference are never swept from under it.
+        self._write_lock = threading.RLock()
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="li-worker")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="li-save")
         self._slots = threading.BoundedSemaphore(self.config.max_in_flight)
@@ -93,11 +113,18 @@ class CheckpointStore:
         self._quarantined: set[int] = set()
         self._marker_written = False
         self._closed = False
+        self.loaded_step: int | None = None  # the step the latest successful load returned
+        _OPEN_STORES.add(self)
 
     # ------------------------------------------------------------------ saving
 
     def save(
-        self, state: dict[str, Any], step: int, *, metadata: dict[str, Any] | None = None
+        self,
+        state: dict[str, Any],
+        step: int,
+        *,
+        metadata: dict[str, Any] | None = None,
+        world_size: int = 1,
     ) -> SaveHandle:
         """Snapshot ``state`` and save it as checkpoint ``step`` in the background.
 
@@ -109,6 +136,7 @@ class CheckpointStore:
             state: a dict (any nesting of dict/list/tuple) of tensors and plain values.
             step: a non-negative int, greater than every step already saved in this store.
             metadata: plain JSON values recorded in the manifest's audit trail (e.g. loss).
+            world_size: processes of the job this state comes from, for the audit trail.
 
         Raises:
             TypeError: ``state`` is not a dict.
@@ -124,7 +152,9 @@ class CheckpointStore:
                 f"state must be a dict (e.g. {{'model': model.state_dict()}}), got "
                 f"{type(state).__name__}"
             )
-        meta = mf.plain_json(metadata, "metadata")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+        meta = mf.audit_record(mf.plain_json(metadata, "metadata"), world_size)
         with self._lock:
             self._initialise()
             self._check_step(step)
@@ -177,15 +207,16 @@ class CheckpointStore:
         skeleton: Any,
         leaves: list[Leaf],
         pickled: list[str],
-        meta: dict[str, Any] | None,
+        meta: dict[str, Any],
         started: float,
         snapshot_s: float,
         waited: float,
     ) -> None:
         try:
-            result = self._commit(
-                handle.step, skeleton, leaves, pickled, meta, started, snapshot_s, waited
-            )
+            with self._write_lock:
+                result = self._commit(
+                    handle.step, skeleton, leaves, pickled, meta, started, snapshot_s, waited
+                )
         except BaseException as exc:  # delivered through the handle, the next save and close
             self._buffers.give([leaf.data for leaf in leaves if not leaf.is_numpy])
             self._rewind_last_step(handle.step)
@@ -202,7 +233,7 @@ class CheckpointStore:
         skeleton: Any,
         leaves: list[Leaf],
         pickled: list[str],
-        meta: dict[str, Any] | None,
+        meta: dict[str, Any],
         started: float,
         snapshot_s: float,
         waited: float,
@@ -218,7 +249,7 @@ class CheckpointStore:
             "since_base": 0 if full_base else parent.manifest["since_base"] + 1,  # type: ignore[union-attr]
             "chunk_size": self.config.chunk_size,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "audit": mf.audit_record(meta),
+            "audit": meta,
             "pickled": pickled,
             "tree": skeleton,
             "tensors": enc.tensors,
@@ -318,7 +349,13 @@ class CheckpointStore:
             PickleNotAllowedError: it holds pickles and ``allow_pickle`` is off.
         """
         if step is not None:
-            return self._load_step(self._resolve_step(step), map_location)
+            step = self._resolve_step(step)
+            try:
+                return self._load_step(step, map_location)
+            except CorruptCheckpointError:
+                with self._lock:
+                    self._quarantined.add(step)  # a new history may replace it
+                raise
         newest = self._resolve_step(None)
         problems = []
         for candidate in reversed([s for s in self.steps() if s <= newest]):
@@ -429,6 +466,7 @@ class CheckpointStore:
             raise ManifestError(f"manifest {where}: the state is not a dict")
         if mirrors is not None:
             self._adopt_loaded(step, doc, mirrors)
+        self.loaded_step = step
         return state
 
     def _base_mirrors(self, step: int, doc: dict[str, Any]) -> list[torch.Tensor] | None:
@@ -491,7 +529,7 @@ class CheckpointStore:
             CheckpointNotFoundError: empty store. CorruptCheckpointError: the newest is corrupt.
         """
         self.wait()
-        with self._lock:
+        with self._write_lock, self._lock:
             steps = self.steps()
             if not steps:
                 self._raise_empty()
@@ -583,7 +621,7 @@ class CheckpointStore:
         if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s < 0:
             raise ConfigError(f"grace_s must be a number >= 0, got {grace_s!r}")
         self.wait()
-        with self._lock:
+        with self._write_lock, self._lock:
             return self._gc(keep_last, keep, float(grace_s), dry_run)
 
     def delete(self, step: int) -> GcReport:
@@ -595,7 +633,7 @@ class CheckpointStore:
         """
         _check_step_type(step)
         self.wait()
-        with self._lock:
+        with self._write_lock, self._lock:
             return self._gc(None, (), 0.0, False, drop=(self._resolve_step(step),))
 
     def _gc(

@@ -42,7 +42,7 @@ T_SET, T_FROZENSET, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE = (
     "dev",
     "size",
 )
-T_TENSOR, T_NPSCALAR, T_PICKLE, T_BIGINT = "T", "npv", "pkl", "i"
+T_TENSOR, T_NPSCALAR, T_PICKLE, T_BIGINT, T_ODICT_META = "T", "npv", "pkl", "i", "odm"
 
 
 @dataclass
@@ -123,9 +123,12 @@ class _Flattener:
         if kind is tuple:
             return [T_TUPLE, [self.node(v, (*path, i)) for i, v in enumerate(value)]]
         if kind is dict or kind is OrderedDict:
-            tag = T_DICT if kind is dict else T_ODICT
             items = [[self.key(k, path), self.node(v, (*path, k))] for k, v in value.items()]
-            return [tag, items]
+            metadata = getattr(value, "_metadata", None)
+            if kind is OrderedDict and metadata is not None:
+                # nn.Module.state_dict() keeps per-module versions here; torch.save keeps them
+                return [T_ODICT_META, [items, self.node(metadata, (*path, "_metadata"))]]
+            return [T_DICT if kind is dict else T_ODICT, items]
         if kind is set or kind is frozenset:
             tag = T_SET if kind is set else T_FROZENSET
             return [tag, [self.key(v, path) for v in value]]
@@ -280,6 +283,7 @@ class _Unflattener:
             ),
             T_DICT: lambda p, path: dict(self.items(p, path)),
             T_ODICT: lambda p, path: OrderedDict(self.items(p, path)),
+            T_ODICT_META: self.odict_with_metadata,
             T_SET: lambda p, path: {self.node(v, path) for v in _list(p)},
             T_FROZENSET: lambda p, path: frozenset(self.node(v, path) for v in _list(p)),
             T_COMPLEX: lambda p, _: complex(*(_float_from_hex(_str(x)) for x in _pair(p))),
@@ -313,6 +317,12 @@ class _Unflattener:
             key = self.node(key_node, path)
             out.append((key, self.node(value_node, (*path, key))))
         return out
+
+    def odict_with_metadata(self, payload: Any, path: tuple[Any, ...]) -> Any:
+        items, metadata = _pair(payload)
+        value = OrderedDict(self.items(items, path))
+        value._metadata = self.node(metadata, (*path, "_metadata"))  # type: ignore[attr-defined]
+        return value
 
     def tensor(self, payload: Any, path: tuple[Any, ...]) -> Any:
         index = _int(payload)

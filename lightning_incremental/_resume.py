@@ -1,0 +1,263 @@
+"""Resuming: which checkpoint a ``fit`` starts from, and each rank's state within it.
+
+:class:`ResumeHook` — when ``fit`` gets no ``ckpt_path``, restore the newest committed checkpoint.
+Why this mechanism. Lightning picks the checkpoint to restore in ``Trainer._fit_impl`` *before*
+any callback hook runs, and restores it through ``_CheckpointConnector.resume_start(path)``, which
+reads the file with ``strategy.load_checkpoint(path)``. A callback cannot change that path in time
+(``trainer.ckpt_path = ...`` would have to happen before ``fit``), and a path into the store would
+be read by ``TorchCheckpointIO`` as a plain file. Restoring the state ourselves in a later hook
+(``on_fit_start``) would run Lightning's restore steps in a different order than for a file:
+callbacks' ``on_fit_start`` would see unrestored state, the model would be loaded after the
+strategy wrapped it.
+
+So during ``fit`` this hook takes the place of ``resume_start`` on the trainer's checkpoint
+connector (an instance attribute, removed at teardown). Given a path — the user's
+``ckpt_path`` — it calls Lightning's own method unchanged. Given none, it loads the newest
+committed checkpoint from the store (rank 0 picks the step, every rank loads that step) and hands
+it to the connector exactly as ``resume_start`` would have from a file. Everything after that —
+``on_load_checkpoint`` hooks, model, datamodule, callbacks, optimizers, schedulers, loops, the
+"Restored all states" message, ``trainer.ckpt_path`` — is Lightning's usual path for
+``fit(ckpt_path=...)``, in the usual order.
+
+:func:`rank_state` / :func:`restore_rank_state` — what Lightning's checkpoint lacks for an exact
+resume: every rank's global random state (torch, CUDA, numpy, Python) and position in its
+training data, saved under :data:`KEY` (all ranks' states, gathered to rank 0, in one checkpoint)
+and put back on each rank before the resumed run fetches its first batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_incremental import _data_position as dp
+from lightning_incremental import _rng
+from lightning_incremental.core import CheckpointError, CheckpointStore
+
+if TYPE_CHECKING:
+    from lightning_incremental.callback import IncrementalCheckpoint
+
+log = logging.getLogger(__name__)
+
+KEY = "lightning_incremental"  # top-level checkpoint key: every rank's random and data state
+FORMAT = 1
+
+
+class ResumeHook:
+    """Makes ``trainer``'s checkpoint connector resume from ``callback``'s store when ``fit``
+    has no ``ckpt_path``; :meth:`remove` undoes it."""
+
+    def __init__(self, callback: IncrementalCheckpoint, trainer: pl.Trainer) -> None:
+        self._callback = callback
+        self._trainer = trainer
+        self._connector = trainer._checkpoint_connector
+        self._original = self._connector.resume_start
+        self._connector.resume_start = self._resume_start  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self._connector.__dict__.get("resume_start") == self._resume_start:
+            del self._connector.resume_start
+
+    def _resume_start(self, checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+        if checkpoint_path:
+            self._original(checkpoint_path, weights_only=weights_only)
+            return
+        loaded = self._load_newest()
+        if loaded is None:
+            self._original(None, weights_only=weights_only)
+            return
+        step, checkpoint = loaded
+        where = f"{self._callback.url} (step {step})"
+        rank_zero_info(f"Restoring states from the checkpoint path at {where}")
+        self._connector._ckpt_path = where
+        self._connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, None)
+
+    def _load_newest(self) -> tuple[int, dict[str, Any]] | None:
+        """Rank 0 picks the newest readable step; every rank loads that step (collective)."""
+        trainer, callback = self._trainer, self._callback
+        strategy = trainer.strategy
+        url = callback.url
+        step: int | None = None
+        checkpoint: dict[str, Any] | None = None
+        error: BaseException | None = None
+        if trainer.is_global_zero:
+            try:
+                step, checkpoint = _newest(callback._store_for_reading())
+            except Exception as exc:
+                error = exc
+        step, text = strategy.broadcast((step, _describe(error)), src=0)
+        if error is not None:
+            raise error
+        if text is not None:
+            raise CheckpointError(f"rank 0 could not read the checkpoints in {url}: {text}")
+        if step is None:
+            rank_zero_info(f"IncrementalCheckpoint: no checkpoint in {url} yet; starting fresh")
+            return None
+        if not trainer.is_global_zero:
+            store = callback._store_for_reading()
+            try:
+                checkpoint = store.load(step, map_location="cpu")
+            except Exception as exc:
+                error = exc
+            finally:
+                store.close()
+        if not strategy.reduce_boolean_decision(error is None, all=True):
+            if error is not None:
+                raise CheckpointError(
+                    f"rank {trainer.global_rank} could not read checkpoint step {step} from "
+                    f"{url}: {_describe(error)}. Under DDP every rank loads the checkpoint: "
+                    "dirpath must be reachable from every rank."
+                ) from error
+            raise CheckpointError(f"another rank could not read checkpoint step {step} from {url}")
+        assert checkpoint is not None
+        callback._resumed_step = step
+        rank_zero_info(
+            f"IncrementalCheckpoint: resuming from step {step} (epoch {checkpoint.get('epoch')}) "
+            f"of {url}"
+        )
+        return step, checkpoint
+
+
+def _newest(store: CheckpointStore) -> tuple[int | None, dict[str, Any] | None]:
+    """The newest checkpoint that restores, and its step. The engine falls back past corrupt
+    checkpoints loudly, and sets them aside so that the resumed run may save those steps again.
+    """
+    steps = store.steps()
+    if not steps:
+        return None, None
+    checkpoint = store.load(map_location="cpu")
+    step = checkpoint.get("global_step")  # IncrementalCheckpoint saves at step == global_step
+    if step not in steps:
+        raise CheckpointError(
+            f"the newest intact checkpoint in {store.url} records global_step={step!r}, which is "
+            "not one of its steps: the store was not written by IncrementalCheckpoint"
+        )
+    return step, checkpoint
+
+
+def _describe(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def rank_state(
+    trainer: pl.Trainer, boundary: bool, epoch_record: dict[str, Any] | None
+) -> dict[str, Any]:
+    """This rank's random state and data position, as plain data. ``boundary``: saved between
+    epochs (the next epoch has not started); else mid-epoch, where ``epoch_record`` (from
+    :func:`~lightning_incremental._data_position.record_epoch_start`) recreates the epoch."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    return {
+        "rng": _rng.capture(),
+        "generators": dp.generator_states(dp.train_loaders(trainer)),
+        "boundary": boundary,
+        "batches": 0 if boundary else progress.ready,
+        "epoch_start": None if boundary else epoch_record,
+    }
+
+
+@dataclass
+class Restored:
+    """What :func:`restore_rank_state` did: the record of the epoch in progress (to carry on
+    into the next checkpoints), and whether it restored a position mid-epoch."""
+
+    epoch_record: dict[str, Any] | None
+    recreated: bool  # the epoch iterator was recreated from epoch_record (don't record again)
+    mid_epoch: bool
+
+
+def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Restored | None:
+    """Put this rank's random state and data position back as they were at the checkpoint (call
+    before the resumed run fetches its first batch). ``saved`` is the checkpoint's :data:`KEY`
+    entry (None: not written by IncrementalCheckpoint). Warns when the resume cannot be exact;
+    returns None when nothing could be restored."""
+    loop = trainer.fit_loop
+    problem = None
+    if saved is None:
+        problem = "the checkpoint was not written by IncrementalCheckpoint"
+    elif saved.get("format") != FORMAT:
+        problem = f"its resume state has the unknown format {saved.get('format')!r}"
+    elif saved.get("world_size") != trainer.world_size:
+        problem = (
+            f"it was saved by {saved.get('world_size')} ranks and this run has {trainer.world_size}"
+        )
+    if saved is None or problem is not None:
+        restart = " and the interrupted epoch restarts from its first batch"
+        rank_zero_warn(
+            f"IncrementalCheckpoint: this resume is not exact: {problem}, so random states are "
+            f"not restored{restart if loop.restarted_mid_epoch else ''}."
+        )
+        return None
+    state = saved["ranks"][trainer.global_rank]
+    plan = dp.plan(trainer)
+    epoch = loop.epoch_progress.current.processed  # type: ignore[attr-defined]
+    rng = state["rng"]
+    if plan.mode == dp.LIGHTNING:  # stateful loaders: Lightning restored their position
+        _rng.restore(rng)
+        return Restored(None, False, False)
+    if state["boundary"]:
+        _rng.restore(rng)
+        if loop.restarted_on_epoch_end:
+            # Iteration-based training (max_steps): Lightning first finishes the saved epoch
+            # again (its end hooks), then creates the next epoch's iterator itself.
+            mismatched = dp.set_generator_states(dp.train_loaders(trainer), state["generators"])
+            _report(trainer, [dp.generators_changed(mismatched)] if mismatched else [], plan, 0)
+            return Restored(None, False, False)
+        record = {"torch": rng["torch"], "generators": state["generators"], "iter_created": False}
+        if "cuda" in rng:
+            record["cuda"] = rng["cuda"]
+        _report(trainer, dp.replay(trainer, record, 0, epoch, plan.mode), plan, 0)
+        return Restored(record, True, False)
+    record, batches = state["epoch_start"], state["batches"]
+    if record is None or plan.mode == dp.IMPOSSIBLE:
+        _rng.restore(rng)
+        why = "; ".join(plan.caveats) or "the start of this epoch was not recorded"
+        rank_zero_warn(
+            f"IncrementalCheckpoint: this resume is not exact: {why}. The interrupted epoch "
+            f"restarts from its first batch instead of batch {batches}."
+        )
+        return Restored(None, False, True)
+    notes = dp.replay(trainer, record, batches, epoch, plan.mode)
+    _rng.restore(rng)
+    loaders = dp.train_loaders(trainer)
+    current, saved_gens = dp.generator_states(loaders), state["generators"]
+    diverged = sorted(
+        p
+        for p in saved_gens
+        if p in current and not _rng.same_generator_state(saved_gens[p], current[p])
+    )
+    if diverged:
+        notes.append(
+            "the dataloader's random generators did not arrive at their saved state after "
+            f"skipping {batches} batches ({', '.join(diverged)}): the order of this epoch's "
+            "remaining batches may differ from the uninterrupted run"
+        )
+        dp.set_generator_states(loaders, saved_gens)
+    _report(trainer, notes, plan, batches)
+    return Restored(record, True, True)
+
+
+def _report(trainer: pl.Trainer, notes: list[str], plan: dp.Plan, batches: int) -> None:
+    """Warn about what keeps this resume from being exact: ``plan.caveats`` hold for every rank
+    (rank 0 says them), ``notes`` are this rank's own (every rank says its own)."""
+    if plan.caveats:
+        text = "; ".join(plan.caveats)
+        rank_zero_warn(f"IncrementalCheckpoint: this resume may not be exact: {text}")
+    if notes:
+        where = f" on rank {trainer.global_rank}" if trainer.world_size > 1 else ""
+        warnings.warn(
+            f"IncrementalCheckpoint: this resume may not be exact{where}: {'; '.join(notes)}",
+            UserWarning,
+            stacklevel=2,
+        )
+    if batches:
+        how = "re-read" if plan.mode == dp.REREAD else "skipped"
+        rank_zero_info(
+            f"IncrementalCheckpoint: resumed mid-epoch {trainer.current_epoch}: {how} the "
+            f"{batches} batches already trained on, random states restored"
+        )

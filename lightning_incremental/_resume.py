@@ -132,11 +132,12 @@ def _newest(store: CheckpointStore) -> tuple[int | None, dict[str, Any] | None]:
     if not steps:
         return None, None
     checkpoint = store.load(map_location="cpu")
-    step = checkpoint.get("global_step")  # IncrementalCheckpoint saves at step == global_step
-    if step not in steps:
+    step = store.loaded_step
+    if checkpoint.get("global_step") != step:  # IncrementalCheckpoint saves at global_step
         raise CheckpointError(
-            f"the newest intact checkpoint in {store.url} records global_step={step!r}, which is "
-            "not one of its steps: the store was not written by IncrementalCheckpoint"
+            f"the newest intact checkpoint in {store.url} (step {step}) records "
+            f"global_step={checkpoint.get('global_step')!r}: the store was not written by "
+            "IncrementalCheckpoint"
         )
     return step, checkpoint
 

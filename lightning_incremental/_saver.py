@@ -76,11 +76,12 @@ class Saver:
                 "epoch": trainer.current_epoch,
                 "global_step": step,
                 "reason": reason,
-                "world_size": trainer.world_size,
                 "epoch_boundary": boundary,
             }
             try:
-                handle = self.store.save(checkpoint, step, metadata=metadata)
+                handle = self.store.save(
+                    checkpoint, step, metadata=metadata, world_size=trainer.world_size
+                )
             except Exception as exc:
                 error = exc
             if error is not None:  # an earlier save's error, delivered by the engine now?

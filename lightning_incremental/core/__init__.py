@@ -20,6 +20,7 @@ from lightning_incremental.core.errors import (
 from lightning_incremental.core.results import GcReport, SaveHandle, SaveResult, VerifyReport
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.store import CheckpointStore
+from lightning_incremental.core.watchdog import Failure, Watchdog, WatchdogConfig
 
 __all__ = [
     "CheckpointError",
@@ -40,4 +41,7 @@ __all__ = [
     "StoreConfig",
     "UnsupportedValueError",
     "VerifyReport",
+    "Failure",
+    "Watchdog",
+    "WatchdogConfig",
 ]

@@ -1,0 +1,300 @@
+"""Heartbeat watchdog: notice dead, hung and isolated ranks, and end the process on purpose.
+
+Each rank runs two named daemon threads with their own clients of the job's
+``torch.distributed`` TCPStore (under torchrun it is hosted by the elastic agent and survives
+worker deaths):
+
+- the *heartbeat* publishes ``{"seq", "step", "time"}`` under ``<prefix>/<rank>`` every
+  ``heartbeat_interval`` seconds; ``seq`` grows every beat, ``step`` is the training step the
+  loop last reported through :meth:`Watchdog.progress`;
+- the *monitor* reads every rank's record (its own included) and judges by what it observes on
+  its own monotonic clock — never by comparing clocks across hosts:
+  * **dead**: a rank's ``seq`` has not changed for ``heartbeat_timeout`` seconds;
+  * **hung**: ``seq`` moves but ``step`` has not changed for ``progress_timeout`` seconds (a rank
+    stuck in a collective, or in a call that holds the GIL shows up as dead instead);
+  * **isolated**: this rank could not reach the store for ``heartbeat_timeout`` seconds: it
+    fences itself (it must stop committing) and exits.
+
+On a finding the watchdog logs who, what and for how long, then calls ``on_failure``; the
+default ends the process with :func:`os._exit` and a distinct exit code (a thread cannot
+``sys.exit`` the process), so the elastic agent restarts the group, which resumes from the newest
+committed checkpoint. It never waits out a collective timeout.
+
+Exit codes: ``EXIT_PEER_DEAD`` (86), ``EXIT_PEER_HUNG`` (87), ``EXIT_ISOLATED`` (88).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+from lightning_incremental.core.errors import ConfigError
+
+log = logging.getLogger("lightning_incremental")
+
+EXIT_PEER_DEAD = 86
+EXIT_PEER_HUNG = 87
+EXIT_ISOLATED = 88
+
+
+class KeyValueStore(Protocol):
+    """What the watchdog needs of a ``torch.distributed.Store``."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def check(self, keys: list[str]) -> bool: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchdogConfig:
+    """Watchdog timing, in seconds.
+
+    Attributes:
+        heartbeat_interval: how often each rank publishes a heartbeat and checks the others.
+        heartbeat_timeout: a rank whose heartbeat has not changed for this long is dead; a rank
+            that cannot reach the store for this long is isolated. At least 3 intervals.
+        progress_timeout: a rank whose training step has not changed for this long is hung.
+            Longer than the slowest legitimate step (evaluation, a checkpoint, data loading).
+    """
+
+    heartbeat_interval: float = 5.0
+    heartbeat_timeout: float = 60.0
+    progress_timeout: float = 900.0
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval", "heartbeat_timeout", "progress_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.heartbeat_timeout < 3 * self.heartbeat_interval:
+            raise ConfigError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}s) must be at least 3 heartbeat "
+                f"intervals ({3 * self.heartbeat_interval}s), or one late beat kills the job"
+            )
+        if self.progress_timeout <= self.heartbeat_timeout:
+            raise ConfigError(
+                f"progress_timeout ({self.progress_timeout}s) must be longer than "
+                f"heartbeat_timeout ({self.heartbeat_timeout}s)"
+            )
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the monitor found."""
+
+    kind: str  # "dead" | "hung" | "isolated"
+    rank: int  # the rank it concerns
+    seconds: float  # how long the condition has lasted
+    step: int | None  # the rank's last reported training step
+
+    @property
+    def exit_code(self) -> int:
+        return {"dead": EXIT_PEER_DEAD, "hung": EXIT_PEER_HUNG}.get(self.kind, EXIT_ISOLATED)
+
+    def describe(self) -> str:
+        what = {
+            "dead": "sent no heartbeat",
+            "hung": "made no training progress",
+            "isolated": "could not reach the coordination store",
+        }[self.kind]
+        return f"rank {self.rank} {what} for {self.seconds:.1f}s (last step {self.step})"
+
+
+@dataclass
+class _Seen:
+    seq: int = -1
+    step: int | None = None
+    seq_since: float = 0.0
+    step_since: float = 0.0
+
+
+@dataclass
+class PeerTracker:
+    """The monitor's judgement, as a pure function of observations and a clock."""
+
+    world_size: int
+    config: WatchdogConfig
+    started: float
+    seen: dict[int, _Seen] = field(default_factory=dict)
+
+    def observe(self, rank: int, record: dict[str, Any] | None, now: float) -> None:
+        """Record what rank ``rank`` published (None: nothing yet)."""
+        state = self.seen.setdefault(rank, _Seen(seq_since=self.started, step_since=self.started))
+        if record is None:
+            return
+        seq, step = record.get("seq"), record.get("step")
+        if isinstance(seq, int) and seq != state.seq:
+            state.seq, state.seq_since = seq, now
+        if step != state.step:
+            state.step, state.step_since = step, now
+
+    def judge(self, now: float) -> Failure | None:
+        """The first rank found dead, else the first found hung, else None."""
+        for rank in range(self.world_size):
+            state = self.seen.get(rank, _Seen(seq_since=self.started, step_since=self.started))
+            if now - state.seq_since > self.config.heartbeat_timeout:
+                return Failure("dead", rank, now - state.seq_since, state.step)
+        for rank in range(self.world_size):
+            state = self.seen.get(rank, _Seen(seq_since=self.started, step_since=self.started))
+            if now - state.step_since > self.config.progress_timeout:
+                return Failure("hung", rank, now - state.step_since, state.step)
+        return None
+
+
+def _exit_process(failure: Failure) -> None:
+    logging.shutdown()
+    os._exit(failure.exit_code)
+
+
+class Watchdog:
+    """Heartbeat and monitor threads for one rank.
+
+    Args:
+        connect: returns a new client of the job's store (called once per thread), e.g.
+            ``lambda: TCPStore(host, port, is_master=False, timeout=...)``.
+        rank, world_size: this process's rank and the group's size.
+        config: timings.
+        on_failure: called once with the :class:`Failure`; default: log and ``os._exit`` with the
+            failure's exit code.
+        clock: monotonic seconds (injectable for tests).
+        prefix: the store keys' prefix; include the generation so a restarted group starts clean.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], KeyValueStore],
+        rank: int,
+        world_size: int,
+        config: WatchdogConfig | None = None,
+        *,
+        on_failure: Callable[[Failure], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        prefix: str = "lightning_incremental/heartbeat",
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is not in a group of {world_size}")
+        self.connect, self.rank, self.world_size = connect, rank, world_size
+        self.config = config or WatchdogConfig()
+        self.on_failure = on_failure or _exit_process
+        self.clock, self.prefix = clock, prefix
+        self._step: int | None = None
+        self._stop = threading.Event()
+        self._fired = threading.Lock()
+        self._failure: Failure | None = None
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def failure(self) -> Failure | None:
+        return self._failure
+
+    def progress(self, step: int) -> None:
+        """Report the training step (cheap: an attribute write; call it every step)."""
+        self._step = step
+
+    def start(self) -> Watchdog:
+        if self._threads:
+            return self
+        for name, target in (("heartbeat", self._heartbeat), ("monitor", self._monitor)):
+            thread = threading.Thread(target=target, name=f"li-{name}-rank{self.rank}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _fire(self, failure: Failure) -> None:
+        if not self._fired.acquire(blocking=False):
+            return  # the first finding wins
+        self._failure = failure
+        self._stop.set()
+        log.error(
+            "watchdog on rank %d: %s; ending this process with exit code %d so the group "
+            "restarts from the newest committed checkpoint",
+            self.rank,
+            failure.describe(),
+            failure.exit_code,
+        )
+        self.on_failure(failure)
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/{rank}"
+
+    def _heartbeat(self) -> None:
+        client: KeyValueStore | None = None
+        seq = 0
+        last_ok = self.clock()
+        while not self._stop.is_set():
+            try:
+                if client is None:
+                    client = self.connect()
+                record = {"seq": seq, "step": self._step, "time": time.time()}
+                client.set(self._key(self.rank), json.dumps(record))
+                seq += 1
+                last_ok = self.clock()
+            except Exception as exc:  # the store is unreachable: isolated once it lasts
+                client = None
+                cut_off = self.clock() - last_ok
+                log.warning(
+                    "rank %d cannot publish its heartbeat (%.1fs): %s", self.rank, cut_off, exc
+                )
+                if cut_off > self.config.heartbeat_timeout:
+                    self._fire(Failure("isolated", self.rank, cut_off, self._step))
+                    return
+            self._stop.wait(self.config.heartbeat_interval)
+
+    def _monitor(self) -> None:
+        tracker = PeerTracker(self.world_size, self.config, started=self.clock())
+        client: KeyValueStore | None = None
+        while not self._stop.wait(self.config.heartbeat_interval):
+            now = self.clock()
+            try:
+                if client is None:
+                    client = self.connect()
+                for rank in range(self.world_size):
+                    key = self._key(rank)
+                    record = json.loads(client.get(key)) if client.check([key]) else None
+                    tracker.observe(rank, record, now)
+            except Exception as exc:  # judged by the heartbeat thread (isolated)
+                client = None
+                log.warning("rank %d cannot read heartbeats: %s", self.rank, exc)
+                continue
+            failure = tracker.judge(now)
+            if failure is not None:
+                self._fire(failure)
+                return
+
+
+def tcp_store_connector(host: str, port: int, timeout: float = 30.0) -> Callable[[], KeyValueStore]:
+    """A ``connect`` for :class:`Watchdog`: a new TCPStore client per call."""
+
+    def connect() -> KeyValueStore:
+        from torch.distributed import TCPStore
+
+        return TCPStore(
+            host,
+            port,
+            is_master=False,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+
+    return connect

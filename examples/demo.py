@@ -1,13 +1,14 @@
-"""Demo: incremental checkpoints survive a crash, and the resumed run is bit-identical.
+"""Demo: a Lightning job with incremental checkpoints survives a crash, bit-identically.
 
-1. Trains a small transformer (fine-tuning: embeddings and the lower blocks frozen) with AdamW,
-   checkpointing every 10 steps through ``lightning_incremental.core.CheckpointStore`` to a
-   local directory.
-2. The training process kills itself with SIGKILL mid-run (no clean-up, like a machine dying).
-3. The same command is run again: it resumes from the newest committed checkpoint and finishes.
+1. Fine-tunes a small transformer (embedding and lower blocks frozen, dropout, a shuffled
+   DataLoader, AdamW) with ``Trainer(callbacks=[IncrementalCheckpoint(...)])``, checkpointing
+   every 10 steps to a local directory.
+2. The training process kills itself with SIGKILL mid-epoch (no clean-up, like a machine dying).
+3. The same command is run again: it resumes by itself from the newest committed checkpoint —
+   mid-epoch, random states and data position restored — and finishes.
 4. An uninterrupted run of the same command runs for reference; the final weights must be
    bit-identical.
-5. Prints bytes written per checkpoint against a full ``torch.save`` of the same state.
+5. Prints the bytes written per checkpoint next to a full ``torch.save`` of the same checkpoint.
 
 Usage: python examples/demo.py [--dir DIR] [--steps 60] [--every 10] [--crash-at 35]
 """
@@ -24,97 +25,108 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-VOCAB, DIM, LAYERS, SEQ, BATCH = 4000, 256, 4, 64, 8
+VOCAB, DIM, LAYERS, SEQ, BATCH, SAMPLES = 4000, 256, 4, 64, 8, 200  # 25 steps an epoch
 
 
-def build_model() -> nn.Module:
-    torch.manual_seed(0)
-    layers = [
-        nn.TransformerEncoderLayer(DIM, 4, 4 * DIM, dropout=0.1, batch_first=True)
-        for _ in range(LAYERS)
-    ]
-    model = nn.Sequential()
-    model.add_module("embed", nn.Embedding(VOCAB, DIM))
-    model.add_module("blocks", nn.Sequential(*layers))
-    model.add_module("head", nn.Linear(DIM, VOCAB))
-    # Fine-tuning: the embedding and the lower half of the blocks stay frozen.
-    for module in (model.embed, *layers[: LAYERS // 2]):
-        module.requires_grad_(False)
-    return model
+def build_model() -> Any:
+    import lightning.pytorch as L
 
+    class TinyLM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            layers = [
+                nn.TransformerEncoderLayer(DIM, 4, 4 * DIM, dropout=0.1, batch_first=True)
+                for _ in range(LAYERS)
+            ]
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.blocks = nn.Sequential(*layers)
+            self.head = nn.Linear(DIM, VOCAB)
+            # Fine-tuning: the embedding and the lower half of the blocks stay frozen.
+            for module in (self.embed, *layers[: LAYERS // 2]):
+                module.requires_grad_(False)
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The data of ``step`` depends only on the step, so a resumed run sees the same data."""
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            tokens = batch[0]
+            logits = self.head(self.blocks(self.embed(tokens[:, :-1])))
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-4)
+
+        def train_dataloader(self) -> Any:
+            from torch.utils.data import DataLoader, TensorDataset
+
+            g = torch.Generator().manual_seed(1000)
+            tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=g)
+            # Shuffled with a seeded generator: a resumed epoch continues in the same order.
+            return DataLoader(
+                TensorDataset(tokens), batch_size=BATCH, shuffle=True, generator=torch.Generator()
+            )
+
+    return TinyLM()
 
 
 def train(args: argparse.Namespace) -> None:
-    from lightning_incremental.core import CheckpointStore
+    import lightning.pytorch as L
+
+    from lightning_incremental import IncrementalCheckpoint
+
+    class Figures(L.Callback):
+        """Appends each committed save's figures to figures.jsonl; crashes on request."""
+
+        def __init__(self, checkpoint: IncrementalCheckpoint) -> None:
+            self.checkpoint, self.written = checkpoint, 0
+
+        def flush(self) -> None:
+            with open(Path(args.dir) / "figures.jsonl", "a") as log:
+                for result, blocked in self.checkpoint.results[self.written :]:
+                    log.write(
+                        json.dumps(
+                            {
+                                "step": result.step,
+                                "blocked_ms": blocked * 1e3,
+                                "save_ms": result.total_s * 1e3,
+                            }
+                        )
+                        + "\n"
+                    )
+                    self.written += 1
+
+        def on_train_batch_end(self, trainer: L.Trainer, *rest: Any) -> None:
+            if trainer.global_step == args.crash_at:
+                self.checkpoint.wait()
+                self.flush()
+                print(f"[train] step {args.crash_at}: simulating a crash (SIGKILL)", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.flush()
+
+        def on_train_end(self, trainer: L.Trainer, *rest: Any) -> None:
+            self.checkpoint.wait()
+            self.flush()
 
     torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    checkpoint = IncrementalCheckpoint(Path(args.dir) / "store", every_n_train_steps=args.every)
+    trainer = L.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[checkpoint, Figures(checkpoint)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     model = build_model()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=3e-4)
-    store = CheckpointStore(args.dir)
-    step = 0
-    if store.steps():
-        state = store.load()
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        step = state["step"]
-        print(f"[train] resumed from step {step} in {args.dir}", flush=True)
-    log = open(Path(args.dir) / "figures.jsonl", "a")  # noqa: SIM115 - closed at the end
-    while step < args.steps:
-        inputs, targets = batch(step)
-        loss = nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        step += 1
-        if step == args.crash_at:
-            print(f"[train] step {step}: simulating a crash (SIGKILL)", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if step % args.every == 0:
-            state = {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "rng": torch.get_rng_state(),
-                "step": step,
-            }
-            result = store.save(state, step, metadata={"loss": loss.item()}).wait()
-            plain = io.BytesIO()
-            torch.save(state, plain)
-            log.write(
-                json.dumps(
-                    {
-                        "step": step,
-                        "logical": result.bytes_logical,
-                        "written": result.bytes_written,
-                        "torch_save": plain.tell(),
-                        "blocked_ms": result.snapshot_s * 1e3,
-                        "save_ms": result.total_s * 1e3,
-                        "reused": result.chunks_reused,
-                        "delta": result.chunks_delta,
-                        "full": result.chunks_full,
-                    }
-                )
-                + "\n"
-            )
-            log.flush()
-            print(
-                f"[train] step {step}: loss {loss.item():.4f}, checkpoint committed "
-                f"({result.bytes_written / 1e6:.2f} MB written)",
-                flush=True,
-            )
-    store.close()
-    log.close()
+    trainer.fit(model)  # resumes by itself when the store holds a checkpoint
+    if checkpoint.resumed_from is not None:
+        print(f"[train] resumed from step {checkpoint.resumed_from}", flush=True)
     torch.save(model.state_dict(), Path(args.dir) / "final.pt")
 
 
@@ -150,6 +162,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from lightning_incremental.core import CheckpointStore
+
     console = Console(width=max(110, shutil.get_terminal_size().columns))
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
@@ -157,7 +171,7 @@ def main() -> None:
     for d in (interrupted, reference):
         d.mkdir(parents=True)
     started = time.perf_counter()
-    console.rule("run 1: training, crashes mid-run")
+    console.rule("run 1: training, crashes mid-epoch")
     code = run(interrupted, args, args.crash_at)
     console.print(
         f"training process ended with {code} "
@@ -170,13 +184,16 @@ def main() -> None:
     if run(reference, args, crash_at=-1) != 0:
         sys.exit("the reference run failed")
 
-    rows = [json.loads(line) for line in (interrupted / "figures.jsonl").read_text().splitlines()]
+    figures = {}
+    for line in (interrupted / "figures.jsonl").read_text().splitlines():
+        figures[json.loads(line)["step"]] = json.loads(line)
     table = Table(
-        title="Bytes written per checkpoint (fine-tuning, frozen embedding + lower blocks)"
+        title="Bytes written per checkpoint (a full Lightning checkpoint each time: "
+        "fine-tuning, frozen embedding and lower blocks)"
     )
     for name in (
         "step",
-        "state MB",
+        "checkpoint MB",
         "torch.save MB",
         "written MB",
         "fewer bytes",
@@ -184,18 +201,24 @@ def main() -> None:
         "chunks reused/delta/full",
     ):
         table.add_column(name, justify="right")
-    for r in rows:
-        table.add_row(
-            str(r["step"]),
-            f"{r['logical'] / 1e6:.1f}",
-            f"{r['torch_save'] / 1e6:.1f}",
-            f"{r['written'] / 1e6:.2f}",
-            f"{r['torch_save'] / r['written']:.1f}x",
-            f"{r['blocked_ms']:.1f}",
-            f"{r['reused']} / {r['delta']} / {r['full']}",
-        )
-    total_ours = sum(r["written"] for r in rows)
-    total_plain = sum(r["torch_save"] for r in rows)
+    total_ours = total_plain = 0
+    with CheckpointStore(str(interrupted / "store")) as store:
+        for step in store.steps():
+            stats = store.manifest(step)["stats"]
+            plain = io.BytesIO()
+            torch.save(store.load(step), plain)
+            total_ours += stats["bytes_data"]
+            total_plain += plain.tell()
+            blocked = figures.get(step, {}).get("blocked_ms")
+            table.add_row(
+                str(step),
+                f"{stats['bytes_logical'] / 1e6:.1f}",
+                f"{plain.tell() / 1e6:.1f}",
+                f"{stats['bytes_data'] / 1e6:.2f}",
+                f"{plain.tell() / stats['bytes_data']:.1f}x",
+                f"{blocked:.1f}" if blocked is not None else "-",
+                f"{stats['chunks_reused']} / {stats['chunks_delta']} / {stats['chunks_full']}",
+            )
     table.add_row(
         "total",
         "",
@@ -210,8 +233,10 @@ def main() -> None:
 
     final_a = torch.load(interrupted / "final.pt", weights_only=True)
     final_b = torch.load(reference / "final.pt", weights_only=True)
-    identical = all(
-        torch.equal(final_a[k].view(-1).view(torch.uint8), final_b[k].view(-1).view(torch.uint8))
+    identical = final_a.keys() == final_b.keys() and all(
+        torch.equal(
+            final_a[k].reshape(-1).view(torch.uint8), final_b[k].reshape(-1).view(torch.uint8)
+        )
         for k in final_b
     )
     console.print(

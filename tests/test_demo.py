@@ -35,5 +35,6 @@ def test_demo_crash_resume_is_bit_identical(tmp_path: Path) -> None:
     assert "resumed from step 10" in out.stdout
     assert "killed by SIGKILL" in out.stdout
     assert "bit-identical" in out.stdout
-    steps = sorted(p.name for p in (tmp_path / "run" / "interrupted" / "manifests").iterdir())
+    manifests = tmp_path / "run" / "interrupted" / "store" / "manifests"
+    steps = sorted(p.name for p in manifests.iterdir())
     assert [int(s.split(".")[0]) for s in steps] == [5, 10, 15, 20]

@@ -100,13 +100,14 @@ class ResumeHook:
             rank_zero_info(f"IncrementalCheckpoint: no checkpoint in {url} yet; starting fresh")
             return None
         if not trainer.is_global_zero:
-            store = callback._store_for_reading()
             try:
-                checkpoint = store.load(step, map_location="cpu")
-            except Exception as exc:
+                store = callback._store_for_reading()
+                try:
+                    checkpoint = store.load(step, map_location="cpu")
+                finally:
+                    store.close()
+            except Exception as exc:  # reported to every rank by the decision below
                 error = exc
-            finally:
-                store.close()
         if not strategy.reduce_boolean_decision(error is None, all=True):
             if error is not None:
                 raise CheckpointError(

@@ -30,7 +30,13 @@ from lightning_incremental import _resume as resume
 from lightning_incremental._resume import KEY, ResumeHook
 from lightning_incremental._saver import Saver
 from lightning_incremental._schedule import Schedule
-from lightning_incremental.core import CheckpointStore, ConfigError, SaveResult, StoreConfig
+from lightning_incremental.core import (
+    CheckpointError,
+    CheckpointStore,
+    ConfigError,
+    SaveResult,
+    StoreConfig,
+)
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +245,7 @@ class IncrementalCheckpoint(Checkpoint):
                 "one consolidated state from rank 0. Supported: single-device, DDP (ddp, "
                 "ddp_spawn, ddp_fork, ddp_notebook) and DataParallel strategies."
             )
+        _warn_late_module_hooks(pl_module)
         default = os.path.join(str(trainer.default_root_dir), DEFAULT_DIRNAME)
         self._url = strategy.broadcast(self.dirpath or default, src=0)
         self._check_model_checkpoints(trainer)
@@ -255,12 +262,22 @@ class IncrementalCheckpoint(Checkpoint):
                 f"dirpath {self._url} is in-process memory, which other ranks cannot read: "
                 "use a path or URL every rank can reach"
             )
-        store = self._open_store() if trainer.is_global_zero else None
+        # Rank 0 opens the store; whatever happens there, every rank learns it through the
+        # broadcast below, so a failure never leaves the other ranks waiting in a collective.
+        store, error = None, None
+        if trainer.is_global_zero:
+            try:
+                store = self._open_store()
+                steps = store.steps()
+                self._newest = steps[-1] if steps else None
+            except Exception as exc:
+                error = exc
+        self._newest, text = strategy.broadcast((self._newest, resume._describe(error)), src=0)
+        if error is not None:
+            raise error
+        if text is not None:
+            raise CheckpointError(f"rank 0 could not open the checkpoint store {self._url}: {text}")
         self._saver = Saver(store, self._url, self._totals, trainer.loggers)
-        if store is not None:
-            steps = store.steps()
-            self._newest = steps[-1] if steps else None
-        self._newest = strategy.broadcast(self._newest, src=0)
         if not self.resume and self._newest is not None:
             raise ConfigError(
                 f"IncrementalCheckpoint(resume=False) but {self._url} already holds checkpoints "
@@ -562,3 +579,21 @@ def _local(url: str) -> str | None:
     elif "://" in url:
         return None
     return os.path.realpath(os.path.expanduser(url))
+
+
+def _warn_late_module_hooks(pl_module: pl.LightningModule) -> None:
+    """Lightning calls a LightningModule's ``on_train_batch_end`` / ``on_validation_end`` after
+    the callbacks' hooks of the same event: what they change at a checkpointed step is not in
+    that checkpoint, and a resume does not replay them."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    late = [h for h in ("on_train_batch_end", "on_validation_end") if is_overridden(h, pl_module)]
+    if late:
+        rank_zero_warn(
+            f"{type(pl_module).__name__} overrides {' and '.join(late)}, which Lightning runs "
+            "after IncrementalCheckpoint has taken the checkpoint of that step: state changed "
+            "there (e.g. an EMA, a counter, random draws) is not in the checkpoint, so a resume "
+            "is not bit-exact for it. Move that work into training_step, or into a Callback "
+            "(callbacks run before IncrementalCheckpoint).",
+            category=PossibleUserWarning,
+        )

@@ -639,3 +639,39 @@ def test_example_script_runs_and_resumes(
     lightning_example.main([*args, "--steps", "50"])  # the same run, trained longer
     out = capsys.readouterr().out
     assert "resumed from step 40" in out and "checkpoints kept: [40, 45, 50]" in out
+
+
+def test_late_module_hooks_are_warned_about(tmp_path) -> None:
+    """A LightningModule's on_train_batch_end runs after the checkpoint of that step: warned."""
+    import lightning.pytorch as L
+
+    from lightning_incremental import IncrementalCheckpoint
+
+    class WithEma(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            return self.layer(batch[0]).sum()
+
+        def on_train_batch_end(self, *args) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            data = torch.utils.data.TensorDataset(torch.randn(4, 2))
+            return torch.utils.data.DataLoader(data, batch_size=2)
+
+    trainer = L.Trainer(
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[IncrementalCheckpoint(tmp_path / "store")],
+    )
+    with pytest.warns(UserWarning, match="overrides on_train_batch_end"):
+        trainer.fit(WithEma())

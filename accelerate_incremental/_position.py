@@ -1,0 +1,158 @@
+"""Where a process stands in a prepared DataLoader's epoch, and how a resumed run gets back there.
+
+A shuffled epoch's order is a function of the random state when its iterator starts: the
+``torch.Generator`` of the sampler (which Accelerate broadcasts from the main process at every
+``__iter__`` in multi-process runs) or, without one, the global torch random state. Accelerate's
+own checkpoints keep neither for a mid-epoch resume. :class:`LoaderPosition` records both at the
+start of each epoch, counts the batches handed to the training loop, and on resume puts the
+states back and skips the consumed batches with ``accelerator.skip_first_batches`` (which advances
+the sampler without loading the skipped samples for map-style datasets).
+
+Everything it returns is plain data (tensors, ints) for checkpoints. Framework-free apart from
+duck-typed attributes of Accelerate's DataLoader wrappers (``iteration``,
+``synchronized_generator``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_FOLLOW = ("base_dataloader", "batch_sampler", "sampler", "dataset")
+_MAX_DEPTH = 5
+
+
+def generators(loader: Any) -> dict[str, torch.Generator]:
+    """Every distinct ``torch.Generator`` a prepared loader, its samplers or its dataset draw from,
+    by attribute path (``"synchronized_generator"``, ``"batch_sampler.sampler.generator"``)."""
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+
+    def walk(obj: Any, path: str, depth: int) -> None:
+        for name in ("synchronized_generator", "generator"):
+            gen = getattr(obj, name, None)
+            if isinstance(gen, torch.Generator) and id(gen) not in seen:
+                seen.add(id(gen))
+                found[f"{path}{name}"] = gen
+        if depth >= _MAX_DEPTH:
+            return
+        for name in _FOLLOW:
+            value = getattr(obj, name, None)
+            if value is not None and not isinstance(value, (str, bytes, int, float)):
+                walk(value, f"{path}{name}.", depth + 1)
+
+    walk(loader, "", 0)
+    return found
+
+
+def _epoch(loader: Any) -> int:
+    value = getattr(loader, "iteration", 0)
+    return value if isinstance(value, int) else 0
+
+
+@dataclass
+class _Resume:
+    epoch: int
+    consumed: int
+    torch_state: torch.Tensor
+    generator_states: dict[str, torch.Tensor]
+
+
+class LoaderPosition:
+    """Tracks one prepared DataLoader. ``iterate`` is the training loop's view of it."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.epoch = _epoch(loader)
+        self.consumed: int | None = None  # batches handed out this epoch; None: not in an epoch
+        self._torch_state: torch.Tensor | None = None
+        self._generator_states: dict[str, torch.Tensor] = {}
+        self._resume: _Resume | None = None
+
+    def state(self) -> dict[str, Any]:
+        """Plain data: the epoch, the batches consumed in it, and its starting random states."""
+        now = {key: gen.get_state() for key, gen in generators(self.loader).items()}
+        if self.consumed is None or self._torch_state is None:
+            return {"epoch": _epoch(self.loader), "consumed": None, "generators": now}
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "torch": self._torch_state,
+            "generators": dict(self._generator_states),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Arrange for the next ``iterate`` to continue the saved epoch where it stood.
+
+        Raises:
+            ValueError: ``state`` is not a saved position of this loader.
+        """
+        try:
+            epoch = int(state["epoch"])
+            consumed = state["consumed"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a saved data position: {state!r:.200}") from exc
+        if hasattr(self.loader, "iteration"):
+            self.loader.iteration = epoch
+        self.epoch = epoch
+        self.consumed = None
+        self._resume = None
+        saved = dict(state["generators"])
+        current = generators(self.loader)
+        if sorted(saved) != sorted(current):
+            raise ValueError(
+                "the DataLoader's random generators differ from the checkpoint's: saved "
+                f"{sorted(saved)}, now {sorted(current)}; build the DataLoader as the saved run did"
+            )
+        if consumed is None:  # between epochs: the next epoch draws from the current states
+            for key, gen in current.items():
+                gen.set_state(saved[key].cpu())
+            return
+        self._resume = _Resume(epoch, int(consumed), state["torch"], saved)
+
+    def iterate(
+        self,
+        skip_first_batches: Callable[[Any, int], Any],
+        restore_now: Callable[[], None],
+    ) -> Iterator[Any]:
+        """Yield the epoch's batches; a resumed epoch continues after its consumed batches.
+
+        ``restore_now`` puts back the process's random state as it was at the save; it runs once
+        the resumed epoch's iterator has drawn its order."""
+        resume, self._resume = self._resume, None
+        if resume is None:
+            self.epoch = _epoch(self.loader)
+            self._torch_state = torch.get_rng_state()
+            self._generator_states = {k: g.get_state() for k, g in generators(self.loader).items()}
+            self.consumed = 0
+            yield from self._count(iter(self.loader), 0)
+        else:
+            self.epoch = resume.epoch
+            self._torch_state = resume.torch_state
+            self._generator_states = resume.generator_states
+            torch.set_rng_state(resume.torch_state.cpu())
+            for key, gen in generators(self.loader).items():
+                gen.set_state(resume.generator_states[key].cpu())
+            self.consumed = resume.consumed
+            source = iter(skip_first_batches(self.loader, resume.consumed))
+            try:
+                first = next(source)
+            except StopIteration:
+                restore_now()
+            else:
+                restore_now()
+                self.consumed += 1
+                yield first
+                yield from self._count(source, self.consumed)
+            if hasattr(self.loader, "iteration"):
+                self.loader.iteration = resume.epoch + 1
+        self.consumed = None
+
+    def _count(self, source: Iterator[Any], start: int) -> Iterator[Any]:
+        self.consumed = start
+        for batch in source:
+            self.consumed += 1
+            yield batch

@@ -1,0 +1,351 @@
+"""``IncrementalCheckpointer``: the whole Accelerate training state through the engine.
+
+One global checkpoint per save, written by the main process: the prepared models (unwrapped
+state dicts), optimizers, schedulers, the gradient scaler, objects registered with
+``accelerator.register_for_checkpointing``, the step counters, and every process's own part (its
+random state and its position in each prepared DataLoader) gathered into it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from accelerate_incremental import _layout
+from accelerate_incremental._position import LoaderPosition
+from lightning_incremental import _rng
+from lightning_incremental.core import CheckpointNotFoundError, CheckpointStore, SaveHandle
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+FORMAT = "accelerate_incremental/1"
+# Accelerate's distributed types whose state lives in engine-specific shards this adapter does
+# not gather (their save_state writes its own sharded files).
+_REFUSED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
+
+
+class IncrementalCheckpointer:
+    """Incremental, verified checkpoints of an ``Accelerator``'s whole training state.
+
+    Call :meth:`save` and :meth:`load` on every process (they gather and broadcast). Iterate the
+    prepared training DataLoader through :meth:`iterate` to make a mid-epoch resume exact.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` whose prepared objects are checkpointed.
+        dirpath: the checkpoint store: a local directory or any fsspec URL.
+        storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
+        keep_last: keep only the newest ``keep_last`` checkpoints (never deleting data a kept one
+            needs, and only after the newer one committed). Default: the accelerator's
+            ``ProjectConfiguration.total_limit``, else keep all.
+        every_n_steps: the schedule of :meth:`maybe_save`; None: ``maybe_save`` never saves.
+        **options: further :class:`~lightning_incremental.core.StoreConfig` options
+            (``full_every``, ``allow_pickle``, ...).
+
+    Raises:
+        TypeError: ``accelerator`` is not an Accelerator, or an argument has the wrong type.
+        ValueError: an FSDP, DeepSpeed, Megatron-LM or XLA accelerator (not covered), an
+            Accelerator that sees one process in a multi-process launch, or a bad
+            ``every_n_steps``.
+        ConfigError: an invalid store option or URL.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        dirpath: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+        every_n_steps: int | None = None,
+        **options: Any,
+    ) -> None:
+        from accelerate import Accelerator
+
+        if not isinstance(accelerator, Accelerator):
+            raise TypeError(
+                f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}"
+            )
+        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+        if kind.upper() in _REFUSED:
+            raise ValueError(
+                f"IncrementalCheckpointer does not support {kind} accelerators: their state is "
+                "sharded by the engine itself. Covered: single process and data parallel "
+                "(DDP on CPU/GPU/XPU/NPU, i.e. distributed_type NO or MULTI_*); use "
+                "accelerator.save_state for FSDP/DeepSpeed/Megatron-LM/XLA."
+            )
+        launched = os.environ.get("WORLD_SIZE", "1")
+        if launched.isdigit() and int(launched) > 1 and accelerator.num_processes == 1:
+            raise ValueError(
+                f"this process was launched as one of WORLD_SIZE={launched} processes, but the "
+                "Accelerator runs as a single process (distributed_type NO), so every process "
+                "would write the same checkpoints on its own. On a machine without GPUs create "
+                "Accelerator(cpu=True) or launch with ACCELERATE_USE_CPU=1"
+            )
+        if not isinstance(dirpath, str):
+            raise TypeError(
+                f"dirpath must be a str (a directory or URL), got {type(dirpath).__name__}"
+            )
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(
+                f"storage_options must be a dict or None, got {type(storage_options).__name__}"
+            )
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool)
+            or not isinstance(every_n_steps, int)
+            or every_n_steps < 1
+        ):
+            raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
+        if keep_last is None:
+            keep_last = accelerator.project_configuration.total_limit
+        self.accelerator = accelerator
+        self.every_n_steps = every_n_steps
+        self.store = CheckpointStore(
+            dirpath, storage_options=storage_options, keep_last=keep_last, **options
+        )
+        self._positions: dict[int, LoaderPosition] = {}
+        self._saved_rng: dict[str, Any] | None = None  # this process's RNG at the loaded save
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle | None:
+        """Save the whole training state as checkpoint ``step``; call it on every process.
+
+        Blocks only for the gather and the snapshot; the write runs in the background (see
+        :meth:`wait`). Returns the save's handle on the main process, None on the others.
+
+        Raises:
+            TypeError: ``step`` is not an int.
+            RuntimeError: called before ``accelerator.prepare`` (no prepared model).
+            ValueError: a prepared ``StatefulDataLoader`` (not covered).
+            StepError: ``step`` is not greater than the newest saved step.
+            UnsupportedValueError: a state value that needs pickling (naming its key).
+        """
+        return self._save(step, self.accelerator.project_configuration.iteration, metadata)
+
+    def maybe_save(self, step: int) -> SaveHandle | None:
+        """:meth:`save` when ``step`` is a positive multiple of ``every_n_steps``; else None."""
+        _check_step(step)
+        if self.every_n_steps is None or step <= 0 or step % self.every_n_steps:
+            return None
+        return self.save(step)
+
+    def _save(
+        self, step: int, iteration: int, metadata: dict[str, Any] | None
+    ) -> SaveHandle | None:
+        _check_step(step)
+        acc = self.accelerator
+        _layout.check_prepared(acc)
+        _layout.check_loaders(acc)
+        local = {
+            "rng": _rng.capture(),
+            "loaders": [self._position(i).state() for i in range(len(acc._dataloaders))],
+        }
+        processes = _gather(local)
+        if not acc.is_main_process:
+            return None
+        state = {
+            "format": FORMAT,
+            "models": [acc.unwrap_model(m).state_dict() for m in acc._models],
+            "optimizers": [opt.state_dict() for opt in acc._optimizers],
+            "schedulers": [s.state_dict() for s in acc._schedulers],
+            "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
+            "custom": [obj.state_dict() for obj in acc._custom_objects],
+            "counters": {"step": int(acc.step), "iteration": int(iteration)},
+            "processes": processes,
+        }
+        return self.store.save(state, step, metadata=metadata, world_size=len(processes))
+
+    def wait(self) -> None:
+        """Wait until every pending save of this process committed.
+
+        Raises:
+            Exception: the error of a failed save.
+        """
+        self.store.wait()
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self) -> int | None:
+        """Restore the newest committed checkpoint into the prepared objects on every process and
+        return its step; None (nothing restored) when the store has no checkpoint.
+
+        The main process picks the step and broadcasts it. Restores the models, optimizers,
+        schedulers, scaler, registered objects, ``accelerator.step``, the project's save
+        iteration, and this process's random state and DataLoader positions.
+
+        Raises:
+            RuntimeError: called before ``accelerator.prepare``.
+            ValueError: the checkpoint's layout (models, keys, shapes, optimizers, schedulers,
+                registered objects, process count) differs from this run's, naming the difference.
+            CorruptCheckpointError: every committed checkpoint is corrupt (on the main process;
+                the others raise RuntimeError with its text).
+        """
+        acc = self.accelerator
+        _layout.check_prepared(acc)
+        state: dict[str, Any] | None = None
+        choice: tuple[int | None, str | None] = (None, None)
+        failure: BaseException | None = None
+        if acc.is_main_process:
+            try:
+                state = self.store.load(map_location="cpu")
+                choice = (self.store.loaded_step, None)
+            except CheckpointNotFoundError:
+                choice = (None, None)
+            except Exception as exc:  # re-raised below, after the other processes learn of it
+                failure = exc
+                choice = (None, f"{type(exc).__name__}: {exc}")
+        step, error = _broadcast(choice)
+        if failure is not None:
+            raise failure
+        if error is not None:
+            raise RuntimeError(f"the main process could not load a checkpoint: {error}")
+        if step is None:
+            return None
+        if state is None:
+            state = self.store.load(step, map_location="cpu")
+        _layout.check_compatible(acc, state, FORMAT)
+        for model, weights in zip(acc._models, state["models"], strict=True):
+            acc.unwrap_model(model).load_state_dict(weights)
+        for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
+        for sched, sched_state in zip(acc._schedulers, state["schedulers"], strict=True):
+            sched.load_state_dict(sched_state)
+        if acc.scaler is not None and state["scaler"] is not None:
+            acc.scaler.load_state_dict(state["scaler"])
+        for obj, obj_state in zip(acc._custom_objects, state["custom"], strict=True):
+            obj.load_state_dict(obj_state)
+        acc.step = int(state["counters"]["step"])
+        acc.project_configuration.iteration = int(state["counters"]["iteration"])
+        mine = state["processes"][acc.process_index]
+        for i, position in enumerate(mine["loaders"]):
+            self._position(i).restore(position)
+        self._saved_rng = mine["rng"]
+        _rng.restore(mine["rng"])
+        return step
+
+    # ------------------------------------------------------------------ takeover
+
+    def take_over(self) -> None:
+        """Make ``accelerator.save_state()`` / ``accelerator.load_state()`` go through this
+        checkpointer, by setting instance attributes that shadow the two methods.
+
+        ``save_state`` saves checkpoint ``project_configuration.iteration``, waits for its commit
+        (Accelerate's save_state is synchronous too) and increments the iteration (as Accelerate
+        does); ``load_state`` restores the newest checkpoint and returns its step (None
+        when the store is empty). Both accept and ignore Accelerate's directory and serialization
+        arguments. :meth:`release` puts the original methods back.
+        """
+        acc = self.accelerator
+        if getattr(acc, "_incremental_checkpointer", None) is not None:
+            raise RuntimeError("this accelerator's save_state/load_state are already taken over")
+
+        def save_state(output_dir: Any = None, *args: Any, **kwargs: Any) -> str:
+            iteration = acc.project_configuration.iteration
+            self._save(iteration, iteration + 1, None)
+            self.wait()
+            acc.project_configuration.iteration = iteration + 1
+            return str(self.store.url)
+
+        def load_state(input_dir: Any = None, *args: Any, **kwargs: Any) -> int | None:
+            return self.load()
+
+        acc.save_state = save_state
+        acc.load_state = load_state
+        acc._incremental_checkpointer = self
+
+    def release(self) -> None:
+        """Undo :meth:`take_over`: the accelerator's own ``save_state``/``load_state`` again."""
+        acc = self.accelerator
+        if getattr(acc, "_incremental_checkpointer", None) is self:
+            del acc.save_state
+            del acc.load_state
+            del acc._incremental_checkpointer
+
+    # ------------------------------------------------------------------ data position
+
+    def iterate(self, dataloader: Any) -> Iterator[Any]:
+        """Iterate one epoch of a prepared DataLoader, tracking the position saved with each
+        checkpoint. After :meth:`load`, the first call continues the interrupted epoch exactly
+        where it stood (same order, same random state), skipping the consumed batches.
+
+        Raises:
+            ValueError: ``dataloader`` was not returned by ``accelerator.prepare``.
+        """
+        index = next(
+            (i for i, dl in enumerate(self.accelerator._dataloaders) if dl is dataloader), None
+        )
+        if index is None:
+            raise ValueError(
+                "iterate() takes a DataLoader returned by accelerator.prepare(...); this one was "
+                "not prepared by this accelerator"
+            )
+        position = self._position(index)
+
+        def restore_now() -> None:
+            if self._saved_rng is not None:
+                _rng.restore(self._saved_rng)
+
+        yield from position.iterate(self.accelerator.skip_first_batches, restore_now)
+
+    def _position(self, index: int) -> LoaderPosition:
+        loader = self.accelerator._dataloaders[index]
+        position = self._positions.get(index)
+        if position is None or position.loader is not loader:
+            position = self._positions[index] = LoaderPosition(loader)
+        return position
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def steps(self) -> list[int]:
+        """Committed checkpoint steps, oldest first."""
+        return self.store.steps()
+
+    def close(self) -> None:
+        """Wait for pending saves and release the store.
+
+        Raises:
+            Exception: the error of a failed save.
+        """
+        self.store.close()
+
+    def __enter__(self) -> IncrementalCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"IncrementalCheckpointer({self.store.url!r}, every_n_steps={self.every_n_steps})"
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+
+
+def _gather(local: dict[str, Any]) -> list[Any]:
+    """Every process's ``local``, in process order, on every process."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return [local]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, local)
+    return out
+
+
+def _broadcast(value: tuple[int | None, str | None]) -> tuple[int | None, str | None]:
+    """The main process's ``value`` on every process."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box: list[Any] = [value]
+    dist.broadcast_object_list(box, src=0)
+    step, error = box[0]
+    return step, error

@@ -514,3 +514,24 @@ def test_loaded_step_world_size_and_resaving_a_corrupt_step(local_url: str) -> N
         store.save(make_state(7), 9).wait()  # the corrupt step 9 is replaced, not a StepError
         assert_state_equal(store.load(), make_state(7))
         assert store.loaded_step == 9
+
+
+def test_audit_records_the_code_commit_of_the_working_directory(tmp_path, monkeypatch) -> None:
+    from lightning_incremental.core.manifest import code_version
+
+    repo = tmp_path / "repo"
+    (repo / ".git" / "refs" / "heads").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / ".git" / "refs" / "heads" / "main").write_text("ab" * 20 + "\n")
+    (repo / "sub").mkdir()
+    monkeypatch.chdir(repo / "sub")
+    code_version.cache_clear()
+    try:
+        with small_store(str(tmp_path / "s")) as store:
+            store.save(make_state(), 1).wait()
+            assert store.manifest(1)["audit"]["code_commit"] == "ab" * 20
+        monkeypatch.chdir(tmp_path)
+        code_version.cache_clear()
+        assert code_version() is None
+    finally:
+        code_version.cache_clear()

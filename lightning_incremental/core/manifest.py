@@ -16,6 +16,7 @@ or a plain value is detected like a flipped bit in tensor data.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -286,9 +287,47 @@ def plain_json(value: Any, name: str) -> dict[str, Any] | None:
         raise UnsupportedValueError(f"{name} must hold plain JSON values only: {exc}") from exc
 
 
+@functools.lru_cache(maxsize=1)
+def code_version() -> str | None:
+    """The git commit checked out where the training code runs (the working directory's
+    repository), read from ``.git`` without running git; None outside a repository."""
+    directory = os.path.abspath(os.getcwd())
+    while True:
+        git = os.path.join(directory, ".git")
+        if os.path.isdir(git):
+            break
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return None
+        directory = parent
+    try:
+        with open(os.path.join(git, "HEAD")) as fh:
+            head = fh.read().strip()
+        if not head.startswith("ref: "):
+            return head if _COMMIT.match(head) else None
+        ref = head[5:]
+        ref_file = os.path.join(git, *ref.split("/"))
+        if os.path.isfile(ref_file):
+            with open(ref_file) as fh:
+                commit = fh.read().strip()
+            return commit if _COMMIT.match(commit) else None
+        with open(os.path.join(git, "packed-refs")) as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) == 2 and parts[1] == ref and _COMMIT.match(parts[0]):
+                    return parts[0]
+    except OSError:
+        return None
+    return None
+
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
+
+
 def audit_record(meta: dict[str, Any] | None, world_size: int = 1) -> dict[str, Any]:
     """Who, where and with what a checkpoint was written, plus the caller's metadata."""
     return {
+        "code_commit": code_version(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "python": platform.python_version(),

@@ -21,10 +21,12 @@ from lightning_incremental.core import codec
 
 
 def category(path: str) -> str:
+    """``weights``, an optimizer state's own name (AdamW ``exp_avg`` / ``exp_avg_sq``, Adagrad
+    ``sum``; its scalar ``step`` counts as ``other``), or ``other``."""
     leaf = path.rsplit("/", 1)[-1]
     if path.startswith("/state_dict/"):
         return "weights"
-    if leaf in ("exp_avg", "exp_avg_sq"):
+    if path.startswith("/optimizer_states/") and "/state/" in path and leaf != "step":
         return leaf
     return "other"
 
@@ -51,7 +53,8 @@ def breakdown(previous: Any, current: Any, *, chunk_size: int, level: int) -> di
             else None
         )
         width = codec.group_width(tensor.element_size(), tensor.is_complex())
-        row["dtype"] = str(tensor.dtype).removeprefix("torch.")
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        row["dtype"] = dtype if row.get("dtype", dtype) == dtype else "mixed"
         for offset in range(0, raw.size, chunk_size):
             piece = raw[offset : offset + chunk_size]
             row["logical"] += piece.size

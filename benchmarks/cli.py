@@ -10,16 +10,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import analysis, machine, report
-from benchmarks.model import FULL, QUICK
+import torch
+
+from benchmarks import analysis, machine, plot, report
+from benchmarks.model import (
+    FULL,
+    FULL_EMBEDDING,
+    QUICK,
+    QUICK_EMBEDDING,
+    EmbeddingConfig,
+    ModelConfig,
+)
 from benchmarks.runner import RunSettings, run_scenario
 from benchmarks.scenarios import SCENARIOS, Params
 from benchmarks.systems import SYSTEMS
 
-MODES = {
-    # mode: (model, checkpoints, interval)
-    "full": (FULL, 6, 10),
-    "quick": (QUICK, 3, 10),
+MODES: dict[str, tuple[ModelConfig, EmbeddingConfig, int, int]] = {
+    # mode: (transformer, sparse_embedding model, checkpoints, interval)
+    "full": (FULL, FULL_EMBEDDING, 6, 10),
+    "quick": (QUICK, QUICK_EMBEDDING, 3, 10),
 }
 
 
@@ -90,6 +99,13 @@ def parser() -> argparse.ArgumentParser:
         help="also break the last checkpoint's bytes down by tensor kind "
         "(weights, exp_avg, exp_avg_sq) with the engine's codec",
     )
+    p.add_argument(
+        "--train-threads",
+        type=int,
+        default=1,
+        help="torch threads while training between checkpoints (0: torch's default); saves "
+        "and restores always use torch's default (default 1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--lr",
@@ -105,6 +121,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", type=Path, help="results JSON (default OUT/{full,quick}.json)")
     p.add_argument("--markdown", type=Path, help="Markdown report (default OUT/{full,quick}.md)")
+    p.add_argument("--png", type=Path, help="figure (default: next to the JSON, same name, .png)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints written")
     p.add_argument("--list", action="store_true", help="list scenarios and systems, then exit")
     return p
@@ -119,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"system   {name:16s} {cls.summary}")
         return 0
     mode = "quick" if args.quick else "full"
-    model, checkpoints, interval = MODES[mode]
+    model, embedding, checkpoints, interval = MODES[mode]
     settings = RunSettings(
         params=Params(
             model=model,
+            embedding=embedding,
             seed=args.seed,
             lr=args.lr,
             interval=args.interval if args.interval is not None else interval,
@@ -134,9 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         analyze=args.analyze,
         workdir=args.out / "work",
         keep=args.keep,
+        train_threads=args.train_threads,
     )
     json_path = args.json or args.out / f"{mode}.json"
     md_path = args.markdown or args.out / f"{mode}.md"
+    png_path = args.png or json_path.with_suffix(".png")
     info = machine.describe()
     info["run"] = {
         "mode": mode,
@@ -145,11 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         "lr": settings.params.lr,
         "weight_decay": settings.params.weight_decay,
         "model": model.as_dict(),
+        "embedding_model": embedding.as_dict(),
         "scenarios": args.scenarios,
         "systems": args.systems,
         "store_options": settings.store_options,
         "restore": args.restore,
         "seed": args.seed,
+        "train_threads": args.train_threads,
+        "torch_threads": torch.get_num_threads(),
     }
     info["loadavg_at_start"] = list(os.getloadavg())
     records: list[dict[str, Any]] = []
@@ -171,12 +194,25 @@ def main(argv: list[str] | None = None) -> int:
         rows,
         report.goals(rows),
         analysis.markdown(breakdowns) if breakdowns else None,
+        {name: cls.summary for name, cls in SYSTEMS.items()},
     )
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(text)
     print(text)
+    written = [json_path, md_path]
+    try:
+        title = (
+            f"{mode} mode: {settings.checkpoints} checkpoints every {settings.params.interval} "
+            f"steps; {info['cpu_available']} CPUs ({info['cpu_model']}), shared, load "
+            f"{report.load_range(records)}"
+        )
+        plot.write_png(records, png_path, title)
+        written.append(png_path)
+    except ImportError:
+        print("no figure: matplotlib is not installed (pip install '.[bench]')", file=sys.stderr)
     print(
-        f"wrote {json_path} and {md_path} in {time.perf_counter() - started:.1f}s", file=sys.stderr
+        f"wrote {', '.join(map(str, written))} in {time.perf_counter() - started:.1f}s",
+        file=sys.stderr,
     )
     wrong = [r for r in records if r["restore_ok"] is False]
     if wrong:

@@ -73,6 +73,7 @@ def describe() -> dict[str, Any]:
         "zstandard": _version("zstandard"),
         "xxhash": _version("xxhash"),
         "lightning": _version("lightning"),
+        "accelerate": _version("accelerate"),
         "lightning_incremental": li_version,
         "git_commit": _git_commit(Path(__file__).resolve().parent.parent),
     }

@@ -1,4 +1,5 @@
-"""The workload: a small decoder-only transformer LM trained with AdamW on random tokens.
+"""The workload models: a small decoder-only transformer LM trained on random tokens, and an
+embedding-heavy bag-of-ids classifier with a sparse-gradient embedding table.
 
 Real forward/backward/optimizer steps, so parameters and optimizer moments evolve the way they do
 in training (not synthetic noise). The LM head is tied to the token embedding (as in GPT-2), so
@@ -35,7 +36,33 @@ FULL = ModelConfig(vocab=8192, d_model=384, layers=8, heads=6, ff=1536, seq=128,
 QUICK = ModelConfig(vocab=1024, d_model=128, layers=2, heads=4, ff=512, seq=32, batch=4)
 
 
-class TinyLM(nn.Module):
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    vocab: int  # rows of the embedding table
+    dim: int
+    bag: int  # ids per example (mean-pooled)
+    hidden: int
+    classes: int
+    batch: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Full: a 100k x 128 table (51 MB fp32, as much again of Adagrad state); 512 ids per step touch
+# ~0.5% of the rows, ~5% over a 10-step interval.
+FULL_EMBEDDING = EmbeddingConfig(vocab=100_000, dim=128, bag=32, hidden=256, classes=64, batch=16)
+QUICK_EMBEDDING = EmbeddingConfig(vocab=10_000, dim=32, bag=8, hidden=64, classes=16, batch=8)
+
+
+class Trainable(nn.Module):
+    """A model that knows its training loss on a batch of ids."""
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TinyLM(Trainable):
     """Token + position embedding, pre-norm ``nn.TransformerEncoderLayer`` blocks with a causal
     mask, final LayerNorm, LM head tied to the embedding."""
 
@@ -71,28 +98,61 @@ class TinyLM(nn.Module):
             h = block(h, src_mask=mask, is_causal=True)
         return F.linear(self.norm(h), self.embed.weight)
 
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Next-token prediction: ``batch`` is ``(batch, seq + 1)`` ids."""
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+        )
+
+
+class BagClassifier(Trainable):
+    """Mean of the embeddings of a bag of ids, then a small MLP; the label is a function of the
+    first id (learnable). The table has ``sparse=True``: its gradient holds only the rows of the
+    batch's ids, so a sparse-aware optimizer leaves every other row (and its state) untouched."""
+
+    def __init__(self, cfg: EmbeddingConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim, sparse=True)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.dim, cfg.hidden), nn.GELU(), nn.Linear(cfg.hidden, cfg.classes)
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.embed(ids).mean(dim=1))
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self(batch), batch[:, 0] % self.cfg.classes)
+
 
 def param_count(model: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 class RandomTokens:
-    """Batches of uniformly random tokens from a seeded generator (reproducible)."""
+    """Batches of uniformly random ids in ``[0, high)`` from a seeded generator (reproducible)."""
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
-        self.cfg = cfg
+    def __init__(self, high: int, shape: tuple[int, ...], seed: int = 0) -> None:
+        self.high = high
+        self.shape = shape
         self.gen = torch.Generator().manual_seed(seed)
 
+    @classmethod
+    def for_lm(cls, cfg: ModelConfig, seed: int = 0) -> RandomTokens:
+        return cls(cfg.vocab, (cfg.batch, cfg.seq + 1), seed)
+
+    @classmethod
+    def for_bags(cls, cfg: EmbeddingConfig, seed: int = 0) -> RandomTokens:
+        return cls(cfg.vocab, (cfg.batch, cfg.bag), seed)
+
     def __call__(self) -> torch.Tensor:
-        return torch.randint(
-            0, self.cfg.vocab, (self.cfg.batch, self.cfg.seq + 1), generator=self.gen
-        )
+        return torch.randint(0, self.high, self.shape, generator=self.gen)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
-    """One next-token-prediction step; returns the loss."""
-    logits = model(batch[:, :-1])
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+def train_step(model: Trainable, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+    """One training step; returns the loss."""
+    loss = model.loss(batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()

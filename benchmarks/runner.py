@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks import analysis
-from benchmarks.scenarios import Params, Scenario
+from benchmarks.memory import peak_extra_rss
+from benchmarks.scenarios import Params, Scenario, Workload
 from benchmarks.state import clone, first_difference, tensor_bytes
 from benchmarks.systems import SYSTEMS, System
 
@@ -28,6 +31,10 @@ class RunSettings:
     analyze: bool = False
     workdir: Path = Path("bench_out")
     keep: bool = False
+    # torch threads while training (0: torch's default). Training only produces the states; on a
+    # shared 2-core machine one thread avoids OpenMP's slow-down under contention. Saves and
+    # restores always run with torch's default.
+    train_threads: int = 1
 
 
 def _log(message: str) -> None:
@@ -45,6 +52,12 @@ def run_scenario(
     systems: list[System] = [
         SYSTEMS[name](root / name, settings.store_options) for name in settings.systems
     ]
+    for system in systems:
+        system.attach(work, lambda: scenario.build(settings.params))
+    # Everything alive now (imported frameworks, the model) lives through the scenario: keep it
+    # out of the collections before every save and restore, which it would otherwise slow down.
+    gc.collect()
+    gc.freeze()
     records: list[dict[str, Any]] = []
     breakdown = None
     previous = None
@@ -55,7 +68,7 @@ def run_scenario(
         for index in range(settings.checkpoints):
             steps = work.steps_before(index)
             start = time.perf_counter()
-            loss = work.train(steps)
+            loss = _train(work, steps, settings.train_threads)
             train_s = time.perf_counter() - start
             step += steps
             state = work.state(step)
@@ -64,8 +77,8 @@ def run_scenario(
             # Rotate the order so that no system always follows the same one.
             order = systems[index % len(systems) :] + systems[: index % len(systems)]
             for system in order:
-                gc.collect()
-                stats = system.save(state, index, step)
+                with peak_extra_rss() as peak:
+                    stats = system.save(state, index, step)
                 totals[system.name] += stats.bytes_written
                 record = {
                     "scenario": scenario.name,
@@ -83,6 +96,9 @@ def run_scenario(
                     "save_s": stats.save_s,
                     "restore_s": None,
                     "restore_ok": None,
+                    # resident-set high-water mark over the save, minus the resident set before
+                    "peak_extra_bytes": peak.extra_bytes,
+                    "restore_peak_extra_bytes": None,
                     "fsync": system.fsync,
                     "order": order.index(system),
                     "loadavg_1m": os.getloadavg()[0],
@@ -108,10 +124,21 @@ def run_scenario(
         for system in systems:
             system.close()
         del systems, work, previous
+        gc.unfreeze()
         gc.collect()
         if not settings.keep:
             shutil.rmtree(root, ignore_errors=True)
     return records, breakdown
+
+
+def _train(work: Workload, steps: int, threads: int) -> float | None:
+    default = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return work.train(steps)
+    finally:
+        torch.set_num_threads(default)
 
 
 def _restore_all(
@@ -120,19 +147,19 @@ def _restore_all(
     """Restore the newest checkpoint of every system (files were just written: all of them are
     likely in the page cache alike) and check it equals the saved state bit for bit."""
     for system in systems:
-        gc.collect()
-        start = time.perf_counter()
-        restored = system.restore()
-        elapsed = time.perf_counter() - start
+        with peak_extra_rss() as peak:
+            start = time.perf_counter()
+            restored = system.restore()
+            elapsed = time.perf_counter() - start
         record = by_system[system.name]
         record["restore_s"] = elapsed
+        record["restore_peak_extra_bytes"] = peak.extra_bytes
+        record["decode_MBps"] = record["bytes_logical"] / elapsed / 1e6
         diff = first_difference(restored, state)
         record["restore_ok"] = diff is None
         if diff is not None:
             record["restore_error"] = f"restored state differs at {diff}"
             _log(f"  !! {system.name}: restored state differs at {diff}")
-        if system.name == "incremental":
-            record["decode_MBps"] = record["bytes_logical"] / elapsed / 1e6
         del restored
 
 

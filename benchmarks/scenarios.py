@@ -2,20 +2,32 @@
 
 A scenario is a function ``(Params) -> Workload`` registered with ``@scenario``. The runner
 trains the workload for ``workload.steps_before(i)`` steps before checkpoint ``i`` and saves
-``workload.state(step)`` with every system. Adding one (LoRA, sparse embedding, ...) is a new
-function here.
+``workload.state(step)`` with every system. Adding one is a new function here.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.model import ModelConfig, RandomTokens, TinyLM, param_count, train_step
+from benchmarks.lora import add_lora
+from benchmarks.model import (
+    FULL_EMBEDDING,
+    BagClassifier,
+    EmbeddingConfig,
+    ModelConfig,
+    RandomTokens,
+    TinyLM,
+    Trainable,
+    param_count,
+    train_step,
+)
 
 
 @dataclass(frozen=True)
@@ -23,6 +35,7 @@ class Params:
     """What every scenario is built from."""
 
     model: ModelConfig
+    embedding: EmbeddingConfig = FULL_EMBEDDING  # the sparse_embedding scenario's model
     interval: int = 10  # training steps between checkpoints
     seed: int = 0
     lr: float = 3e-4  # constant AdamW learning rate (pre-training-like)
@@ -31,7 +44,7 @@ class Params:
 
 @dataclass
 class Workload:
-    model: nn.Module
+    model: Trainable
     optimizer: torch.optim.Optimizer
     data: RandomTokens
     interval: int  # training steps between checkpoints
@@ -83,6 +96,14 @@ def scenario(name: str, description: str) -> Callable[[ScenarioFn], ScenarioFn]:
     return register
 
 
+def _seed(p: Params) -> None:
+    """Seed every global RNG that a checkpoint may record (Accelerate saves Python's and
+    NumPy's too), so that byte counts are the same from run to run."""
+    random.seed(p.seed)
+    np.random.seed(p.seed)
+    torch.manual_seed(p.seed)
+
+
 def _adamw(params: Any, p: Params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=p.lr, weight_decay=p.weight_decay)
 
@@ -98,12 +119,12 @@ def _info(model: nn.Module) -> dict[str, Any]:
 
 @scenario("dense_fp32", "all parameters trained, fp32 weights and AdamW state")
 def dense_fp32(p: Params) -> Workload:
-    torch.manual_seed(p.seed)
+    _seed(p)
     model = TinyLM(p.model)
     return Workload(
         model,
         _adamw(model.parameters(), p),
-        RandomTokens(p.model, p.seed),
+        RandomTokens.for_lm(p.model, p.seed),
         p.interval,
         info=_info(model),
     )
@@ -111,12 +132,12 @@ def dense_fp32(p: Params) -> Workload:
 
 @scenario("bf16", "all parameters trained, bf16 weights (AdamW state in bf16 as it comes)")
 def bf16(p: Params) -> Workload:
-    torch.manual_seed(p.seed)
+    _seed(p)
     model = TinyLM(p.model).to(torch.bfloat16)
     return Workload(
         model,
         _adamw(model.parameters(), p),
-        RandomTokens(p.model, p.seed),
+        RandomTokens.for_lm(p.model, p.seed),
         p.interval,
         info=_info(model),
     )
@@ -140,11 +161,13 @@ def freeze_bottom(model: nn.Module, frozen_fraction: float) -> None:
 
 @scenario("frozen90", "~90% of parameters frozen (bottom), top trained; full model in the state")
 def frozen90(p: Params) -> Workload:
-    torch.manual_seed(p.seed)
+    _seed(p)
     model = TinyLM(p.model)
     freeze_bottom(model, 0.90)
     optimizer = _adamw([t for t in model.parameters() if t.requires_grad], p)
-    return Workload(model, optimizer, RandomTokens(p.model, p.seed), p.interval, info=_info(model))
+    return Workload(
+        model, optimizer, RandomTokens.for_lm(p.model, p.seed), p.interval, info=_info(model)
+    )
 
 
 @scenario("unchanged", "dense fp32; trained before the first checkpoint only, then re-saved")
@@ -152,3 +175,41 @@ def unchanged(p: Params) -> Workload:
     work = dense_fp32(p)
     work.schedule = lambda checkpoint, k: k if checkpoint == 0 else 0
     return work
+
+
+@scenario("lora", "frozen base + LoRA adapters (<1% trainable) on attention and MLP linears")
+def lora(p: Params) -> Workload:
+    _seed(p)
+    model = TinyLM(p.model)
+    rank = add_lora(model, max_fraction=0.01)
+    optimizer = _adamw([t for t in model.parameters() if t.requires_grad], p)
+    return Workload(
+        model,
+        optimizer,
+        RandomTokens.for_lm(p.model, p.seed),
+        p.interval,
+        info={**_info(model), "lora_rank": rank},
+    )
+
+
+ADAGRAD_LR = 0.05
+
+
+@scenario(
+    "sparse_embedding",
+    "embedding-heavy bag classifier, sparse gradients + Adagrad: a step changes only the rows "
+    "(and their optimizer state) of its batch's ids",
+)
+def sparse_embedding(p: Params) -> Workload:
+    _seed(p)
+    # Explicitly keep torch's default (no invariant checks on the sparse gradients Adagrad builds);
+    # silences its "implicitly disabled" warning.
+    torch.sparse.check_sparse_tensor_invariants.disable()
+    model = BagClassifier(p.embedding)
+    return Workload(
+        model,
+        torch.optim.Adagrad(model.parameters(), lr=ADAGRAD_LR),
+        RandomTokens.for_bags(p.embedding, p.seed),
+        p.interval,
+        info=_info(model),
+    )

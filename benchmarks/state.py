@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,22 +33,42 @@ def tensor_bytes(state: Any) -> int:
     return total
 
 
-def clone(state: Any) -> Any:
-    """A deep copy whose tensors own their bytes (a point-in-time snapshot)."""
+def map_tensors(state: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """A copy of the nest of dicts/lists/tuples with ``fn(tensor)`` in the place of every
+    tensor (other leaves shared)."""
     if isinstance(state, torch.Tensor):
-        return state.detach().clone()
+        return fn(state)
     if isinstance(state, dict):
-        return type(state)((k, clone(v)) for k, v in state.items())
+        return type(state)((k, map_tensors(v, fn)) for k, v in state.items())
     if isinstance(state, list):
-        return [clone(v) for v in state]
+        return [map_tensors(v, fn) for v in state]
     if isinstance(state, tuple):
-        return tuple(clone(v) for v in state)
+        return tuple(map_tensors(v, fn) for v in state)
     return state
 
 
+def clone(state: Any) -> Any:
+    """A deep copy whose tensors own their bytes (a point-in-time snapshot)."""
+    return map_tensors(state, lambda t: t.detach().clone())
+
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
 def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as the widest integer words that divide their length (``torch.equal``
+    on uint8 is tens of times slower than on int64); the choice depends on the byte count only,
+    so two tensors of one dtype and shape get the same view."""
     t = t.detach().contiguous().reshape(-1)
-    return t.view(torch.uint8) if t.numel() else t
+    if not t.numel():
+        return t
+    nbytes = t.numel() * t.element_size()
+    for size, dtype in _WORDS:
+        if nbytes % size == 0:
+            if t.storage_offset() * t.element_size() % size:
+                t = t.clone()  # an unaligned view: words need an aligned start
+            return t.view(torch.uint8).view(dtype)
+    return t.view(torch.uint8)
 
 
 def first_difference(actual: Any, expected: Any, path: str = "") -> str | None:

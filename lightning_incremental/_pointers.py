@@ -5,13 +5,21 @@ URLs. Framework-free: used by :mod:`lightning_incremental.checkpoint_io`.
 A pointer file::
 
     {"format": "lightning-incremental-pointer", "version": 1, "store": ".incremental",
-     "step": 7, "id": "<32 hex digits>", "global_step": 400, "epoch": 3}
+     "step": 7, "id": "<32 hex digits>", "global_step": 400, "epoch": 3,
+     "previous": 5, "previous_id": "<32 hex digits>"}
 
 ``store`` is one plain directory name, resolved against the pointer's own directory: a pointer
 cannot name anything outside it. ``id`` is a random identifier that the checkpoint's manifest
 records too (audit metadata ``checkpoint_id``), so that a pointer copied next to another run's
 store, whose step numbers overlap, is detected instead of loading the wrong checkpoint.
 ``global_step`` and ``epoch`` repeat the checkpoint's own, for people and tools.
+
+A pointer is written as soon as its save has been snapshotted, before the step commits (so that
+the path exists when ``save_checkpoint`` returns, as Lightning's callbacks expect). ``previous``
+and ``previous_id`` (optional, null when absent) name the step of the pointer it replaced: that
+step is kept until the new one commits, and a reader that finds the named step never committed
+(the writer crashed, or its save failed) falls back to it. Both fields are optional additions to
+version 1: older pointers without them still parse, and older readers ignore them.
 
 Pointer files are JSON objects (first byte ``{``); ``torch.save`` files start with a zip or
 pickle header, so the two are told apart by their first bytes.
@@ -56,6 +64,8 @@ class Pointer:
     id: str | None = None  # also recorded in the checkpoint's manifest (audit metadata)
     global_step: int | None = None
     epoch: int | None = None
+    previous: int | None = None  # the step of the pointer this one replaced, kept until commit
+    previous_id: str | None = None
 
     def dumps(self) -> bytes:
         body = {
@@ -66,6 +76,8 @@ class Pointer:
             "id": self.id,
             "global_step": self.global_step,
             "epoch": self.epoch,
+            "previous": self.previous,
+            "previous_id": self.previous_id,
         }
         return (json.dumps(body, indent=1) + "\n").encode()
 
@@ -112,7 +124,17 @@ class Pointer:
             if value is not None and not is_int(value):
                 raise PointerError(f"{where}: {key!r} must be an int or null, got {value!r}")
             progress[key] = value
-        return cls(store, step, ident, **progress)
+        previous = doc.get("previous")
+        if previous is not None and not (is_int(previous) and previous >= 0):
+            raise PointerError(f"{where}: 'previous' must be an int >= 0 or null, got {previous!r}")
+        previous_id = doc.get("previous_id")
+        if previous_id is not None and not (
+            isinstance(previous_id, str) and _ID.match(previous_id)
+        ):
+            raise PointerError(
+                f"{where}: 'previous_id' must be 32 hex digits or null, got {previous_id!r}"
+            )
+        return cls(store, step, ident, **progress, previous=previous, previous_id=previous_id)
 
 
 @dataclass(frozen=True)
@@ -235,7 +257,11 @@ class CheckpointFile:
 
     def sibling_pointers(self) -> set[tuple[str, int]]:
         """(store, step) named by every readable pointer file in this file's directory."""
-        found: set[tuple[str, int]] = set()
+        return {(pointer.store, pointer.step) for pointer in self.siblings()}
+
+    def siblings(self) -> list[Pointer]:
+        """Every readable pointer file in this file's directory (this one included)."""
+        found: list[Pointer] = []
         try:
             entries = self.fs.ls(self._dir(), detail=True)
         except FileNotFoundError:
@@ -250,8 +276,7 @@ class CheckpointFile:
                 with self.fs.open(name, "rb") as fh:
                     data = bytes(fh.read(MAX_POINTER_BYTES + 1))
                 if looks_like_pointer(data):
-                    pointer = Pointer.parse(data, name)
-                    found.add((pointer.store, pointer.step))
+                    found.append(Pointer.parse(data, name))
             except (OSError, CheckpointError):
                 continue  # dangling links, files vanishing meanwhile, other JSON files
         return found

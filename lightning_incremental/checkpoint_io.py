@@ -19,37 +19,52 @@ predict(ckpt_path=...)`` checks that the file exists). So each path stays a real
   pointer's own directory, so a checkpoint directory can be moved or copied whole) and the step::
 
       {"format": "lightning-incremental-pointer", "version": 1, "store": ".incremental",
-       "step": 7, "id": "<32 hex digits>", "global_step": 400, "epoch": 3}
+       "step": 7, "id": "<32 hex digits>", "global_step": 400, "epoch": 3,
+       "previous": 5, "previous_id": "<32 hex digits>"}
 
-  It is written only after the checkpoint committed, atomically (a temporary file renamed into
-  place on local disks, one PUT on object stores). A crash before that leaves no file, just a
-  committed step without a name (it is still loadable: pass the store directory as
-  ``ckpt_path`` to load its newest checkpoint).
+  It is written by ``save_checkpoint`` itself, as soon as the engine has snapshotted the state
+  and before the step commits, atomically (a temporary file renamed into place on local disks,
+  one PUT on object stores): Lightning's callbacks expect the file right after the save
+  (ModelCheckpoint's ``-v1`` version counter, ``save_last="link"``). ``previous`` names the step
+  of the pointer it replaced (the same path's older checkpoint); that step is kept until the
+  new one commits, and released only then.
+- a pointer whose step has not committed is *pending*. Loading it waits for the save when this
+  process is making it. Otherwise the save never committed (its process crashed between the
+  pointer and the commit, or the save failed): the load falls back to ``previous`` when that is
+  committed, with a warning naming both steps, and else raises ``CheckpointNotFoundError``
+  saying that the save to that path never committed. A save that fails in the background also
+  puts the replaced pointer file back (or removes its own, when it replaced none).
 
 ``load_checkpoint(path)`` reads the pointer, validates it (format, version, a store name that
 cannot leave the directory, an id that the step's manifest must record) and returns the complete
-checkpoint dict with bit-identical tensors. A path that is a plain ``torch.save`` file (no
+checkpoint dict with bit-identical tensors. Under DDP (``torch.distributed`` initialised with
+more than one process) ``load_checkpoint`` is *collective*, as ``torch.distributed.checkpoint``'s
+load is: every rank must call it (Lightning's strategies do). Only global rank 0 saves, so only
+it knows which saves are in flight: it waits for them, resolves what the path means (with the
+fallback above) and broadcasts that, so every rank loads the same step or raises the same
+error. A path that is a plain ``torch.save`` file (no
 pointer) is loaded by Lightning's ``TorchCheckpointIO``, so runs can resume from checkpoints
 written before this plug-in was added. A path that is a store directory loads its newest
 committed checkpoint.
 
 ``remove_checkpoint(path)`` (top-k rotation, replaced ``last`` files) deletes the pointer file,
 then the step, unless another pointer file in the directory names the same step (a ``last.ckpt``
-copy). Overwriting a pointer (ModelCheckpoint rewrites ``last.ckpt``) releases the old step the
-same way. The engine deletes a step's objects only when no remaining checkpoint needs them, so a
-removal never breaks a kept checkpoint.
+copy) or names it as the ``previous`` of a pending step. Overwriting a pointer (ModelCheckpoint
+rewrites ``last.ckpt``) releases the old step the same way, once the new one committed. The
+engine deletes a step's objects only when no remaining checkpoint needs them, so a removal never
+breaks a kept checkpoint.
 
 Async
 -----
 ``save_checkpoint`` blocks only while the engine snapshots the state (one host copy, no second
-device copy); encoding, writing and the pointer file happen in the background. As with
-Lightning's ``AsyncCheckpointIO``, the file at ``path`` appears when the checkpoint committed:
-a background error is raised by the next ``save_checkpoint``/``load_checkpoint``/
+device copy) and the pointer file is written; encoding, writing and committing the step happen
+in the background. A background error is raised by the next ``save_checkpoint``/``load_checkpoint``/
 ``remove_checkpoint``, by :meth:`IncrementalCheckpointIO.wait`, or by ``teardown`` (which
 Lightning calls at the end of every ``fit/validate/test/predict``, also when they fail) — never
-lost. ``teardown`` waits for every pending save, writes its pointer, and closes the stores; the
-plug-in reopens them on next use. After calling ``trainer.save_checkpoint`` outside of a
-Trainer stage, call :meth:`IncrementalCheckpointIO.wait` to be sure the file is there.
+lost. ``teardown`` waits for every pending save to commit and closes the stores; the plug-in reopens
+them on next use. After calling ``trainer.save_checkpoint`` outside of a Trainer stage, call
+:meth:`IncrementalCheckpointIO.wait` to be sure the checkpoint committed before another
+process reads it.
 
 What is covered
 ---------------
@@ -84,13 +99,16 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import uuid
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -192,8 +210,9 @@ class IncrementalCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
     ) -> None:
-        """Snapshot ``checkpoint`` into the directory's store; its pointer file is written at
-        ``path`` once the checkpoint committed, in the background.
+        """Snapshot ``checkpoint`` into the directory's store and write its pointer file at
+        ``path`` (naming the new step, and the replaced one as ``previous``); the step commits
+        in the background, then the replaced step is released.
 
         Raises:
             TypeError: ``storage_options`` were passed (give them to the constructor).
@@ -215,13 +234,20 @@ class IncrementalCheckpointIO(CheckpointIO):
         target.makedirs()  # at once, as TorchCheckpointIO: the file itself comes later
         entry = self._store(target.store_url(self.store_name))
         # Back-pressure, as the engine's (max_in_flight): the oldest saves must finish first,
-        # and their pointers land, so that their errors are raised here, before this save.
+        # and commit, so that their errors are raised here, before this save.
         while len(entry.saving) >= self.config.max_in_flight:
             entry.saving.popleft().exception()
         self._raise_failed()
         with entry.lock:
             step = entry.next_step(lambda: target.sibling_pointers(), self.store_name)
-            pointer = Pointer(self.store_name, step, uuid.uuid4().hex, **_progress(checkpoint))
+            progress = _progress(checkpoint)
+            pointer = Pointer(
+                self.store_name,
+                step,
+                uuid.uuid4().hex,
+                global_step=progress["global_step"],
+                epoch=progress["epoch"],
+            )
             try:
                 handle = entry.store.save(
                     checkpoint,
@@ -243,10 +269,33 @@ class IncrementalCheckpointIO(CheckpointIO):
                     "checkpoints."
                 ) from exc
             entry.reserved = step + 1
+            entry.inflight.add(step)
+        # The snapshot is taken: write the pointer now, naming the reserved step and the step of
+        # the pointer it replaces, so that the path exists when this returns (ModelCheckpoint's
+        # version counter and ``save_last="link"`` look for it at once).
+        try:
+            old_bytes, previous = self._replaced(target, entry)
+            pointer = replace(
+                pointer,
+                previous=None if previous is None else previous[0],
+                previous_id=None if previous is None else previous[1],
+            )
+            target.write_atomic(pointer.dumps(), fsync=self.config.fsync)
+        except BaseException:
+            # the step still commits, without a name (as after a crash before the pointer)
+            job = self._submit(lambda: self._finish_unnamed(entry, handle, step), "saving")
+            entry.saving.append(job)
+            raise
 
         def finish() -> None:
-            handle.wait()
-            self._publish(target, entry, pointer)
+            try:
+                handle.wait()
+            except BaseException:
+                entry.inflight.discard(step)
+                self._restore(target, pointer, old_bytes)
+                raise
+            entry.inflight.discard(step)
+            self._committed(target, entry, pointer)
 
         job = self._submit(finish, f"saving {target.display}")
         entry.saving.append(job)
@@ -270,31 +319,46 @@ class IncrementalCheckpointIO(CheckpointIO):
             weights_only: ``True`` refuses pickled values even with ``allow_pickle``; passed
                 through for plain ``torch.save`` files.
 
+        Collective under DDP (``torch.distributed`` initialised, world size > 1): every rank
+        must call it; global rank 0 decides what is loaded and the other ranks load the same.
+
         Raises:
             FileNotFoundError: no file at ``path`` (``CheckpointNotFoundError`` when a pointer
-                names a step that is not in its store, or the store is missing or empty).
+                names a step that never committed and has no committed ``previous``, or the
+                store is missing or empty).
             PointerError: a malformed pointer, or one naming a store outside its directory.
             PickleNotAllowedError: the checkpoint holds pickles and they are not allowed.
             CorruptCheckpointError: the checkpoint cannot be restored bit-exactly.
         """
-        self.wait()
-        source = self._file(path, resolve=True)
-        if source.isdir():
-            return self._load_store(source.path_url, None, map_location, weights_only, source)
-        head = source.head()
-        if head is None:
-            raise FileNotFoundError(f"Checkpoint file not found: {source.display}")
-        if not looks_like_pointer(head):
-            return TorchCheckpointIO().load_checkpoint(
-                source.path,
-                map_location=_to_cpu if map_location is None else map_location,
-                weights_only=weights_only,
-            )
-        pointer = Pointer.parse(source.read(), source.display)
-        url = source.store_url(pointer.store)
-        if pointer.id is not None:
-            self._check_identity(url, pointer, source)
-        return self._load_store(url, pointer.step, map_location, weights_only, source)
+        if not _distributed():
+            self.wait()
+            return self._execute(self._resolve(path), map_location, weights_only)[0]
+        # Collective under DDP: only global rank 0 saves, so only it knows which saves are in
+        # flight; it resolves what to load and every rank loads exactly that.
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        error: BaseException | None = None
+        plan: _Plan | None = None
+        loaded: dict[str, Any] | None = None
+        try:
+            self.wait()
+            if rank == 0:
+                plan = self._resolve(path)
+                if plan.step is None and plan.kind == "store":  # newest: fix the exact step
+                    loaded, step = self._execute(plan, map_location, weights_only)
+                    plan = plan._replace(step=step)
+        except BaseException as exc:
+            error = exc
+        message: list[Any] = [plan, _picklable(error) if rank == 0 else None]
+        dist.broadcast_object_list(message, src=0)
+        if error is not None:
+            raise error
+        if message[1] is not None:
+            raise message[1]
+        if loaded is not None:
+            return loaded
+        return self._execute(message[0], map_location, weights_only)[0]
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -308,7 +372,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         target = self._file(path)
         pending = self._pending.get(target.key)
         if pending is not None:
-            pending.exception()  # its pointer must land before it can be removed
+            pending.exception()  # its step must commit (or the old pointer be put back) first
         self._raise_failed()
         if target.islink():
             target.remove()
@@ -327,14 +391,17 @@ class IncrementalCheckpointIO(CheckpointIO):
             return
         target.remove()
         entry = self._store(target.store_url(pointer.store))
-        self._submit(
-            lambda: self._release(target, entry, pointer.store, pointer.step),
-            f"removing {target.display}",
-        )
+
+        def release() -> None:
+            self._release(target, entry, pointer.store, pointer.step)
+            if pointer.previous is not None:  # kept when that save never committed
+                self._release(target, entry, pointer.store, pointer.previous)
+
+        self._submit(release, f"removing {target.display}")
 
     @override
     def teardown(self) -> None:
-        """Wait for every pending save and its pointer file, close the stores (the plug-in
+        """Wait for every pending save to commit, close the stores (the plug-in
         reopens them on next use), then raise the first background error not delivered yet.
 
         Raises:
@@ -365,7 +432,7 @@ class IncrementalCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ public helpers
 
     def wait(self) -> None:
-        """Block until every background save committed and its pointer file is written.
+        """Block until every background save committed (and released the step it replaced).
 
         Raises:
             Exception: the first background error not delivered yet.
@@ -411,22 +478,87 @@ class IncrementalCheckpointIO(CheckpointIO):
             raise TypeError(f"a checkpoint path must be a str or path, got {type(path).__name__}")
         return CheckpointFile.of(os.fspath(path), self.storage_options, resolve=resolve)
 
+    def _resolve(self, path: _PATH) -> _Plan:
+        """What loading ``path`` means, once no save of this process is in flight.
+
+        Raises:
+            FileNotFoundError, CheckpointError: as :meth:`load_checkpoint`.
+        """
+        source = self._file(path, resolve=True)
+        if source.isdir():
+            return _Plan("store", source.path_url, None, source.display)
+        head = source.head()
+        if head is None:
+            raise FileNotFoundError(f"Checkpoint file not found: {source.display}")
+        if not looks_like_pointer(head):
+            return _Plan("torch", source.path, None, source.display)
+        pointer = Pointer.parse(source.read(), source.display)
+        url = source.store_url(pointer.store)
+        try:
+            self._check_step(url, pointer.step, pointer.id, pointer.store, source.display)
+            return _Plan("store", url, pointer.step, source.display)
+        except CheckpointNotFoundError as exc:
+            missing = exc
+        # The step the pointer names never committed, and no save of this process is writing
+        # it: the writer crashed between the pointer and the commit, or the save failed.
+        if pointer.previous is not None:
+            try:
+                self._check_step(
+                    url, pointer.previous, pointer.previous_id, pointer.store, source.display
+                )
+            except CheckpointNotFoundError:
+                pass
+            else:
+                message = (
+                    f"{source.display} names step {pointer.step} of {url}, whose save never "
+                    "committed (the process saving it crashed, the save failed, or another "
+                    "process is still writing it); loading "
+                    f"the checkpoint that file held before, step {pointer.previous}, instead"
+                )
+                log.warning(message)
+                warnings.warn(message, UserWarning, stacklevel=4)
+                return _Plan("store", url, pointer.previous, source.display)
+        also = (
+            f"; the checkpoint it replaced (step {pointer.previous}) is not committed either"
+            if pointer.previous is not None
+            else ""
+        )
+        raise _rewrap(
+            missing,
+            f"cannot load {source.display} (step {pointer.step} of {url}): {missing}; the save "
+            f"to {source.display} never committed (the process saving it crashed, the save failed, "
+            f"or another process is still writing it), or its store was moved or deleted{also}",
+        ) from missing
+
+    def _execute(
+        self, plan: _Plan, map_location: Any, weights_only: bool | None
+    ) -> tuple[dict[str, Any], int | None]:
+        """Load what :meth:`_resolve` decided; also returns the step loaded."""
+        if plan.kind == "torch":
+            state = TorchCheckpointIO().load_checkpoint(
+                plan.location,
+                map_location=_to_cpu if map_location is None else map_location,
+                weights_only=weights_only,
+            )
+            return state, None
+        return self._load_store(plan.location, plan.step, map_location, weights_only, plan.display)
+
     def _load_store(
         self,
         url: str,
         step: int | None,
         map_location: Any,
         weights_only: bool | None,
-        source: CheckpointFile,
-    ) -> dict[str, Any]:
+        display: str,
+    ) -> tuple[dict[str, Any], int | None]:
         what = f"step {step} of {url}" if step is not None else f"the newest checkpoint of {url}"
         location = "cpu" if map_location is None else map_location
         try:
             if weights_only and self.allow_pickle:  # a one-off reader that refuses pickles
                 with self._open_store(url, self.config.replace(allow_pickle=False)) as store:
-                    return store.load(step, map_location=location)
+                    return store.load(step, map_location=location), store.loaded_step
             entry = self._store(url)
-            return entry.store.load(step, map_location=location)
+            return entry.store.load(step, map_location=location), entry.store.loaded_step
         except PickleNotAllowedError as exc:
             hint = (
                 "it was loaded with weights_only=True"
@@ -434,52 +566,105 @@ class IncrementalCheckpointIO(CheckpointIO):
                 else "construct IncrementalCheckpointIO(allow_pickle=True) to load it"
             )
             raise PickleNotAllowedError(
-                f"cannot load {source.display} ({what}): {exc}; {hint}, only if you trust it"
+                f"cannot load {display} ({what}): {exc}; {hint}, only if you trust it"
             ) from exc
         except CheckpointError as exc:
-            raise _rewrap(exc, f"cannot load {source.display} ({what}): {exc}") from exc
+            raise _rewrap(exc, f"cannot load {display} ({what}): {exc}") from exc
 
-    def _check_identity(self, url: str, pointer: Pointer, source: CheckpointFile) -> None:
-        """The step's manifest must record the pointer's id: step numbers of different stores
-        overlap, and a pointer copied next to another store would load the wrong checkpoint.
+    def _check_step(
+        self, url: str, step: int, ident: str | None, store_name: str, display: str
+    ) -> None:
+        """``step`` is committed, and (with an id) is the checkpoint the pointer names: step
+        numbers of different stores overlap, and a pointer copied next to another store would
+        load the wrong checkpoint.
 
         Raises:
+            CheckpointNotFoundError: the step is not committed (or there is no store).
             PointerError: another checkpoint. CheckpointError: the step cannot be read.
         """
         try:
-            audit = self._store(url).store.manifest(pointer.step).get("audit", {})
+            manifest = self._store(url).store.manifest(step)
+        except CheckpointNotFoundError:
+            raise
         except CheckpointError as exc:
-            raise _rewrap(
-                exc, f"cannot load {source.display} (step {pointer.step} of {url}): {exc}"
-            ) from exc
+            raise _rewrap(exc, f"cannot load {display} (step {step} of {url}): {exc}") from exc
+        if ident is None:
+            return
+        audit = manifest.get("audit", {})
         metadata = audit.get("metadata") if isinstance(audit, dict) else None
         recorded = metadata.get("checkpoint_id") if isinstance(metadata, dict) else None
-        if recorded != pointer.id:
+        if recorded != ident:
             raise PointerError(
-                f"{source.display} names step {pointer.step} of {url}, but that step is another "
-                f"checkpoint (id {recorded}, not {pointer.id}): the pointer file was copied "
+                f"{display} names step {step} of {url}, but that step is another "
+                f"checkpoint (id {recorded}, not {ident}): the pointer file was copied "
                 "from another checkpoint directory or run; copy a checkpoint directory whole, "
-                f"with its {pointer.store} store"
+                f"with its {store_name} store"
             )
 
-    def _publish(self, target: CheckpointFile, entry: _OpenStore, pointer: Pointer) -> None:
-        """After the commit: write the pointer; release the step it replaces."""
-        old: Pointer | None = None
+    def _replaced(
+        self, target: CheckpointFile, entry: _OpenStore
+    ) -> tuple[bytes | None, tuple[int, str | None] | None]:
+        """The pointer file at ``target`` that a save replaces (its bytes, to put back if the
+        save fails) and the (step, id) the new pointer keeps as ``previous``: the old pointer's
+        step, or, when that save never committed and is not in flight here, its own previous."""
+        if target.islink():
+            return None, None
         head = target.head()
-        if head is not None and looks_like_pointer(head) and not target.islink():
-            try:
-                old = Pointer.parse(target.read(), target.display)
-            except CheckpointError:
-                old = None
-        target.write_atomic(pointer.dumps(), fsync=self.config.fsync)
-        if old is not None and old.store == pointer.store and old.step != pointer.step:
-            self._release(target, entry, old.store, old.step)
+        if head is None or not looks_like_pointer(head):
+            return None, None
+        data = target.read()
+        try:
+            old = Pointer.parse(data, target.display)
+        except CheckpointError:
+            return None, None
+        if old.store != self.store_name:
+            return None, None
+        if old.step in entry.inflight or old.step in entry.store.steps():
+            return data, (old.step, old.id)
+        if old.previous is None:
+            return data, None
+        return data, (old.previous, old.previous_id)
+
+    def _restore(self, target: CheckpointFile, pointer: Pointer, old: bytes | None) -> None:
+        """After a failed save: put back the pointer file it replaced (or remove it), unless
+        the file was replaced meanwhile. Best effort: a reader falls back to ``previous``."""
+        try:
+            head = target.head()
+            if head is None or not looks_like_pointer(head) or target.islink():
+                return
+            if Pointer.parse(target.read(), target.display) != pointer:
+                return
+            if old is None:
+                target.remove()
+            else:
+                target.write_atomic(old, fsync=self.config.fsync)
+        except Exception as exc:
+            log.warning("could not restore %s after its save failed: %s", target.display, exc)
+
+    def _committed(self, target: CheckpointFile, entry: _OpenStore, pointer: Pointer) -> None:
+        """After the commit: release the step the pointer replaced, never before."""
+        if pointer.previous is not None and pointer.previous != pointer.step:
+            self._release(target, entry, pointer.store, pointer.previous)
+
+    def _finish_unnamed(self, entry: _OpenStore, handle: Any, step: int) -> None:
+        try:
+            handle.wait()
+        finally:
+            entry.inflight.discard(step)
 
     def _release(
         self, target: CheckpointFile, entry: _OpenStore, store_name: str, step: int
     ) -> None:
-        """Delete ``step`` unless a pointer file next to ``target`` still names it."""
-        if (store_name, step) in target.sibling_pointers():
+        """Delete ``step`` unless a pointer file next to ``target`` still names it, as its step
+        or as the ``previous`` of a step that has not committed (its fallback)."""
+        siblings = [p for p in target.siblings() if p.store == store_name]
+        named = {p.step for p in siblings}
+        fallbacks = [p for p in siblings if p.previous == step and p.step != step]
+        if fallbacks and step not in named:
+            committed = set(entry.store.steps())
+            if any(p.step not in committed for p in fallbacks):
+                named.add(step)
+        if step in named:
             log.debug("keeping step %d of %s: another pointer file names it", step, store_name)
             return
         with entry.lock:  # no save may start while the engine deletes unreferenced objects
@@ -530,6 +715,7 @@ class _OpenStore:
         self.lock = threading.Lock()
         self.reserved: int | None = None
         self.saving: deque[Future[None]] = deque()  # this store's saves, oldest first
+        self.inflight: set[int] = set()  # steps this process is saving, not committed yet
 
     def next_step(self, pointers: Callable[[], set[tuple[str, int]]], store_name: str) -> int:
         """After every committed step and every step a pointer file names (a step deleted
@@ -538,6 +724,34 @@ class _OpenStore:
             named = [step for store, step in pointers() if store == store_name]
             self.reserved = max([-1, *self.store.steps(), *named]) + 1
         return self.reserved
+
+
+class _Plan(NamedTuple):
+    """What a load reads: a plain ``torch.save`` file, or one step of a store (None: its
+    newest). Rank 0 broadcasts it under DDP, so it holds only plain values."""
+
+    kind: str  # "torch" or "store"
+    location: str  # the file's local path, or the store's URL
+    step: int | None
+    display: str  # the path as the user wrote it, for messages
+
+
+def _distributed() -> bool:
+    """True when torch.distributed runs more than one process (loads are then collective)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _picklable(error: BaseException | None) -> BaseException | None:
+    """``error``, or an equivalent that pickles (it is broadcast to the other ranks)."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))  # noqa: S301 - our own bytes: the receivers' check
+        return error
+    except Exception:
+        return CheckpointError(f"{type(error).__name__}: {error}")
 
 
 _LIVE: weakref.WeakSet[IncrementalCheckpointIO] = weakref.WeakSet()

@@ -9,6 +9,8 @@ import json
 import os
 import pickle
 import shutil
+import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -236,6 +238,37 @@ def test_top_k_rotation_and_last_keep_exact_checkpoints(tmp_path: Path, record_p
     assert written_ratio > 10.0
 
 
+def test_same_name_twice_gets_a_version_suffix_and_keeps_every_top_k(tmp_path: Path) -> None:
+    """ModelCheckpoint names a second save of one epoch "-v1" only if the first file exists
+    right after its save: the pointer must be there before the commit."""
+
+    def run(plugin: IncrementalCheckpointIO | None, directory: Path) -> ModelCheckpoint:
+        mc = ModelCheckpoint(
+            dirpath=directory,
+            filename="{epoch}",
+            every_n_train_steps=2,
+            save_top_k=3,
+            monitor="train_loss",
+        )
+        trainer(tmp_path, plugin, [mc], max_epochs=1).fit(net(), data())
+        return mc
+
+    plain = run(None, tmp_path / "plain")
+    plugin = SlowCommits()
+    mc = run(plugin, tmp_path / "ckpts")
+    names = {Path(p).name for p in ckpt_files(tmp_path / "ckpts")}
+    assert names == {Path(p).name for p in ckpt_files(tmp_path / "plain")}
+    assert names == {"epoch=0.ckpt", "epoch=0-v1.ckpt", "epoch=0-v2.ckpt"}
+    assert {Path(p).name for p in mc.best_k_models} == names
+    assert Path(mc.best_model_path).name == Path(plain.best_model_path).name
+    assert float(mc.best_model_score) == float(plain.best_model_score)
+    best = plugin.load_checkpoint(mc.best_model_path)
+    assert_state_equal(best["state_dict"], torch.load(plain.best_model_path)["state_dict"])
+    with CheckpointStore(tmp_path / "ckpts" / ".incremental") as store:
+        kept = sorted(pointer(p)["step"] for p in ckpt_files(tmp_path / "ckpts"))
+        assert sorted(store.steps()) == kept and len(kept) == 3
+
+
 def test_save_last_link_and_resume_from_last(tmp_path: Path) -> None:
     plugin = IncrementalCheckpointIO()
     ckpts = tmp_path / "ckpts"
@@ -352,29 +385,58 @@ def test_checkpoint_of_a_different_model_names_the_keys(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- pointers and removal
 
 
-def test_pointer_written_only_after_commit_and_save_blocks_only_for_snapshot(
-    tmp_path: Path,
-) -> None:
-    storages: list[FaultyStorage] = []
+class Instrumented(IncrementalCheckpointIO):
+    """Stores on FaultyStorage, to hold or fail a background save's writes."""
 
-    class Instrumented(IncrementalCheckpointIO):
-        def _open_store(self, url: str, config: StoreConfig) -> CheckpointStore:
-            storages.append(FaultyStorage(open_storage(url, None)))
-            return CheckpointStore(storages[-1], config=config)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.storages: list[FaultyStorage] = []
 
+    def _open_store(self, url: str, config: StoreConfig) -> CheckpointStore:
+        self.storages.append(FaultyStorage(open_storage(url, None)))
+        return CheckpointStore(self.storages[-1], config=config)
+
+
+class SlowCommits(IncrementalCheckpointIO):
+    """Commits (manifest writes) take a while, as on a slow disk or object store: a save is
+    still in flight when Lightning's next call comes. Module level: ddp_spawn pickles it."""
+
+    delay = 0.3
+
+    def _open_store(self, url: str, config: StoreConfig) -> CheckpointStore:
+        return CheckpointStore(_SlowManifests(open_storage(url, None), self.delay), config=config)
+
+
+class _SlowManifests(FaultyStorage):
+    def __init__(self, inner: Any, delay: float) -> None:
+        super().__init__(inner)
+        self.delay = delay
+
+    def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
+        if path.startswith("manifests/"):
+            time.sleep(self.delay)
+        return super().put(path, data, overwrite=overwrite)
+
+
+def test_pointer_written_at_save_and_previous_step_kept_until_commit(tmp_path: Path) -> None:
     plugin = Instrumented()
     path = tmp_path / "a.ckpt"
     plugin.save_checkpoint(state(0), path)
     plugin.wait()
-    gate = storages[0].hold("manifest")
+    first = pointer(path)
+    assert first["step"] == 0 and first["previous"] is None
+    gate = plugin.storages[0].hold("manifest")
     payload = state(1)
     plugin.save_checkpoint(payload, path)  # returns while the commit is held
     payload["state_dict"]["w"].add_(1.0)  # the snapshot was taken: this is not saved
-    assert pointer(path)["step"] == 0  # the old pointer stays until the new step commits
-    gate.set()
-    plugin.wait()
+    # the path exists at once (ModelCheckpoint's version counter looks for it), naming the
+    # reserved step and the step it replaces, which stays until the new one commits
     assert pointer(path)["step"] == 1
-    assert_state_equal(plugin.load_checkpoint(path), state(1))
+    assert (pointer(path)["previous"], pointer(path)["previous_id"]) == (0, first["id"])
+    assert CheckpointStore(tmp_path / ".incremental").steps() == [0]
+    gate.set()
+    assert_state_equal(plugin.load_checkpoint(path), state(1))  # waits for the pending save
+    assert CheckpointStore(tmp_path / ".incremental").steps() == [1]
     plugin.teardown()
 
 
@@ -404,6 +466,87 @@ def test_background_errors_surface(tmp_path: Path, surface: str) -> None:
             plugin.teardown()
     assert not path.exists()
     plugin.teardown()  # delivered once: nothing left to raise
+
+
+def test_crash_between_pointer_and_commit_falls_back_loudly(tmp_path: Path) -> None:
+    """The writer died after writing the pointer, before its step committed: the reader
+    loads the checkpoint the file held before, with a warning naming both steps."""
+    plugin, path, good = _valid_pointer(tmp_path)  # step 0, committed
+    crashed = {**good, "step": 5, "id": "f" * 32, "previous": 0, "previous_id": good["id"]}
+    path.write_text(json.dumps(crashed))
+    reader = IncrementalCheckpointIO()  # another process: no save of its own in flight
+    with pytest.warns(UserWarning, match=r"step 5 .* never committed.*step 0, instead"):
+        assert_state_equal(reader.load_checkpoint(path), state(3))
+    # the fallback's id is checked like the pointer's own
+    path.write_text(json.dumps({**crashed, "previous_id": "0" * 32}))
+    with pytest.raises(PointerError, match="copied from another checkpoint"):
+        reader.load_checkpoint(path)
+    # nothing to fall back to: a clear error naming the path and the step
+    path.write_text(json.dumps({**crashed, "previous": None, "previous_id": None}))
+    with pytest.raises(CheckpointNotFoundError, match=r"step 5 .*never committed"):
+        reader.load_checkpoint(path)
+    path.write_text(json.dumps({**crashed, "previous": 3}))
+    with pytest.raises(CheckpointNotFoundError, match=r"it replaced \(step 3\) is not committed"):
+        reader.load_checkpoint(path)
+
+    # the next save over the dead pointer keeps the last committed step as its previous, and
+    # releases it once it commits
+    path.write_text(json.dumps(crashed))
+    reader.save_checkpoint(state(4), path)
+    assert (pointer(path)["step"], pointer(path)["previous"]) == (6, 0)
+    reader.teardown()
+    assert CheckpointStore(tmp_path / ".incremental").steps() == [6]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_state_equal(reader.load_checkpoint(path), state(4))
+    reader.teardown()
+    plugin.teardown()
+
+
+@pytest.mark.parametrize("restored", [True, False])
+def test_failed_background_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, restored: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save whose commit fails puts the old pointer back; where that could not be done, a
+    reader falls back to its ``previous``. Either way the previous checkpoint loads."""
+    plugin = Instrumented()
+    path = tmp_path / "a.ckpt"
+    plugin.save_checkpoint(state(0), path)
+    plugin.wait()
+    first = pointer(path)
+    if not restored:
+        monkeypatch.setattr(plugin, "_restore", lambda *args: None)
+    plugin.storages[0].fail("manifest")
+    plugin.save_checkpoint(state(1), path)
+    with pytest.raises(StorageError, match="injected fault"):
+        plugin.wait()
+    assert CheckpointStore(tmp_path / ".incremental").steps() == [0]  # never released
+    if restored:
+        assert pointer(path) == first
+        assert_state_equal(plugin.load_checkpoint(path), state(0))
+    else:
+        assert (pointer(path)["step"], pointer(path)["previous"]) == (1, 0)
+        with pytest.warns(UserWarning, match="never committed"):
+            assert_state_equal(plugin.load_checkpoint(path), state(0))
+    plugin.remove_checkpoint(path)  # the file, and every step it kept
+    plugin.teardown()
+    assert not path.exists() and CheckpointStore(tmp_path / ".incremental").steps() == []
+
+
+def test_copy_of_a_pending_pointer_keeps_its_fallback(tmp_path: Path) -> None:
+    """Releasing a step checks the other pointer files: a pointer whose step has not
+    committed keeps its ``previous`` alive."""
+    plugin, path, good = _valid_pointer(tmp_path)  # a.ckpt: step 0
+    shutil.copy(path, tmp_path / "b.ckpt")
+    pending = {**good, "step": 9, "id": "f" * 32, "previous": 0, "previous_id": good["id"]}
+    (tmp_path / "c.ckpt").write_text(json.dumps(pending))  # a writer that crashed
+    plugin.remove_checkpoint(path)
+    plugin.remove_checkpoint(tmp_path / "b.ckpt")
+    plugin.wait()
+    assert CheckpointStore(tmp_path / ".incremental").steps() == [0]
+    with pytest.warns(UserWarning, match="never committed"):
+        assert_state_equal(plugin.load_checkpoint(tmp_path / "c.ckpt"), state(3))
+    plugin.teardown()
 
 
 def test_overwrite_and_remove_release_steps_but_keep_shared_ones(tmp_path: Path) -> None:
@@ -478,8 +621,8 @@ def test_save_in_flight_when_the_script_ends_still_lands(tmp_path: Path) -> None
 
 
 def test_store_directory_loads_its_newest_checkpoint(tmp_path: Path) -> None:
-    """A crash after the commit but before the pointer leaves a step without a file: the store
-    directory itself is a valid ckpt_path."""
+    """A step without a file (e.g. its pointer could not be written): the store directory
+    itself is a valid ckpt_path."""
     plugin = IncrementalCheckpointIO()
     plugin.save_checkpoint(state(0), tmp_path / "a.ckpt")
     plugin.save_checkpoint(state(1), tmp_path / "b.ckpt")
@@ -682,3 +825,50 @@ def test_ddp_spawn_two_ranks(tmp_path: Path) -> None:
     assert pointer(last)["global_step"] == 8
     with CheckpointStore(ckpts / ".incremental") as store:
         assert sorted(store.steps()) == sorted(pointer(p)["step"] for p in ckpt_files(ckpts))
+
+
+class _SaveTwiceThenLoad(pl.Callback):
+    """On every rank at the end of fit: save, change the weights, save again to the same path,
+    then load it (collective) and record what each rank got."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        path = self.directory / "model.ckpt"
+        trainer.save_checkpoint(path)
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.fill_(7.0)
+        trainer.save_checkpoint(path)  # still committing when the load below starts
+        rank = trainer.global_rank
+        loaded = trainer.strategy.load_checkpoint(path)
+        record = {"weight": loaded["state_dict"]["head.weight"].flatten()[0].item()}
+        try:
+            trainer.strategy.load_checkpoint(self.directory / "missing.ckpt")
+        except FileNotFoundError as exc:
+            record["error"] = str(exc)
+        (self.directory / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.slow
+def test_ddp_every_rank_loads_what_rank_0_saved_last(tmp_path: Path) -> None:
+    """Only rank 0 saves, so only it knows a save is in flight: load_checkpoint is collective,
+    rank 0 resolves and every rank loads the same checkpoint (or raises the same error)."""
+    plugin = SlowCommits()
+    plugin.delay = 1.0
+    t = trainer(
+        tmp_path,
+        plugin,
+        [_SaveTwiceThenLoad(tmp_path)],
+        max_steps=2,
+        strategy="ddp_spawn",
+        accelerator="cpu",
+        devices=2,
+    )
+    t.fit(net(), data())
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["weight"] for r in records] == [7.0, 7.0]
+    assert records[0]["error"] == records[1]["error"]
+    assert "missing.ckpt" in records[0]["error"]
+    assert pointer(tmp_path / "model.ckpt")["step"] == 1

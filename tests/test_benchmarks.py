@@ -26,8 +26,15 @@ def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "quick.json").read_text())
     assert {"cpu_count", "ram_bytes", "torch", "python"} <= set(doc["machine"])
     records = doc["records"]
-    systems = {r["system"] for r in records}
-    assert {"torch_save", "incremental"} <= systems
+    from benchmarks.scenarios import SCENARIOS
+    from benchmarks.systems import SYSTEMS
+
+    ran = {(r["scenario"], r["system"]) for r in records}
+    assert ran == {(scenario, system) for scenario in SCENARIOS for system in SYSTEMS}, (
+        "every system must run in every scenario"
+    )
+    for record in records:
+        assert record["bytes_written"] > 0, record
     for record in records:
         for key, kind in (
             ("scenario", str),

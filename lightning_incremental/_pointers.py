@@ -275,10 +275,15 @@ class CheckpointFile:
             try:
                 with self.fs.open(name, "rb") as fh:
                     data = bytes(fh.read(MAX_POINTER_BYTES + 1))
-                if looks_like_pointer(data):
+            except (FileNotFoundError, IsADirectoryError):
+                continue  # dangling links, files vanishing meanwhile
+            # Any other read error propagates: a pointer we cannot read may name the step the
+            # caller is about to release, so releasing must stop rather than guess.
+            if looks_like_pointer(data):
+                try:
                     found.append(Pointer.parse(data, name))
-            except (OSError, CheckpointError):
-                continue  # dangling links, files vanishing meanwhile, other JSON files
+                except CheckpointError:
+                    continue  # other JSON files
         return found
 
 

@@ -657,7 +657,18 @@ class IncrementalCheckpointIO(CheckpointIO):
     ) -> None:
         """Delete ``step`` unless a pointer file next to ``target`` still names it, as its step
         or as the ``previous`` of a step that has not committed (its fallback)."""
-        siblings = [p for p in target.siblings() if p.store == store_name]
+        try:
+            siblings = [p for p in target.siblings() if p.store == store_name]
+        except OSError as exc:  # cannot tell what still names it: keeping it is the safe side
+            log.warning(
+                "keeping step %d of %s: the pointer files next to %s could not be "
+                "read (%s); the step stays in the store (it costs space, nothing is lost)",
+                step,
+                store_name,
+                target.display,
+                exc,
+            )
+            return
         named = {p.step for p in siblings}
         fallbacks = [p for p in siblings if p.previous == step and p.step != step]
         if fallbacks and step not in named:

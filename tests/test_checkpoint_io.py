@@ -872,3 +872,28 @@ def test_ddp_every_rank_loads_what_rank_0_saved_last(tmp_path: Path) -> None:
     assert records[0]["error"] == records[1]["error"]
     assert "missing.ckpt" in records[0]["error"]
     assert pointer(tmp_path / "model.ckpt")["step"] == 1
+
+
+def test_unreadable_pointer_files_keep_the_step(tmp_path: Path, monkeypatch, caplog) -> None:
+    """Release decides from the pointer files next to a path; when they cannot be read, the
+    step another one may still name is kept, not guessed away."""
+    from lightning_incremental import _pointers
+
+    plugin = IncrementalCheckpointIO()
+    a = tmp_path / "a.ckpt"
+    plugin.save_checkpoint(state(0), a)
+    plugin.wait()
+
+    def unreadable(self: Any) -> list[Any]:
+        raise OSError(5, "Input/output error (simulated storage fault)")
+
+    monkeypatch.setattr(_pointers.CheckpointFile, "siblings", unreadable)
+    with caplog.at_level("WARNING", logger="lightning_incremental"):
+        plugin.save_checkpoint(state(1), a)  # overwrite: would release step 0
+        plugin.wait()
+    monkeypatch.undo()
+    assert "keeping step 0" in caplog.text
+    with CheckpointStore(tmp_path / ".incremental") as store:
+        assert store.steps() == [0, 1]
+    assert_state_equal(plugin.load_checkpoint(a), state(1))
+    plugin.teardown()

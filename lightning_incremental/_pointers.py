@@ -39,6 +39,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from lightning_incremental.core import CheckpointError, CorruptCheckpointError, FormatVersionError
+from lightning_incremental.core.storage import redact, secret_strings
 
 POINTER_FORMAT = "lightning-incremental-pointer"
 POINTER_VERSION = 1
@@ -143,7 +144,7 @@ class CheckpointFile:
 
     fs: Any
     path: str  # the filesystem's own path (local: absolute)
-    display: str  # as the user wrote it
+    display: str  # as the user wrote it, less any credentials in a URL
     url_prefix: str  # "" for local files, "proto://" for fsspec URLs
 
     @classmethod
@@ -163,10 +164,14 @@ class CheckpointFile:
                     os.path.realpath(os.path.dirname(local)), os.path.basename(local)
                 )
             return cls(LocalFileSystem(), local, text, "")
-        fs, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
+        secrets = secret_strings(storage_options or {})
+        try:
+            fs, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
+        except Exception as exc:  # the backend's message may quote an option's value
+            raise ValueError(f"cannot open {_shown(text)}: {redact(str(exc), secrets)}") from None
         if isinstance(fs, LocalFileSystem):
             return cls.of(path, None, resolve=resolve)
-        return cls(fs, path, text, f"{match.group(1)}://")
+        return cls(fs, path, _shown(text), f"{match.group(1)}://")
 
     @property
     def local(self) -> bool:
@@ -298,3 +303,11 @@ def valid_store_name(name: str) -> bool:
 
 def is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_CREDENTIALS = re.compile(r"(?<=://)[^/@]+@")
+
+
+def _shown(url: str) -> str:
+    """``url`` for messages and manifests: ``user:password@`` in it replaced."""
+    return _CREDENTIALS.sub("<credentials>@", url)

@@ -46,6 +46,7 @@ POINTER_VERSION = 1
 MAX_POINTER_BYTES = 64 * 1024
 _STORE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "r2"}
 _TMP_SUFFIX = ".li-tmp"  # not ".ckpt": Lightning's "last*.ckpt" search never sees one
 _TMP = re.compile(r"^\..*\.[0-9a-f]{32}\.li-tmp$")
 _ID = re.compile(r"^[0-9a-f]{32}$")
@@ -221,15 +222,26 @@ class CheckpointFile:
         except FileNotFoundError:
             pass
 
+    @property
+    def object_store(self) -> bool:
+        """Buckets have no directories, and s3fs's makedirs would create a missing bucket:
+        a mistyped bucket name must fail on the write instead."""
+        return self.url_prefix[:-3].lower() in _OBJECT_STORES
+
     def makedirs(self) -> None:
         """Create the file's directory (ModelCheckpoint links into it right after a save)."""
-        self.fs.makedirs(self._dir(), exist_ok=True)
+        if not self.object_store:
+            self.fs.makedirs(self._dir(), exist_ok=True)
 
     def write_atomic(self, data: bytes, *, fsync: bool) -> None:
         directory = self._dir()
         if not self.local:
-            self.fs.makedirs(directory, exist_ok=True)
-            self.fs.pipe_file(self.path, data)  # one PUT: atomic on object stores
+            if not self.object_store:
+                self.fs.makedirs(directory, exist_ok=True)
+            try:
+                self.fs.pipe_file(self.path, data)  # one PUT: atomic on object stores
+            except FileNotFoundError as exc:  # e.g. a bucket that does not exist
+                raise FileNotFoundError(f"cannot write {self.display}: {exc}") from exc
             return
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(

@@ -897,3 +897,21 @@ def test_unreadable_pointer_files_keep_the_step(tmp_path: Path, monkeypatch, cap
         assert store.steps() == [0, 1]
     assert_state_equal(plugin.load_checkpoint(a), state(1))
     plugin.teardown()
+
+
+def test_s3_paths_work_and_a_missing_bucket_is_not_created(s3_endpoint, s3_bucket) -> None:
+    import fsspec
+
+    options = s3_endpoint.options()
+    plugin = IncrementalCheckpointIO(storage_options=options)
+    path = f"s3://{s3_bucket}/ckpts/a.ckpt"
+    plugin.save_checkpoint(state(0), path)
+    plugin.wait()
+    assert_state_equal(plugin.load_checkpoint(path), state(0))
+    missing = f"{s3_bucket}-typo"
+    with pytest.raises(Exception, match=missing):
+        plugin.save_checkpoint(state(1), f"s3://{missing}/ckpts/a.ckpt")
+        plugin.wait()
+    fs = fsspec.filesystem("s3", **options)
+    fs.invalidate_cache()
+    assert not fs.exists(missing), "a mistyped bucket must not be created"

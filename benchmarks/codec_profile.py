@@ -145,29 +145,12 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
         if not kinds:  # e.g. LoRA: every changed tensor is smaller than MIN_PIECE
             lines += [f"### {scenario}: no changed chunk of {MIN_PIECE >> 10} KiB or more", ""]
             continue
-        names = list(kinds)
-        lines += [
-            f"### {scenario}: single-thread MB/s (best of repeats)",
-            "",
-            "| stage | " + " | ".join(names) + " |",
-            "|---|" + "---:|" * len(names),
-        ]
-        for stage in next(iter(kinds.values()))["MBps"]:
-            lines.append(
-                f"| {stage} | " + " | ".join(f"{kinds[k]['MBps'][stage]:.0f}" for k in names) + " |"
-            )
-        lines += [
-            "",
-            f"### {scenario}: compression ratio of changed chunks",
-            "",
-            "| encoding | " + " | ".join(names) + " |",
-            "|---|" + "---:|" * len(names),
-        ]
-        for enc in next(iter(kinds.values()))["ratio"]:
-            lines.append(
-                f"| {enc} | " + " | ".join(f"{kinds[k]['ratio'][enc]:.3f}" for k in names) + " |"
-            )
-        lines.append("")
+        lines += _table(
+            f"{scenario}: single-thread MB/s (best of repeats)", "stage", kinds, "MBps", "{:.0f}"
+        )
+        lines += _table(
+            f"{scenario}: compression ratio of changed chunks", "encoding", kinds, "ratio", "{:.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -204,3 +187,19 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _table(title: str, label: str, kinds: dict[str, Any], field: str, fmt: str) -> list[str]:
+    """A Markdown table: one row per entry of ``kinds[*][field]``, one column per kind."""
+    names = list(kinds)
+    lines = [
+        f"### {title}",
+        "",
+        f"| {label} | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for row in next(iter(kinds.values()))[field]:
+        cells = " | ".join(fmt.format(kinds[k][field][row]) for k in names)
+        lines.append(f"| {row} | {cells} |")
+    lines.append("")
+    return lines

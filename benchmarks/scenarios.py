@@ -117,10 +117,10 @@ def _info(model: nn.Module) -> dict[str, Any]:
     }
 
 
-@scenario("dense_fp32", "all parameters trained, fp32 weights and AdamW state")
-def dense_fp32(p: Params) -> Workload:
+def _dense(p: Params, dtype: torch.dtype) -> Workload:
+    """Every parameter trained with AdamW, weights in ``dtype``."""
     _seed(p)
-    model = TinyLM(p.model)
+    model = TinyLM(p.model).to(dtype)
     return Workload(
         model,
         _adamw(model.parameters(), p),
@@ -128,19 +128,16 @@ def dense_fp32(p: Params) -> Workload:
         p.interval,
         info=_info(model),
     )
+
+
+@scenario("dense_fp32", "all parameters trained, fp32 weights and AdamW state")
+def dense_fp32(p: Params) -> Workload:
+    return _dense(p, torch.float32)
 
 
 @scenario("bf16", "all parameters trained, bf16 weights (AdamW state in bf16 as it comes)")
 def bf16(p: Params) -> Workload:
-    _seed(p)
-    model = TinyLM(p.model).to(torch.bfloat16)
-    return Workload(
-        model,
-        _adamw(model.parameters(), p),
-        RandomTokens.for_lm(p.model, p.seed),
-        p.interval,
-        info=_info(model),
-    )
+    return _dense(p, torch.bfloat16)
 
 
 def freeze_bottom(model: nn.Module, frozen_fraction: float) -> None:

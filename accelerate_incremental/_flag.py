@@ -26,7 +26,18 @@ if TYPE_CHECKING:
 
 ENV_DIR = "ACCELERATE_INCREMENTAL"
 ENV_CONFIG = "ACCELERATE_INCREMENTAL_CONFIG"
-_KEYS = {"dirpath", "keep_last", "every_n_steps", "storage_options", "options"}
+_KEYS = {
+    "dirpath",
+    "keep_last",
+    "every_n_steps",
+    "storage_options",
+    "options",
+    "watchdog",
+    "heartbeat_interval",
+    "heartbeat_timeout",
+    "progress_timeout",
+    "max_consecutive_failures",
+}
 _NOT_PATHS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
 
 

@@ -17,7 +17,20 @@ import torch
 from accelerate_incremental import _layout
 from accelerate_incremental._position import LoaderPosition
 from lightning_incremental import _rng
-from lightning_incremental.core import CheckpointNotFoundError, CheckpointStore, SaveHandle
+from lightning_incremental._failures import (
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    FailurePolicy,
+    check_max_consecutive_failures,
+    share_report,
+)
+from lightning_incremental.core import (
+    CheckpointNotFoundError,
+    CheckpointStore,
+    SaveHandle,
+    Watchdog,
+    WatchdogConfig,
+)
+from lightning_incremental.core.watchdog import watch_job
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -43,8 +56,25 @@ class IncrementalCheckpointer:
             needs, and only after the newer one committed). Default: the accelerator's
             ``ProjectConfiguration.total_limit``, else keep all.
         every_n_steps: the schedule of :meth:`maybe_save`; None: ``maybe_save`` never saves.
+        max_consecutive_failures: a save that fails in the background (storage error, full
+            disk) commits nothing; the next :meth:`save` warns about it on every process (naming
+            the step, the store and the error) and training goes on from the previous committed
+            checkpoint. This many failed saves in a row raise ``CheckpointError`` instead (on
+            every process at :meth:`save`; on the main process at :meth:`wait` / :meth:`close`);
+            a committed save resets the count. 1: stop at the first failure.
+        watchdog: run the heartbeat watchdog over the launch's TCPStore (a dead, hung or cut
+            off process ends every process with exit code 86, 87 or 88, so ``accelerate launch
+            --max_restarts`` / torchrun restarts the group). Default None: on when there is more
+            than one process.
+        heartbeat_interval, heartbeat_timeout, progress_timeout: the watchdog's timings in
+            seconds (see :class:`~lightning_incremental.core.WatchdogConfig`); progress is a
+            batch from :meth:`iterate` or a call of :meth:`save` / :meth:`maybe_save`.
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
+
+    With more than one process (or under torchrun) the main process claims a new fencing
+    generation when the checkpointer is created: checkpoints a previous incarnation of the job
+    writes afterwards are never visible. Create it on every process.
 
     Raises:
         TypeError: ``accelerator`` is not an Accelerator, or an argument has the wrong type.
@@ -62,6 +92,11 @@ class IncrementalCheckpointer:
         storage_options: dict[str, Any] | None = None,
         keep_last: int | None = None,
         every_n_steps: int | None = None,
+        max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        watchdog: bool | None = None,
+        heartbeat_interval: float = 5.0,
+        heartbeat_timeout: float = 60.0,
+        progress_timeout: float = 900.0,
         **options: Any,
     ) -> None:
         from accelerate import Accelerator
@@ -100,6 +135,14 @@ class IncrementalCheckpointer:
             or every_n_steps < 1
         ):
             raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
+        max_consecutive_failures = check_max_consecutive_failures(max_consecutive_failures)
+        if watchdog is not None and not isinstance(watchdog, bool):
+            raise TypeError(f"watchdog must be True, False or None, got {watchdog!r}")
+        watchdog_config = WatchdogConfig(
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            progress_timeout=progress_timeout,
+        )
         if keep_last is None:
             keep_last = accelerator.project_configuration.total_limit
         self.accelerator = accelerator
@@ -109,6 +152,41 @@ class IncrementalCheckpointer:
         )
         self._positions: dict[int, LoaderPosition] = {}
         self._saved_rng: dict[str, Any] | None = None  # this process's RNG at the loaded save
+        self.max_consecutive_failures = max_consecutive_failures
+        self._failures = FailurePolicy(
+            "IncrementalCheckpointer", str(self.store.url), max_consecutive_failures
+        )
+        self._handles: list[SaveHandle] = []  # the main process's saves not collected yet
+        self.generation: int | None = None
+        if accelerator.num_processes > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+            self.generation = self._claim_generation()
+        self._watchdog: Watchdog | None = None
+        if watchdog or (watchdog is None and accelerator.num_processes > 1):
+            self._watchdog = watch_job(
+                watchdog_config,
+                rank=accelerator.process_index,
+                world_size=accelerator.num_processes,
+                generation=self.generation or 0,
+            )
+
+    def _claim_generation(self) -> int:
+        """A new fencing generation, claimed by the main process, known to every process."""
+        claimed: int | None = None
+        error: str | None = None
+        failure: BaseException | None = None
+        if self.accelerator.is_main_process:
+            restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            try:
+                claimed = self.store.claim_generation(int(restarts) if restarts.isdigit() else 0)
+            except Exception as exc:  # re-raised below, after the other processes learn of it
+                failure, error = exc, f"{type(exc).__name__}: {exc}"
+        claimed, error = _broadcast((claimed, error))
+        if failure is not None or error is not None or claimed is None:
+            self.store.close()
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"the main process could not claim {self.store.url}: {error}")
+        return claimed
 
     # ------------------------------------------------------------------ saving
 
@@ -130,6 +208,8 @@ class IncrementalCheckpointer:
     def maybe_save(self, step: int) -> SaveHandle | None:
         """:meth:`save` when ``step`` is a positive multiple of ``every_n_steps``; else None."""
         _check_step(step)
+        if self._watchdog is not None:
+            self._watchdog.progress(step)
         if self.every_n_steps is None or step <= 0 or step % self.every_n_steps:
             return None
         return self.save(step)
@@ -138,6 +218,8 @@ class IncrementalCheckpointer:
         self, step: int, iteration: int, metadata: dict[str, Any] | None
     ) -> SaveHandle | None:
         _check_step(step)
+        if self._watchdog is not None:
+            self._watchdog.progress(step)
         acc = self.accelerator
         _layout.check_prepared(acc)
         _layout.check_loaders(acc)
@@ -145,6 +227,7 @@ class IncrementalCheckpointer:
             "rng": _rng.capture(),
             "loaders": [self._position(i).state() for i in range(len(acc._dataloaders))],
         }
+        self._settle(block=False)  # earlier failed saves: warned about, or raised, everywhere
         processes = _gather(local)
         if not acc.is_main_process:
             return None
@@ -158,14 +241,43 @@ class IncrementalCheckpointer:
             "counters": {"step": int(acc.step), "iteration": int(iteration)},
             "processes": processes,
         }
-        return self.store.save(state, step, metadata=metadata, world_size=len(processes))
+        handle = self._failures.start(  # None: the limit was reached (raised at the next call)
+            lambda: self.store.save(state, step, metadata=metadata, world_size=len(processes)),
+            lambda: self._failures.collect(self._handles, block=False),
+        )
+        if handle is not None:
+            self._handles.append(handle)
+        return handle
 
-    def wait(self) -> None:
-        """Wait until every pending save of this process committed.
+    def _settle(self, *, block: bool, everywhere: bool = True) -> None:
+        """Collect the main process's finished saves (all of them with ``block``) and apply the
+        failure policy: warn about failed ones, or raise once ``max_consecutive_failures`` in a
+        row failed. ``everywhere`` (call it on every process): the main process decides, every
+        process warns or raises alike.
 
         Raises:
-            Exception: the error of a failed save.
+            CheckpointError: ``max_consecutive_failures`` saves in a row failed.
         """
+        report = None
+        if self.accelerator.is_main_process:
+            # The engine's back-pressure: the next save waits for these anyway (max_in_flight).
+            for handle in self._handles[: len(self._handles) - self.store.config.max_in_flight + 1]:
+                handle.exception()
+            self._failures.collect(self._handles, block=block)
+            report = self._failures.report()
+        if everywhere:
+            report = share_report(report)
+        if report is not None:
+            self._failures.apply(report)
+
+    def wait(self) -> None:
+        """Wait until every pending save of this process committed (or failed: a failed save is
+        warned about, see ``max_consecutive_failures``).
+
+        Raises:
+            CheckpointError: ``max_consecutive_failures`` saves in a row failed.
+        """
+        self._settle(block=True, everywhere=False)
         self.store.wait()
 
     # ------------------------------------------------------------------ loading
@@ -247,7 +359,8 @@ class IncrementalCheckpointer:
         def save_state(output_dir: Any = None, *args: Any, **kwargs: Any) -> str:
             iteration = acc.project_configuration.iteration
             self._save(iteration, iteration + 1, None)
-            self.wait()
+            self._settle(block=True)  # on every process: all warn or raise alike
+            self.store.wait()
             acc.project_configuration.iteration = iteration + 1
             return str(self.store.url)
 
@@ -290,7 +403,11 @@ class IncrementalCheckpointer:
             if self._saved_rng is not None:
                 _rng.restore(self._saved_rng)
 
-        yield from position.iterate(self.accelerator.skip_first_batches, restore_now)
+        dog = self._watchdog
+        for batch in position.iterate(self.accelerator.skip_first_batches, restore_now):
+            if dog is not None:
+                dog.progress()
+            yield batch
 
     def _position(self, index: int) -> LoaderPosition:
         loader = self.accelerator._dataloaders[index]
@@ -305,19 +422,27 @@ class IncrementalCheckpointer:
         """Committed checkpoint steps, oldest first."""
         return self.store.steps()
 
-    def close(self) -> None:
-        """Wait for pending saves and release the store.
+    def close(self, *, finished: bool = True) -> None:
+        """Wait for pending saves, stop the watchdog and release the store. ``finished``
+        False: this process is failing; its watchdog stops without telling the others it is
+        done (if they wait for it, they find it dead and restart).
 
         Raises:
             Exception: the error of a failed save.
         """
-        self.store.close()
+        dog, self._watchdog = self._watchdog, None
+        if dog is not None:
+            dog.stop(finished=finished)
+        try:
+            self._settle(block=True, everywhere=False)
+        finally:
+            self.store.close()
 
     def __enter__(self) -> IncrementalCheckpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close(finished=exc is None)
 
     def __repr__(self) -> str:
         return f"IncrementalCheckpointer({self.store.url!r}, every_n_steps={self.every_n_steps})"

@@ -4,7 +4,8 @@
 position are gathered, the trainer's own checkpoint dump runs everywhere), hands it to the
 :class:`~lightning_incremental.core.CheckpointStore` on global rank 0 — which blocks only for the
 snapshot — and later collects the results: figures to the trainer's loggers, errors kept until
-the next save or the end of training, where every rank raises them alike.
+the next save or the end of training, where every rank warns about them alike, or raises them
+once ``max_consecutive_failures`` saves in a row failed (:mod:`lightning_incremental._failures`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import Logger
 
+from lightning_incremental._failures import DEFAULT_MAX_CONSECUTIVE_FAILURES, FailurePolicy, Report
+from lightning_incremental._failures import text_of as _text_of
 from lightning_incremental._resume import FORMAT, KEY, _describe
 from lightning_incremental.core import CheckpointError, CheckpointStore, SaveHandle, SaveResult
 
@@ -28,7 +31,8 @@ METRIC_PREFIX = "incremental_checkpoint/"
 class Saver:
     """One ``fit``'s saves: ``store`` is the engine on global rank 0 (None on the other ranks),
     ``totals`` the running figures kept across runs (updated in place), ``loggers`` where the
-    figures of each committed save go."""
+    figures of each committed save go. A failed save is warned about on every rank; the
+    ``max_consecutive_failures``-th failed save in a row raises on every rank."""
 
     def __init__(
         self,
@@ -36,6 +40,7 @@ class Saver:
         url: str,
         totals: dict[str, Any],
         loggers: list[Logger],
+        max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
     ) -> None:
         self.store = store
         self.url = url
@@ -44,7 +49,7 @@ class Saver:
         self.results: list[tuple[SaveResult, float]] = []  # with the seconds training blocked
         self.last_committed: int | None = None
         self._pending: list[tuple[SaveHandle, float]] = []
-        self._failures: list[tuple[int, BaseException]] = []
+        self._policy = FailurePolicy("IncrementalCheckpoint", url, max_consecutive_failures)
 
     def save(
         self,
@@ -54,12 +59,18 @@ class Saver:
         reason: str,
         boundary: bool,
         rank_state: dict[str, Any],
+        audit: dict[str, Any] | None = None,
     ) -> None:
-        """Save the trainer's checkpoint as ``step``, with every rank's ``rank_state``. Call on
-        every rank at once: it gathers and broadcasts.
+        """Save the trainer's checkpoint as ``step``, with every rank's ``rank_state`` (and
+        ``audit``: more plain values for the manifest's audit trail). Call on every rank at
+        once: it gathers and broadcasts.
+
+        Earlier saves that failed are warned about on every rank (training goes on), and
+        this save is made.
 
         Raises:
-            CheckpointError: an earlier save failed (on every rank), or this one could not start.
+            CheckpointError: ``max_consecutive_failures`` saves in a row failed (on every rank),
+                or this one could not start.
             Exception: the engine's own error for this save on rank 0 (``UnsupportedValueError``
                 naming the key that needs pickling, ...).
         """
@@ -69,28 +80,30 @@ class Saver:
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         error: BaseException | None = None
         handle = None
-        if trainer.is_global_zero and not self._failures:
-            assert self.store is not None
+        if trainer.is_global_zero:
+            store = self.store
+            assert store is not None
             checkpoint[KEY] = {"format": FORMAT, "world_size": trainer.world_size, "ranks": states}
             metadata = {
                 "epoch": trainer.current_epoch,
                 "global_step": step,
                 "reason": reason,
                 "epoch_boundary": boundary,
+                **(audit or {}),
             }
-            try:
-                handle = self.store.save(
-                    checkpoint, step, metadata=metadata, world_size=trainer.world_size
+            try:  # an earlier save's error, delivered by the engine now, is recorded as such
+                handle = self._policy.start(
+                    lambda: store.save(
+                        checkpoint, step, metadata=metadata, world_size=trainer.world_size
+                    ),
+                    lambda: self.collect(block=False),
                 )
             except Exception as exc:
                 error = exc
-            if error is not None:  # an earlier save's error, delivered by the engine now?
-                self.collect(block=False)
-                if any(failed is error for _, failed in self._failures):
-                    error = None
-        text = trainer.strategy.broadcast(self.failure_text() or _describe(error), src=0)
-        if self._failures:
-            self.raise_failures()
+        # Rank 0 decides, every rank does the same: warn about failed saves, or raise them.
+        report, text = trainer.strategy.broadcast((self.failure_report(), _describe(error)), src=0)
+        if report is not None:
+            self.raise_failures(report)
         if error is not None:
             raise error
         if text is not None:
@@ -100,46 +113,41 @@ class Saver:
 
     def collect(self, *, block: bool) -> list[SaveResult]:
         """Report the saves that finished (all of them with ``block``); keep their errors."""
-        results, still = [], []
-        for handle, blocked in self._pending:
-            if not block and not handle.done():
-                still.append((handle, blocked))
-                continue
-            error = handle.exception()
-            if error is not None:
-                self._failures.append((handle.step, error))
-                continue
+        handles = [h for h, _ in self._pending]
+        committed = self._policy.collect(handles, block=block)
+        blocked_s = {id(h): blocked for h, blocked in self._pending}
+        still = {id(h) for h in handles}
+        self._pending = [(h, b) for h, b in self._pending if id(h) in still]
+        results = []
+        for handle in committed:
             result = handle.wait()
             results.append(result)
-            self._report(result, blocked)
-        self._pending = still
+            self._report(result, blocked_s[id(handle)])
         return results
 
     def failure_text(self) -> str | None:
-        if not self._failures:
-            return None
-        return "; ".join(f"step {step}: {_describe(error)}" for step, error in self._failures)
+        """The failed saves not reported yet: ``"step 6: StorageError: ...; ..."``."""
+        return _text_of(self._policy.new)
 
-    def raise_failures(self, text: str | None = None) -> None:
-        """Raise the failures kept so far (``text``: rank 0's, on the other ranks).
+    def failure_report(self) -> Report | None:
+        """What the failed saves not reported yet mean (on rank 0, which saves): a warning, or
+        the error once ``max_consecutive_failures`` saves in a row failed."""
+        return self._policy.report()
+
+    def raise_failures(self, report: Report | None = None) -> None:
+        """Warn about the failures kept so far, or raise them once ``max_consecutive_failures``
+        saves in a row failed (``report``: rank 0's :meth:`failure_report`, on every rank).
 
         Raises:
-            CheckpointError: naming every failed step and its error.
+            CheckpointError: naming every failed step of the streak and its error, chained from
+                the first one's.
         """
-        failures, text = self._failures, text or self.failure_text()
-        self._failures = []
-        if not text:
-            return
-        cause = failures[0][1] if failures else None
-        raise CheckpointError(f"IncrementalCheckpoint: saving to {self.url} failed: {text}") from (
-            cause
-        )
+        self._policy.apply(report)
 
     def log_failures(self) -> None:
         """Log the failures kept so far instead of raising them (another error is on its way)."""
-        for step, error in self._failures:
-            log.error("IncrementalCheckpoint: checkpoint step %d failed: %s", step, error)
-        self._failures = []
+        for what, error in self._policy.take():
+            log.error("IncrementalCheckpoint: checkpoint %s failed: %s", what, error)
 
     def close(self, *, raise_errors: bool) -> None:
         """Wait for the saves in flight and stop the engine's threads.

@@ -27,6 +27,10 @@ from typing_extensions import override
 
 from lightning_incremental import _data_position as dp
 from lightning_incremental import _resume as resume
+from lightning_incremental._failures import (
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    check_max_consecutive_failures,
+)
 from lightning_incremental._resume import KEY, ResumeHook
 from lightning_incremental._saver import Saver
 from lightning_incremental._schedule import Schedule
@@ -36,7 +40,11 @@ from lightning_incremental.core import (
     ConfigError,
     SaveResult,
     StoreConfig,
+    Watchdog,
+    WatchdogConfig,
+    replicas,
 )
+from lightning_incremental.core.watchdog import watch_job
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +93,35 @@ class IncrementalCheckpoint(Checkpoint):
         allow_pickle: allow values that need pickling (and loading them, which executes code).
         store_options: any other :class:`~lightning_incremental.core.StoreConfig` field
             (``chunk_size``, ``compression_level``, ``xor_base_memory``, ``max_in_flight``, ...).
+        max_consecutive_failures: a save that fails in the background (storage error, full
+            disk) commits nothing; it is logged and warned about on every rank (naming the step,
+            the store and the error) and training goes on from the previous committed
+            checkpoint. This many failed saves in a row raise ``CheckpointError`` on every rank
+            instead; a committed save resets the count. 1: stop at the first failure.
+        watchdog: run the heartbeat watchdog (see :mod:`lightning_incremental.core.watchdog`):
+            a rank that dies, hangs or loses the job's TCPStore ends every process with a
+            distinct exit code (86 dead peer, 87 hung peer, 88 isolated) instead of waiting out
+            a collective timeout, so ``torchrun --max-restarts`` restarts the group, which
+            resumes from the newest checkpoint. Default None: on in multi-process runs.
+        heartbeat_interval: seconds between heartbeats (and checks of the others').
+        heartbeat_timeout: seconds without a heartbeat after which a rank is dead (at least 3
+            intervals); also how long a rank may lose the store before it fences itself off.
+        progress_timeout: seconds without a finished batch after which a rank is hung; longer
+            than the slowest legitimate pause (a long validation, data loading, a checkpoint).
+        replica_check: under DDP, before each checkpoint, compare a fingerprint of every rank's
+            weights and optimizer state (one hash per tensor, gathered; see
+            :mod:`lightning_incremental.core.replicas`). On a divergence: ``"warn"`` logs which
+            rank and which tensors differ (and skips the checkpoint if rank 0's copy is the odd
+            one out); ``"repair"`` broadcasts the reference copy (the majority's; rank 0's when
+            two ranks disagree) to every rank, records the repair in the checkpoint's audit
+            trail and goes on; ``"stop"`` ends every process with exit code 89 so the group
+            restarts from the last good checkpoint; ``"off"`` skips the check. A diverged copy
+            is never committed.
+
+    In multi-process runs (and under torchrun) every start of ``fit`` also claims a new fencing
+    generation in the store: checkpoints a previous incarnation of the job writes afterwards — a
+    frozen or cut-off rank 0 that wakes up — are never visible (see
+    :mod:`lightning_incremental.core.fencing`).
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -107,6 +144,12 @@ class IncrementalCheckpoint(Checkpoint):
         storage_options: dict[str, Any] | None = None,
         allow_pickle: bool = False,
         store_options: dict[str, Any] | None = None,
+        max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        watchdog: bool | None = None,
+        heartbeat_interval: float = 5.0,
+        heartbeat_timeout: float = 60.0,
+        progress_timeout: float = 900.0,
+        replica_check: str = "warn",
     ) -> None:
         super().__init__()
         if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
@@ -129,12 +172,22 @@ class IncrementalCheckpoint(Checkpoint):
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         self.storage_options = storage_options
+        self.max_consecutive_failures = check_max_consecutive_failures(max_consecutive_failures)
         self.store_config = _store_config(
             keep_last, full_every, max_chain, allow_pickle, store_options
         )
         # Lightning reads it from its first checkpoint callback: there is no "best" checkpoint
         # here, so `ckpt_path="best"` explains that it needs a ModelCheckpoint.
         self.best_model_path = ""
+        if watchdog is not None and not isinstance(watchdog, bool):
+            raise TypeError(f"watchdog must be True, False or None, got {watchdog!r}")
+        self.watchdog = watchdog
+        self.watchdog_config = WatchdogConfig(
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            progress_timeout=progress_timeout,
+        )
+        self.replica_check = replicas.check_action(replica_check)
         self._reset_run_state()
         self._last_saved_step: int | None = None
         self._totals = {"saves": 0, "bytes_written": 0, "bytes_logical": 0, "blocked_s": 0.0}
@@ -161,6 +214,8 @@ class IncrementalCheckpoint(Checkpoint):
         self._check_iter = False
         self._skip_epoch_record = False
         self._warnings_guard: warnings.catch_warnings[Any] | None = None
+        self._generation: int | None = None
+        self._watchdog: Watchdog | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -192,6 +247,11 @@ class IncrementalCheckpoint(Checkpoint):
         return self._last_saved_step
 
     @property
+    def generation(self) -> int | None:
+        """The fencing generation this ``fit`` claimed (multi-process runs), else None."""
+        return self._generation
+
+    @property
     def resumed_from(self) -> int | None:
         """The step this ``fit`` resumed from automatically, or None."""
         return self._resumed_step
@@ -205,10 +265,12 @@ class IncrementalCheckpoint(Checkpoint):
 
     def wait(self) -> list[SaveResult]:
         """Wait for the saves running in the background; returns their results (and logs their
-        figures). Only global rank 0 saves: elsewhere this returns ``[]``.
+        figures). Only global rank 0 saves: elsewhere this returns ``[]``. A failed save is
+        warned about (see ``max_consecutive_failures``).
 
         Raises:
-            CheckpointError: a save failed.
+            CheckpointError: ``max_consecutive_failures`` saves in a row failed, or this writer
+                was fenced off by a newer generation of the job.
         """
         if self._saver is None:
             return []
@@ -265,19 +327,35 @@ class IncrementalCheckpoint(Checkpoint):
         # Rank 0 opens the store; whatever happens there, every rank learns it through the
         # broadcast below, so a failure never leaves the other ranks waiting in a collective.
         store, error = None, None
+        fenced = trainer.world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ
         if trainer.is_global_zero:
             try:
                 store = self._open_store()
+                if fenced:  # a new incarnation of the job: fence off the previous ones
+                    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                    minimum = int(restarts) if restarts.isdigit() else 0
+                    self._generation = store.claim_generation(minimum)
                 steps = store.steps()
                 self._newest = steps[-1] if steps else None
             except Exception as exc:
                 error = exc
-        self._newest, text = strategy.broadcast((self._newest, resume._describe(error)), src=0)
+        self._newest, self._generation, text = strategy.broadcast(
+            (self._newest, self._generation, resume._describe(error)), src=0
+        )
         if error is not None:
             raise error
         if text is not None:
             raise CheckpointError(f"rank 0 could not open the checkpoint store {self._url}: {text}")
-        self._saver = Saver(store, self._url, self._totals, trainer.loggers)
+        if self.watchdog or (self.watchdog is None and trainer.world_size > 1):
+            self._watchdog = watch_job(
+                self.watchdog_config,
+                rank=trainer.global_rank,
+                world_size=trainer.world_size,
+                generation=self._generation or 0,
+            )
+        self._saver = Saver(
+            store, self._url, self._totals, trainer.loggers, self.max_consecutive_failures
+        )
         if not self.resume and self._newest is not None:
             raise ConfigError(
                 f"IncrementalCheckpoint(resume=False) but {self._url} already holds checkpoints "
@@ -350,6 +428,8 @@ class IncrementalCheckpoint(Checkpoint):
     ) -> None:
         if self._disabled:
             return
+        if self._watchdog is not None:
+            self._watchdog.progress(trainer.global_step)
         self._collect()
         step = trainer.global_step
         if step == self._step_at_batch_start:
@@ -374,6 +454,19 @@ class IncrementalCheckpoint(Checkpoint):
             self._due, self._due_at = reason, "validation"
         else:
             self._save(trainer, reason, boundary=False)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self._watchdog is not None:
+            self._watchdog.progress()
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -406,9 +499,9 @@ class IncrementalCheckpoint(Checkpoint):
             self._save(trainer, "train_end", boundary=not self._epoch_open)
         assert self._saver is not None
         self._saver.collect(block=True)
-        failed = trainer.strategy.broadcast(self._saver.failure_text(), src=0)
-        if failed:  # every rank ends the same way
-            self._saver.raise_failures(failed)
+        report = trainer.strategy.broadcast(self._saver.failure_report(), src=0)
+        if report is not None:  # every rank ends the same way: warns, or raises at the limit
+            self._saver.raise_failures(report)
 
     @override
     def on_exception(
@@ -423,7 +516,7 @@ class IncrementalCheckpoint(Checkpoint):
         except Exception:  # the training error propagates; this one must be seen too
             log.exception("IncrementalCheckpoint: saving after %r failed", exception)
         finally:
-            self._shutdown(raise_errors=False)
+            self._shutdown(raise_errors=False, finished=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -439,8 +532,19 @@ class IncrementalCheckpoint(Checkpoint):
         self._in_save = True
         self._last_saved_step = step  # before the dump: the checkpoint records it
         try:
+            verdict = self._check_replicas(trainer)
+            if verdict.skip_save:
+                self._last_saved_step = previous
+                return
             state = resume.rank_state(trainer, boundary, self._epoch_record)
-            self._saver.save(trainer, step=step, reason=reason, boundary=boundary, rank_state=state)
+            self._saver.save(
+                trainer,
+                step=step,
+                reason=reason,
+                boundary=boundary,
+                rank_state=state,
+                audit={"replica_repair": verdict.audit()} if verdict.audit() else None,
+            )
         except BaseException:
             self._last_saved_step = previous
             self._save_failed = True  # no second attempt from on_exception
@@ -449,6 +553,23 @@ class IncrementalCheckpoint(Checkpoint):
             self._in_save = False
         self._last_time = time.monotonic()
         self._due = self._due_at = None
+
+    def _check_replicas(self, trainer: pl.Trainer) -> replicas.Verdict:
+        """Compare the replicas' weights and optimizer state (every rank at once)."""
+        if trainer.world_size == 1 or self.replica_check == "off":
+            return replicas.Verdict(None)
+        state = {
+            "model": trainer.lightning_module.state_dict(),
+            "optimizers": [opt.state_dict() for opt in trainer.optimizers],
+        }
+        try:
+            return replicas.enforce(state, self.replica_check)
+        except replicas.ReplicaDivergedError as exc:
+            if self.replica_check != "stop":
+                raise
+            assert self._saver is not None
+            self._saver.collect(block=True)  # the earlier, good checkpoints commit first
+            raise SystemExit(replicas.EXIT_REPLICA_DIVERGED) from exc
 
     def _collect(self) -> None:
         if self._saver is not None:
@@ -522,7 +643,13 @@ class IncrementalCheckpoint(Checkpoint):
                     "store does not manage. Give them different directories."
                 )
 
-    def _shutdown(self, *, raise_errors: bool) -> None:
+    def _shutdown(self, *, raise_errors: bool, finished: bool = True) -> None:
+        """End this ``fit``'s machinery. ``finished``: training ended normally; otherwise the
+        watchdog stops without telling the others this rank is done (if they wait for it, they
+        must find it dead and restart rather than wait out a collective timeout)."""
+        dog, self._watchdog = self._watchdog, None
+        if dog is not None:
+            dog.stop(finished=finished)
         self._close_warnings_guard()
         hook, self._resume_hook = self._resume_hook, None
         if hook is not None:

@@ -58,13 +58,17 @@ Async
 -----
 ``save_checkpoint`` blocks only while the engine snapshots the state (one host copy, no second
 device copy) and the pointer file is written; encoding, writing and committing the step happen
-in the background. A background error is raised by the next ``save_checkpoint``/``load_checkpoint``/
-``remove_checkpoint``, by :meth:`IncrementalCheckpointIO.wait`, or by ``teardown`` (which
-Lightning calls at the end of every ``fit/validate/test/predict``, also when they fail) — never
-lost. ``teardown`` waits for every pending save to commit and closes the stores; the plug-in reopens
-them on next use. After calling ``trainer.save_checkpoint`` outside of a Trainer stage, call
-:meth:`IncrementalCheckpointIO.wait` to be sure the checkpoint committed before another
-process reads it.
+in the background. A background error surfaces at the next ``save_checkpoint``/
+``load_checkpoint``/``remove_checkpoint``, at :meth:`IncrementalCheckpointIO.wait`, or at
+``teardown`` (which Lightning calls at the end of every ``fit/validate/test/predict``, also when
+they fail) — never lost. A save that failed to commit (storage error, full disk) is logged and
+warned about there, and training goes on from the previous checkpoint (the save's file keeps
+naming it); ``max_consecutive_failures`` failed saves in a row raise ``CheckpointError`` instead.
+Other background errors (releasing a replaced step) are raised. ``teardown`` waits for every
+pending save to commit and closes the stores; the plug-in reopens them on next use. After
+calling ``trainer.save_checkpoint`` outside of a Trainer stage, call
+:meth:`IncrementalCheckpointIO.wait` to be sure the checkpoint committed before another process
+reads it.
 
 What is covered
 ---------------
@@ -115,6 +119,11 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
+from lightning_incremental._failures import (
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    FailurePolicy,
+    check_max_consecutive_failures,
+)
 from lightning_incremental._pointers import (
     CheckpointFile,
     Pointer,
@@ -135,7 +144,7 @@ from lightning_incremental.core import (
 
 log = logging.getLogger(__name__)
 
-_RUNTIME = ("_lock", "_stores", "_executor", "_jobs", "_pending")  # not pickled
+_RUNTIME = ("_lock", "_stores", "_executor", "_jobs", "_pending", "_failures")  # not pickled
 
 __all__ = ["IncrementalCheckpointIO", "PointerError"]
 
@@ -154,14 +163,20 @@ class IncrementalCheckpointIO(CheckpointIO):
         allow_pickle: save values that only pickle can hold (and load checkpoints holding them).
             Loading a pickle executes code: only for checkpoints every reader trusts.
         store_name: name of the store directory created next to the checkpoint files.
+        max_consecutive_failures: a save that fails to commit in the background (storage error,
+            full disk) is logged and warned about (naming the path, the step, the store and the
+            error) at the plug-in's next call, and training goes on from the previous
+            checkpoint. This many failed saves in a row raise ``CheckpointError`` instead; a
+            committed save resets the count. 1: stop at the first failure.
         **options: :class:`~lightning_incremental.core.StoreConfig` fields (``chunk_size``,
             ``full_every``, ``xor_base_memory``, ``max_in_flight``, ``fsync``, ...).
             ``keep_last`` is not accepted: what is kept is decided by ModelCheckpoint's
             ``save_top_k``, through ``remove_checkpoint``.
 
     Raises:
-        TypeError: ``storage_options`` is not a dict or None.
-        ConfigError: an invalid option or ``store_name``.
+        TypeError: ``storage_options`` is not a dict or None, ``max_consecutive_failures`` not
+            an int.
+        ConfigError: an invalid option, ``store_name`` or ``max_consecutive_failures``.
     """
 
     def __init__(
@@ -170,6 +185,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         storage_options: dict[str, Any] | None = None,
         allow_pickle: bool = False,
         store_name: str = ".incremental",
+        max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -194,6 +210,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         self.storage_options = dict(storage_options) if storage_options else None
         self.allow_pickle = allow_pickle
         self.store_name = store_name
+        self.max_consecutive_failures = check_max_consecutive_failures(max_consecutive_failures)
         self.config = StoreConfig(allow_pickle=allow_pickle).replace(**options)
         self._init_runtime()
 
@@ -203,6 +220,9 @@ class IncrementalCheckpointIO(CheckpointIO):
         self._executor: ThreadPoolExecutor | None = None
         self._jobs: list[Future[None]] = []  # background work, oldest first
         self._pending: dict[str, Future[None]] = {}  # path -> its save's pointer job
+        self._failures = FailurePolicy(
+            "IncrementalCheckpointIO", None, self.max_consecutive_failures
+        )
 
     # ------------------------------------------------------------------ CheckpointIO
 
@@ -290,11 +310,14 @@ class IncrementalCheckpointIO(CheckpointIO):
         def finish() -> None:
             try:
                 handle.wait()
-            except BaseException:
+            except Exception as exc:  # reported by the next call, as the failure policy says
                 entry.inflight.discard(step)
                 self._restore(target, pointer, old_bytes)
-                raise
+                log.error("IncrementalCheckpointIO: saving %s failed: %s", target.display, exc)
+                self._failures.failed(f"{target.display} (step {step} of {entry.store.url})", exc)
+                return
             entry.inflight.discard(step)
+            self._failures.committed()
             self._committed(target, entry, pointer)
 
         job = self._submit(finish, f"saving {target.display}")
@@ -711,11 +734,19 @@ class IncrementalCheckpointIO(CheckpointIO):
         return [e for e in (j.exception() for j in done) if e is not None]
 
     def _raise_failed(self) -> None:
+        """Raise the first background error; then warn about the saves that failed to commit,
+        or raise them once ``max_consecutive_failures`` in a row failed.
+
+        Raises:
+            Exception: a background error (other than a failed save).
+            CheckpointError: ``max_consecutive_failures`` saves in a row failed.
+        """
         errors = self._undelivered()
         for extra in errors[1:]:
             log.error("another background checkpoint error: %r", extra)
         if errors:
             raise errors[0]
+        self._failures.apply()
 
 
 class _OpenStore:

@@ -430,8 +430,8 @@ def test_failed_background_save_surfaces_at_the_next_save(
         return CheckpointStore(storage, config=kwargs["config"])
 
     monkeypatch.setattr(module, "CheckpointStore", faulty_store)
-    with pytest.raises(CheckpointError, match="step 6"):
-        fit(tmp_path / "store", every_n_train_steps=3, max_chain=0)
+    with pytest.raises(CheckpointError, match="step 6"):  # stop at the first failure
+        fit(tmp_path / "store", every_n_train_steps=3, max_chain=0, max_consecutive_failures=1)
     assert CheckpointStore(tmp_path / "store").steps() == [3]
 
 
@@ -534,6 +534,8 @@ def test_ckpt_path_behind_the_store_is_refused(tmp_path: Path) -> None:
         ({"store_options": {"keep_last": 2}, "keep_last": 3}, ConfigError, "repeats keep_last"),
         ({"dirpath": 3}, TypeError, "dirpath must be a path"),
         ({"dirpath": ""}, ConfigError, "must not be empty"),
+        ({"max_consecutive_failures": 0}, ConfigError, "max_consecutive_failures must be >= 1"),
+        ({"max_consecutive_failures": True}, TypeError, "max_consecutive_failures must be an int"),
     ],
 )
 def test_invalid_arguments_are_refused_on_construction(

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_incremental import IncrementalCheckpointIO
 from lightning_incremental.checkpoint_io import PointerError
 from lightning_incremental.core import (
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointStore,
     ConfigError,
@@ -448,22 +449,24 @@ def test_background_errors_surface(tmp_path: Path, surface: str) -> None:
             storage.fail("pack", times=None)
             return CheckpointStore(storage, config=config)
 
-    plugin = Failing()
+    plugin = Failing(max_consecutive_failures=1)  # stop at the first failed save
     path = tmp_path / "a.ckpt"
     if surface == "trainer":
         mc = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2)
-        with pytest.raises(StorageError, match="injected fault"):
+        with pytest.raises(CheckpointError, match="injected fault") as info:
             trainer(tmp_path, plugin, [mc], max_steps=6).fit(net(), data())
+        assert isinstance(info.value.__cause__, StorageError)
         assert not ckpt_files(tmp_path / "ckpts")
         return
     plugin.save_checkpoint(state(0), path)  # returns: the failure happens in the background
-    with pytest.raises(StorageError, match="injected fault"):
+    with pytest.raises(CheckpointError, match="injected fault") as info:
         if surface == "next_save":
             plugin.save_checkpoint(state(1), tmp_path / "b.ckpt")
         elif surface == "wait":
             plugin.wait()
         else:
             plugin.teardown()
+    assert isinstance(info.value.__cause__, StorageError)
     assert not path.exists()
     plugin.teardown()  # delivered once: nothing left to raise
 
@@ -509,7 +512,7 @@ def test_failed_background_save_leaves_the_previous_checkpoint(
 ) -> None:
     """A save whose commit fails puts the old pointer back; where that could not be done, a
     reader falls back to its ``previous``. Either way the previous checkpoint loads."""
-    plugin = Instrumented()
+    plugin = Instrumented(max_consecutive_failures=1)
     path = tmp_path / "a.ckpt"
     plugin.save_checkpoint(state(0), path)
     plugin.wait()
@@ -518,7 +521,7 @@ def test_failed_background_save_leaves_the_previous_checkpoint(
         monkeypatch.setattr(plugin, "_restore", lambda *args: None)
     plugin.storages[0].fail("manifest")
     plugin.save_checkpoint(state(1), path)
-    with pytest.raises(StorageError, match="injected fault"):
+    with pytest.raises(CheckpointError, match="injected fault"):
         plugin.wait()
     assert CheckpointStore(tmp_path / ".incremental").steps() == [0]  # never released
     if restored:

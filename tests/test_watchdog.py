@@ -192,3 +192,62 @@ def test_default_action_ends_the_process_with_the_documented_code(tcp_store) -> 
     )
     assert out.returncode == EXIT_PEER_DEAD, out.stdout + out.stderr
     assert "rank 1 sent no heartbeat" in out.stderr
+
+
+def test_batches_without_a_new_step_are_progress() -> None:
+    """Gradient accumulation and validation move no training step, but they are progress."""
+    tracker = PeerTracker(2, CONFIG, started=0.0)
+    for t in range(0, 300):
+        tracker.observe(0, {"seq": t, "step": 4, "progress": t}, float(t))
+        tracker.observe(1, {"seq": t, "step": 4, "progress": t // 50}, float(t))
+        assert tracker.judge(float(t)) is None, t
+
+
+def test_a_rank_that_finished_is_not_taken_for_dead() -> None:
+    tracker = PeerTracker(2, CONFIG, started=0.0)
+    tracker.observe(0, beat(1, 1), 0.0)
+    tracker.observe(1, beat(1, 1), 0.0)
+    tracker.observe(1, {"stopped": True, "step": 1}, 1.0)
+    for t in range(2, 200):
+        tracker.observe(0, beat(t, t), float(t))
+        tracker.observe(1, {"stopped": True, "step": 1}, float(t))
+    assert tracker.judge(199.0) is None
+
+
+def test_a_peer_that_stops_normally_ends_nothing_over_a_real_store(tcp_store) -> None:
+    dog, found, failures = _watch(tcp_store, 0)
+    peer, _, peer_failures = _watch(tcp_store, 1)
+    with dog:
+        with peer:
+            for step in range(5):
+                dog.progress(step)
+                peer.progress(step)
+        # the peer stopped (finished); this rank goes on for several heartbeat timeouts
+        for step in range(5, 5 + int(4 * FAST.heartbeat_timeout / 0.02)):
+            dog.progress(step)
+            assert not found.wait(0.02), failures
+    assert not failures and not peer_failures
+
+
+def test_a_failing_rank_does_not_say_it_stopped(tcp_store) -> None:
+    dog, _, _ = _watch(tcp_store, 1)
+    with dog:
+        dog.progress(1)
+    client = tcp_store_connector("127.0.0.1", tcp_store.port)()
+    dog2, _, _ = _watch(tcp_store, 0)
+    dog2.start()
+    while not client.check(["test/hb/0"]):  # its first heartbeat
+        threading.Event().wait(0.01)
+    dog2.stop(finished=False)
+    assert json.loads(client.get("test/hb/1"))["stopped"] is True
+    assert "stopped" not in json.loads(client.get("test/hb/0"))
+
+
+def test_the_job_store_is_found_from_the_environment(monkeypatch) -> None:
+    from lightning_incremental.core.watchdog import job_store_address
+
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    assert job_store_address() == ("10.1.2.3", 29511)
+    monkeypatch.delenv("MASTER_PORT")
+    assert job_store_address() is None

@@ -48,7 +48,10 @@ class StoreConfig:
         allow_pickle: save values the JSON skeleton cannot express by pickling them, and accept
             loading checkpoints that hold pickles. Loading a pickle executes code: only for
             checkpoints you trust. Default False.
-        generation: the writer's fencing generation, recorded in every manifest. Default 0.
+        generation: the writer's fencing generation, recorded in every manifest (see
+            :mod:`~lightning_incremental.core.fencing`). Default None: the newest generation
+            claimed in the store (0 when none was), taken at the first save;
+            :meth:`CheckpointStore.claim_generation` claims a new one.
     """
 
     chunk_size: int = 4 * MiB
@@ -64,7 +67,7 @@ class StoreConfig:
     pack_size: int = 64 * MiB
     fsync: bool = True
     allow_pickle: bool = False
-    generation: int = 0
+    generation: int | None = None
 
     def __post_init__(self) -> None:
         _int("chunk_size", self.chunk_size, minimum=16)
@@ -93,7 +96,8 @@ class StoreConfig:
         _int("pack_size", self.pack_size, minimum=1)
         _bool("fsync", self.fsync)
         _bool("allow_pickle", self.allow_pickle)
-        _int("generation", self.generation, minimum=0)
+        if self.generation is not None:
+            _int("generation", self.generation, minimum=0)
 
     @property
     def uses_xor(self) -> bool:

@@ -51,3 +51,8 @@ class PickleNotAllowedError(CheckpointError):
 
 class StorageError(CheckpointError, OSError):
     """The storage backend failed (I/O error, disk full, permission, network)."""
+
+
+class FencedError(CheckpointError):
+    """This writer's fencing generation was superseded: a restarted job took over the store, so
+    this process must stop writing (what it commits is not visible)."""

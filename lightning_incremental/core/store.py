@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_incremental.core import fencing
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.config import StoreConfig
@@ -27,6 +28,7 @@ from lightning_incremental.core.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    FencedError,
     ManifestError,
     NotAStoreError,
     PickleNotAllowedError,
@@ -114,6 +116,8 @@ class CheckpointStore:
         self._marker_written = False
         self._closed = False
         self.loaded_step: int | None = None  # the step the latest successful load returned
+        self._generation: int | None = self.config.generation  # None: joins the newest claim
+        self._manifest_generation: dict[int, int | None] = {}  # manifests are immutable
         _OPEN_STORES.add(self)
 
     # ------------------------------------------------------------------ saving
@@ -245,7 +249,7 @@ class CheckpointStore:
             "version": mf.VERSION,
             "step": step,
             "parent": parent.step if parent else None,
-            "generation": self.config.generation,
+            "generation": self.generation,
             "since_base": 0 if full_base else parent.manifest["since_base"] + 1,  # type: ignore[union-attr]
             "chunk_size": self.config.chunk_size,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -269,11 +273,18 @@ class CheckpointStore:
         data = mf.dumps(body)
         write_start = time.perf_counter()
         self._unquarantine(step)
+        self._check_not_fenced(step, "not committed")
         if not self.storage.put(mf.manifest_path(step), data):
-            raise StepError(
-                f"step {step} is already committed in {self.url} (another writer saved it); "
-                "checkpoints are create-only — use a newer step"
-            )
+            self._check_not_fenced(step, "not committed")  # a newer generation holds the step
+            self._displace_fenced(step)
+            if not self.storage.put(mf.manifest_path(step), data):
+                raise StepError(
+                    f"step {step} is already committed in {self.url} (another writer saved it); "
+                    "checkpoints are create-only — use a newer step"
+                )
+        # A claim that landed between the check above and the write makes this commit invisible
+        # (the fence decides on every read); tell the writer.
+        self._check_not_fenced(step, "committed after it was fenced off, so it is not visible")
         write_s = enc.write_s + time.perf_counter() - write_start
         with self._lock:
             self._set_parent(*next_parent(step, body, leaves, enc.tensors, self.config))
@@ -320,13 +331,121 @@ class CheckpointStore:
     # ------------------------------------------------------------------ loading
 
     def steps(self) -> list[int]:
-        """Committed steps, oldest first."""
+        """Committed steps, oldest first: those visible under the newest generation's fence
+        (a checkpoint an older, fenced-off generation wrote after the claim is not listed)."""
+        steps = self._written_steps()
+        fence = fencing.newest(self.storage)
+        if fence is None:
+            return steps
+        return [s for s in steps if fence.admits(s, self._generation_of(s, fence))]
+
+    def _written_steps(self) -> list[int]:
+        """Every manifest in storage, visible or not, oldest first."""
         steps = []
         for path in self.storage.list(mf.MANIFEST_DIR):
             step = mf.step_of(path.rsplit("/", 1)[-1])
             if step is not None and path.count("/") == 1:
                 steps.append(step)
         return sorted(steps)
+
+    def _generation_of(self, step: int, fence: fencing.Fence) -> int | None:
+        """The generation recorded in a manifest (read once: manifests are immutable); a
+        manifest that cannot be read counts as the fence's (it then fails on load, loudly)."""
+        if step in fence.accepted:
+            return None  # visible whatever it says
+        if step not in self._manifest_generation:
+            try:
+                doc = self._read_manifest(step)
+            except CheckpointNotFoundError:
+                return -1
+            except CheckpointError:
+                return fence.generation
+            self._manifest_generation[step] = doc["generation"]
+        return self._manifest_generation[step]
+
+    # ------------------------------------------------------------------ fencing
+
+    @property
+    def generation(self) -> int:
+        """The fencing generation this store writes as: the one given or claimed, else the
+        newest claimed in storage (0 when none was), fixed at first use."""
+        if self._generation is None:
+            fence = fencing.newest(self.storage)
+            self._generation = fence.generation if fence is not None else 0
+        return self._generation
+
+    def claim_generation(self, minimum: int = 0) -> int:
+        """Claim a new fencing generation for this writer: greater than ``minimum``'s
+        predecessor (``minimum`` itself at least, e.g. the launcher's restart count) and than
+        every generation claimed or written in storage. Checkpoints that older generations write
+        from now on are never visible, and their commits raise :class:`FencedError`.
+
+        Call once per (re)start of a job, on the process that commits, before saving.
+
+        Returns:
+            The generation claimed.
+
+        Raises:
+            ConfigError: ``minimum`` is not an int >= 0.
+            ManifestError: the newest fence record is malformed.
+        """
+        if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
+            raise ConfigError(f"minimum must be an int >= 0, got {minimum!r}")
+        self._check_open()
+        self.wait()
+        with self._write_lock, self._lock:
+            fence = fencing.newest(self.storage)
+            visible = self.steps()
+            written = 0
+            if visible:
+                try:
+                    written = self._read_manifest(visible[-1])["generation"] + 1
+                except CheckpointError:
+                    written = 0
+            generation = max(minimum, written, fence.generation + 1 if fence else 0)
+            self._write_marker()
+            while not self.storage.put(
+                fencing.fence_path(generation), fencing.record(generation, visible, minimum)
+            ):
+                generation += 1  # another claimant took it first
+            self._generation = generation
+            log.info(
+                "claimed generation %d of %s (%d checkpoints visible)",
+                generation,
+                self.url,
+                len(visible),
+            )
+            return generation
+
+    def _check_not_fenced(self, step: int, outcome: str) -> None:
+        fence = fencing.newest(self.storage)
+        if fence is None or fence.admits(step, self.generation):
+            return
+        raise FencedError(
+            f"checkpoint step {step} {outcome}: this writer is generation {self.generation} of "
+            f"{self.url}, but {fence.describe()} took over since. A restarted job owns the "
+            "store now; this process must stop."
+        )
+
+    def _displace_fenced(self, step: int) -> None:
+        """A manifest at ``step`` already exists: when an older generation wrote it after it was
+        fenced off (invisible), move it to quarantine so this generation can commit the step."""
+        fence = fencing.newest(self.storage)
+        if fence is None or step in self.steps():
+            return
+        source = mf.manifest_path(step)
+        try:
+            data = self.storage.get(source)
+        except FileNotFoundError:
+            return
+        self.storage.put(f"{mf.QUARANTINE_DIR}/{step:020d}.fenced.json", data, overwrite=True)
+        self.storage.delete(source)
+        self._manifest_generation.pop(step, None)
+        log.warning(
+            "moved checkpoint step %d, written by a fenced-off generation, to %s/",
+            step,
+            mf.QUARANTINE_DIR,
+        )
 
     def load(
         self, step: int | None = None, *, map_location: MapLocation = None, strict: bool = False
@@ -658,10 +777,13 @@ class CheckpointStore:
                     f"gc stopped before deleting anything: kept checkpoint step {step} cannot be "
                     f"read, so the objects it needs are unknown ({exc})"
                 ) from exc
-        report = GcReport(sorted(kept), removed, [], 0, dry_run)
-        for step in removed:
+        # Manifests a fenced-off generation wrote are invisible: they go too.
+        fenced = sorted(set(self._written_steps()) - set(steps))
+        report = GcReport(sorted(kept), sorted(removed + fenced), [], 0, dry_run)
+        for step in removed + fenced:
             if not dry_run:
                 self.storage.delete(mf.manifest_path(step))
+                self._manifest_generation.pop(step, None)
         report.removed_objects, report.bytes_freed = sweep(self.storage, live, grace_s, dry_run)
         if removed:
             log.info(
@@ -727,6 +849,7 @@ class CheckpointStore:
         if self._initialised:
             return
         steps = self.steps()
+        _ = self.generation  # fixed now: a later claim fences this writer off
         self._last_step = steps[-1] if steps else None
         self._parent = self._newest_readable(steps)
         self._committed = self._parent.step if self._parent else None

@@ -4,14 +4,16 @@ Each rank runs two named daemon threads with their own clients of the job's
 ``torch.distributed`` TCPStore (under torchrun it is hosted by the elastic agent and survives
 worker deaths):
 
-- the *heartbeat* publishes ``{"seq", "step", "time"}`` under ``<prefix>/<rank>`` every
-  ``heartbeat_interval`` seconds; ``seq`` grows every beat, ``step`` is the training step the
-  loop last reported through :meth:`Watchdog.progress`;
+- the *heartbeat* publishes ``{"seq", "step", "progress", "time"}`` under ``<prefix>/<rank>``
+  every ``heartbeat_interval`` seconds; ``seq`` grows every beat, ``progress`` every call of
+  :meth:`Watchdog.progress` (each training or validation batch), ``step`` is the training step
+  reported last; a rank that stops its watchdog normally publishes ``"stopped"`` and is no longer
+  watched (it finished; the others must not take it for dead);
 - the *monitor* reads every rank's record (its own included) and judges by what it observes on
   its own monotonic clock — never by comparing clocks across hosts:
   * **dead**: a rank's ``seq`` has not changed for ``heartbeat_timeout`` seconds;
-  * **hung**: ``seq`` moves but ``step`` has not changed for ``progress_timeout`` seconds (a rank
-    stuck in a collective, or in a call that holds the GIL shows up as dead instead);
+  * **hung**: ``seq`` moves but ``progress`` has not changed for ``progress_timeout`` seconds
+    (a rank stuck in a collective; one stuck in a call that holds the GIL shows up as dead);
   * **isolated**: this rank could not reach the store for ``heartbeat_timeout`` seconds: it
     fences itself (it must stop committing) and exits.
 
@@ -25,6 +27,7 @@ Exit codes: ``EXIT_PEER_DEAD`` (86), ``EXIT_PEER_HUNG`` (87), ``EXIT_ISOLATED`` 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -113,8 +116,10 @@ class Failure:
 class _Seen:
     seq: int = -1
     step: int | None = None
+    progress: Any = None
     seq_since: float = 0.0
     step_since: float = 0.0
+    stopped: bool = False
 
 
 @dataclass
@@ -131,21 +136,26 @@ class PeerTracker:
         state = self.seen.setdefault(rank, _Seen(seq_since=self.started, step_since=self.started))
         if record is None:
             return
+        if record.get("stopped") is True:
+            state.stopped = True
+            return
         seq, step = record.get("seq"), record.get("step")
+        progress = record.get("progress", step)
         if isinstance(seq, int) and seq != state.seq:
             state.seq, state.seq_since = seq, now
-        if step != state.step:
-            state.step, state.step_since = step, now
+        state.step = step
+        if progress != state.progress:
+            state.progress, state.step_since = progress, now
 
     def judge(self, now: float) -> Failure | None:
         """The first rank found dead, else the first found hung, else None."""
         for rank in range(self.world_size):
             state = self.seen.get(rank, _Seen(seq_since=self.started, step_since=self.started))
-            if now - state.seq_since > self.config.heartbeat_timeout:
+            if not state.stopped and now - state.seq_since > self.config.heartbeat_timeout:
                 return Failure("dead", rank, now - state.seq_since, state.step)
         for rank in range(self.world_size):
             state = self.seen.get(rank, _Seen(seq_since=self.started, step_since=self.started))
-            if now - state.step_since > self.config.progress_timeout:
+            if not state.stopped and now - state.step_since > self.config.progress_timeout:
                 return Failure("hung", rank, now - state.step_since, state.step)
         return None
 
@@ -187,6 +197,7 @@ class Watchdog:
         self.on_failure = on_failure or _exit_process
         self.clock, self.prefix = clock, prefix
         self._step: int | None = None
+        self._progress = 0
         self._stop = threading.Event()
         self._fired = threading.Lock()
         self._failure: Failure | None = None
@@ -196,9 +207,12 @@ class Watchdog:
     def failure(self) -> Failure | None:
         return self._failure
 
-    def progress(self, step: int) -> None:
-        """Report the training step (cheap: an attribute write; call it every step)."""
-        self._step = step
+    def progress(self, step: int | None = None) -> None:
+        """Report progress: a batch done (cheap: two attribute writes; call it every batch),
+        and the training step if given."""
+        self._progress += 1
+        if step is not None:
+            self._step = step
 
     def start(self) -> Watchdog:
         if self._threads:
@@ -209,11 +223,20 @@ class Watchdog:
             thread.start()
         return self
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | None = None, *, finished: bool = True) -> None:
+        """Stop both threads. ``finished``: this rank is done (training ended normally), so it
+        publishes ``stopped`` and the others stop watching it. Pass False when this rank is
+        failing: if the others are left waiting for it, they must find it dead and restart."""
         self._stop.set()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout)
+        if finished and self._threads and self._failure is None:
+            try:
+                client = self.connect()
+                client.set(self._key(self.rank), json.dumps({"stopped": True, "step": self._step}))
+            except Exception as exc:  # the others then judge this rank by its silence
+                log.warning("rank %d could not publish that it stopped: %s", self.rank, exc)
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -246,7 +269,12 @@ class Watchdog:
             try:
                 if client is None:
                     client = self.connect()
-                record = {"seq": seq, "step": self._step, "time": time.time()}
+                record = {
+                    "seq": seq,
+                    "step": self._step,
+                    "progress": self._progress,
+                    "time": time.time(),
+                }
                 client.set(self._key(self.rank), json.dumps(record))
                 seq += 1
                 last_ok = self.clock()
@@ -281,6 +309,67 @@ class Watchdog:
             if failure is not None:
                 self._fire(failure)
                 return
+
+
+_WATCHES = itertools.count()  # every rank starts its watchdogs in the same order
+
+
+def watch_job(
+    config: WatchdogConfig,
+    *,
+    rank: int,
+    world_size: int,
+    generation: int,
+    address: tuple[str, int] | None = None,
+) -> Watchdog:
+    """Start a :class:`Watchdog` for this rank of a running job, over the job's own TCPStore
+    (see :func:`job_store_address`), under keys of this generation.
+
+    Raises:
+        ConfigError: no TCPStore to use (not launched by torchrun, Lightning or Accelerate).
+    """
+    address = address or job_store_address()
+    if address is None:
+        raise ConfigError(
+            "the watchdog needs the job's torch.distributed TCPStore, but there is no default "
+            "process group store and no MASTER_ADDR/MASTER_PORT: launch the job with torchrun, "
+            "Lightning's DDP or accelerate launch, or turn the watchdog off"
+        )
+    prefix = f"lightning_incremental/heartbeat/g{generation}/w{next(_WATCHES)}"
+    log.info(
+        "watchdog on rank %d of %d over %s:%d (interval %.1fs, timeouts %.1fs / %.1fs)",
+        rank,
+        world_size,
+        *address,
+        config.heartbeat_interval,
+        config.heartbeat_timeout,
+        config.progress_timeout,
+    )
+    # A store call may block no longer than a heartbeat may be late: an unreachable store must
+    # be noticed within heartbeat_timeout, not within TCPStore's default 30 s or more.
+    connect = tcp_store_connector(*address, timeout=config.heartbeat_timeout)
+    return Watchdog(connect, rank, world_size, config, prefix=prefix).start()
+
+
+def job_store_address() -> tuple[str, int] | None:
+    """Host and port of the job's TCPStore: the default process group's store (torchrun's
+    agent store, Lightning's or Accelerate's rendezvous), else ``MASTER_ADDR``/``MASTER_PORT``;
+    None when there is neither."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+            while isinstance(store, dist.PrefixStore):
+                store = store.underlying_store
+            if isinstance(store, dist.TCPStore):
+                return store.host, store.port
+    except Exception as exc:  # a store of another kind: fall back to the environment
+        log.debug("no TCPStore behind the default process group: %s", exc)
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host and port and port.isdigit():
+        return host, int(port)
+    return None
 
 
 def tcp_store_connector(host: str, port: int, timeout: float = 30.0) -> Callable[[], KeyValueStore]:

@@ -1,0 +1,235 @@
+"""Generation fencing: a writer the job moved on from commits nothing visible.
+
+The visibility rule is checked on every backend; the race (a claim landing between a writer's
+check and its commit) is ordered deterministically with a held storage call; one test freezes a
+real writer process with SIGSTOP and wakes it after a new generation took over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_incremental.core import (
+    FencedError,
+    ManifestError,
+    StepError,
+    fencing,
+)
+from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.storage import open_storage
+from tests.conftest import assert_state_equal, small_store
+from tests.faulty import FaultyStorage
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((64,), value), "b": torch.arange(8) * value}
+
+
+def test_claims_grow_and_respect_the_minimum(store_url: str) -> None:
+    with small_store(store_url) as store:
+        assert store.claim_generation() == 0
+        assert store.claim_generation() == 1
+        assert store.claim_generation(minimum=5) == 5
+        assert store.claim_generation(minimum=2) == 6
+        assert store.generation == 6
+        assert fencing.generations(store.storage) == [0, 1, 5, 6]
+        store.save(state(1.0), 1).wait()
+        assert store.manifest(1)["generation"] == 6
+    with small_store(store_url) as other:  # a store that never claims joins the newest
+        assert other.generation == 6
+        assert other.claim_generation() == 7
+
+
+def test_a_fenced_off_writer_cannot_commit(store_url: str) -> None:
+    old = small_store(store_url)
+    assert old.claim_generation() == 0
+    old.save(state(1.0), 1).wait()
+    with small_store(store_url) as new:
+        assert new.claim_generation() == 1
+        handle = old.save(state(2.0), 2)
+        with pytest.raises(FencedError, match=r"step 2 not committed.*generation 1"):
+            handle.wait()
+        assert new.steps() == [1]
+        assert not new.storage.exists(mf.manifest_path(2))
+        new.save(state(3.0), 2).wait()
+        assert_state_equal(new.load(), state(3.0))
+    with pytest.raises(FencedError):  # and every later try, until the process stops
+        old.save(state(4.0), 3).wait()
+    old.close()
+
+
+def test_a_claim_racing_a_commit_makes_it_invisible(tmp_path: Path) -> None:
+    """The stale writer passed its check, then the claim landed, then its manifest: the commit
+    is in storage but no reader ever sees it, and the writer learns it was fenced off."""
+    url = str(tmp_path / "store")
+    faulty = FaultyStorage(open_storage(url, None))
+    old = small_store(faulty)
+    old.claim_generation()
+    old.save(state(1.0), 1).wait()
+    gate = faulty.hold("manifest")
+    handle = old.save(state(2.0), 2)
+    while faulty.count("put", "pack") == 0 or not _waiting_on(gate):
+        time.sleep(0.01)
+    with small_store(url) as new:
+        new.claim_generation()
+        gate.set()
+        with pytest.raises(FencedError, match="committed after it was fenced off"):
+            handle.wait()
+        assert new.storage.exists(mf.manifest_path(2))  # written ...
+        assert new.steps() == [1]  # ... and never visible
+        assert_state_equal(new.load(), state(1.0))
+        # The new generation takes the step over; the stale manifest goes to quarantine.
+        new.save(state(5.0), 2).wait()
+        assert new.steps() == [1, 2]
+        assert new.storage.exists(f"{mf.QUARANTINE_DIR}/{2:020d}.fenced.json")
+        assert_state_equal(new.load(), state(5.0))
+    old.close()
+
+
+def _waiting_on(gate: threading.Event) -> bool:
+    """Whether a thread is blocked in the held call (the gate has a waiter)."""
+    return bool(getattr(gate, "_cond")._waiters)  # noqa: B009
+
+
+def test_a_step_the_new_generation_holds_refuses_the_old_one(local_url: str) -> None:
+    old = small_store(local_url)
+    old.claim_generation()
+    old.save(state(1.0), 1).wait()
+    with small_store(local_url) as new:
+        new.claim_generation()
+        new.save(state(2.0), 2).wait()
+        # The old writer never reached its check before: it learns at the create-only write.
+        old._check_not_fenced = lambda step, outcome: None  # type: ignore[method-assign]
+        with pytest.raises(StepError, match="already committed"):
+            old.save(state(9.0), 2).wait()
+        assert_state_equal(new.load(), state(2.0))
+    old.close()
+
+
+def test_gc_removes_what_fenced_off_writers_left(local_url: str) -> None:
+    with small_store(local_url) as store:
+        store.claim_generation()
+        store.save(state(1.0), 1).wait()
+    # A stale commit that landed after the claim below (written as the old generation).
+    body = json.loads(open_storage(local_url, None).get(mf.manifest_path(1)))
+    with small_store(local_url) as store:
+        store.claim_generation()
+        body = dict(body, step=7, generation=0)
+        body.pop("checksum", None)
+        store.storage.put(mf.manifest_path(7), mf.dumps(body))
+        assert store.steps() == [1]
+        report = store.gc()
+        assert report.removed_steps == [7]
+        assert not store.storage.exists(mf.manifest_path(7))
+        assert_state_equal(store.load(), state(1.0))
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        b"not json",
+        b'{"format": "other", "generation": 3, "accepted": []}',
+        b'{"format": "lightning-incremental", "generation": 4, "accepted": []}',
+        b'{"format": "lightning-incremental", "generation": 3, "accepted": ["../x"]}',
+        b'{"format": "lightning-incremental", "generation": 3, "accepted": [-1]}',
+        b'{"format": "lightning-incremental", "generation": 3, "accepted": {"a": 1}}',
+    ],
+)
+def test_a_malformed_fence_is_an_error_not_a_guess(local_url: str, record: bytes) -> None:
+    with small_store(local_url) as store:
+        store.save(state(1.0), 1).wait()
+        store.storage.put(fencing.fence_path(3), record)
+        with pytest.raises(ManifestError, match=r"fence record fences/0000000003\.json"):
+            store.steps()
+
+
+def test_claimants_never_share_a_generation(local_url: str) -> None:
+    """Two restarts racing: the second one's create-only write fails and it takes the next."""
+    inner = open_storage(local_url, None)
+
+    class Racing(FaultyStorage):
+        raced = False
+
+        def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
+            if path.startswith(fencing.FENCE_DIR) and not self.raced:
+                self.raced = True
+                inner.put(path, fencing.record(int(path[7:17]), [], 0))  # the other claimant
+            return super().put(path, data, overwrite=overwrite)
+
+    with small_store(Racing(inner)) as store:
+        assert store.claim_generation() == 1
+    assert fencing.generations(inner) == [0, 1]
+
+
+ZOMBIE = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from lightning_incremental.core import CheckpointStore, FencedError
+
+    store = CheckpointStore(sys.argv[1], chunk_size=4096, pack_size=16384)
+    store.claim_generation()
+    store.save({"w": torch.full((64,), 1.0), "b": torch.arange(8) * 1.0}, 1).wait()
+    put = store.storage.put
+
+    def freeze_before_manifest(path, data, **kw):
+        if path.startswith("manifests/"):
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen between its check and its commit
+        return put(path, data, **kw)
+
+    store.storage.put = freeze_before_manifest
+    try:
+        store.save({"w": torch.full((64,), 666.0), "b": torch.zeros(8)}, 2).wait()
+    except FencedError as exc:
+        print("FENCED", exc, flush=True)
+        sys.exit(3)
+    print("COMMITTED", flush=True)
+    """
+)
+
+
+def test_a_frozen_writer_that_wakes_up_writes_nothing_visible(local_url: str) -> None:
+    """A real process frozen with SIGSTOP between its check and its commit; a new generation
+    claims the store; SIGCONT: its manifest lands, is never visible, and it is told so."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    zombie = subprocess.Popen(
+        [sys.executable, "-c", ZOMBIE, local_url], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _proc_state(zombie.pid) != "T":
+            assert zombie.poll() is None, "the writer ended before freezing"
+            assert time.monotonic() < deadline, "the writer never froze"
+            time.sleep(0.05)
+        with small_store(local_url) as new:
+            assert new.claim_generation() == 1
+            os.kill(zombie.pid, signal.SIGCONT)
+            out, _ = zombie.communicate(timeout=60)
+            assert zombie.returncode == 3, out
+            assert "FENCED checkpoint step 2 committed after it was fenced off" in out
+            assert new.storage.exists(mf.manifest_path(2))  # it landed ...
+            assert new.steps() == [1]  # ... and is not visible
+            assert_state_equal(new.load(), state(1.0))
+        with small_store(local_url) as reader:  # nor to a fresh reader
+            assert reader.steps() == [1]
+    finally:
+        if zombie.poll() is None:
+            zombie.kill()
+            zombie.wait()
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]

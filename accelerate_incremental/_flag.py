@@ -37,6 +37,7 @@ _KEYS = {
     "heartbeat_timeout",
     "progress_timeout",
     "max_consecutive_failures",
+    "replica_check",
 }
 _NOT_PATHS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
 

@@ -29,6 +29,7 @@ from lightning_incremental.core import (
     SaveHandle,
     Watchdog,
     WatchdogConfig,
+    replicas,
 )
 from lightning_incremental.core.watchdog import watch_job
 
@@ -66,6 +67,10 @@ class IncrementalCheckpointer:
             off process ends every process with exit code 86, 87 or 88, so ``accelerate launch
             --max_restarts`` / torchrun restarts the group). Default None: on when there is more
             than one process.
+        replica_check: before each save with more than one process, compare every process's
+            weights and optimizer state (one hash per tensor): ``"warn"`` (default), ``"repair"``
+            (broadcast the reference copy, record it in the audit trail), ``"stop"`` (exit code
+            89 on every process) or ``"off"``; see :mod:`lightning_incremental.core.replicas`.
         heartbeat_interval, heartbeat_timeout, progress_timeout: the watchdog's timings in
             seconds (see :class:`~lightning_incremental.core.WatchdogConfig`); progress is a
             batch from :meth:`iterate` or a call of :meth:`save` / :meth:`maybe_save`.
@@ -97,6 +102,7 @@ class IncrementalCheckpointer:
         heartbeat_interval: float = 5.0,
         heartbeat_timeout: float = 60.0,
         progress_timeout: float = 900.0,
+        replica_check: str = "warn",
         **options: Any,
     ) -> None:
         from accelerate import Accelerator
@@ -138,6 +144,7 @@ class IncrementalCheckpointer:
         max_consecutive_failures = check_max_consecutive_failures(max_consecutive_failures)
         if watchdog is not None and not isinstance(watchdog, bool):
             raise TypeError(f"watchdog must be True, False or None, got {watchdog!r}")
+        self.replica_check = replicas.check_action(replica_check)
         watchdog_config = WatchdogConfig(
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
@@ -228,6 +235,11 @@ class IncrementalCheckpointer:
             "loaders": [self._position(i).state() for i in range(len(acc._dataloaders))],
         }
         self._settle(block=False)  # earlier failed saves: warned about, or raised, everywhere
+        verdict = self._check_replicas()
+        if verdict.skip_save:
+            return None
+        if verdict.audit():
+            metadata = {**(metadata or {}), "replica_repair": verdict.audit()}
         processes = _gather(local)
         if not acc.is_main_process:
             return None
@@ -248,6 +260,24 @@ class IncrementalCheckpointer:
         if handle is not None:
             self._handles.append(handle)
         return handle
+
+    def _check_replicas(self) -> replicas.Verdict:
+        """Compare the processes' weights and optimizer state (every process at once)."""
+        acc = self.accelerator
+        if acc.num_processes == 1 or self.replica_check == "off":
+            return replicas.Verdict(None)
+        state = {
+            "models": [acc.unwrap_model(m).state_dict() for m in acc._models],
+            "optimizers": [opt.state_dict() for opt in acc._optimizers],
+        }
+        try:
+            return replicas.enforce(state, self.replica_check)
+        except replicas.ReplicaDivergedError as exc:
+            if self.replica_check != "stop":
+                raise
+            if acc.is_main_process:
+                self._failures.collect(self._handles, block=True)  # earlier, good saves commit
+            raise SystemExit(replicas.EXIT_REPLICA_DIVERGED) from exc
 
     def _settle(self, *, block: bool, everywhere: bool = True) -> None:
         """Collect the main process's finished saves (all of them with ``block``) and apply the

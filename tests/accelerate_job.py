@@ -7,6 +7,8 @@ Environment:
     JOB_OUT: where the main process writes the final weights and counters (torch.save).
     JOB_CRASH_AFTER: exit abruptly (status 3) right after the checkpoint of this global step
         committed; unset: run to the end.
+    JOB_FLIP_AT: process 1 flips one bit of a weight right before the save of this step (mode
+        ``api``), under ``replica_check=JOB_REPLICA_CHECK`` (default ``warn``).
 
 The DataLoader shuffles with its own seeded generator, the model has dropout, and every process
 seeds its global RNG differently, so a resumed run is bit-identical only if the sampler state,
@@ -24,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accelerate_incremental
 from accelerate_incremental import IncrementalCheckpointer
+from lightning_incremental.core import replicas
 
 EPOCHS = 3
 EVERY = 3
@@ -45,6 +48,7 @@ class Counter:
 def main() -> None:
     mode = os.environ["JOB_MODE"]
     crash_after = int(os.environ.get("JOB_CRASH_AFTER", "-1"))
+    flip_at = int(os.environ.get("JOB_FLIP_AT", "-1"))
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
@@ -61,7 +65,12 @@ def main() -> None:
 
     ckpt: IncrementalCheckpointer | None
     if mode == "api":
-        ckpt = IncrementalCheckpointer(accelerator, os.environ["JOB_STORE"], every_n_steps=EVERY)
+        ckpt = IncrementalCheckpointer(
+            accelerator,
+            os.environ["JOB_STORE"],
+            every_n_steps=EVERY,
+            replica_check=os.environ.get("JOB_REPLICA_CHECK", "warn"),
+        )
         resumed = ckpt.load()
     else:
         ckpt = accelerate_incremental.enable(accelerator)
@@ -77,6 +86,9 @@ def main() -> None:
             scheduler.step()
             optimizer.zero_grad()
             counter.step += 1
+            if counter.step == flip_at and accelerator.process_index == 1:
+                weight = accelerator.unwrap_model(model)[0].weight.data
+                weight.view(torch.int32).view(-1)[5] ^= 1 << 9  # a silent memory error
             if mode == "api":
                 ckpt.maybe_save(counter.step)
             elif counter.step % EVERY == 0:
@@ -86,6 +98,9 @@ def main() -> None:
                 accelerator.wait_for_everyone()
                 os._exit(3)
     ckpt.wait()
+    agree = replicas.check_replicas(
+        {"model": accelerator.unwrap_model(model).state_dict(), "opt": optimizer.state_dict()}
+    ).ok
     if accelerator.is_main_process:
         weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
         torch.save(
@@ -96,6 +111,11 @@ def main() -> None:
                 "iteration": accelerator.project_configuration.iteration,
                 "resumed": resumed,
                 "steps": ckpt.steps(),
+                "replicas_agree": agree,
+                "repairs": {
+                    s: ckpt.store.manifest(s)["audit"]["metadata"].get("replica_repair")
+                    for s in ckpt.steps()
+                },
             },
             os.environ["JOB_OUT"],
         )

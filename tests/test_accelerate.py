@@ -228,6 +228,12 @@ def test_bad_arguments(tmp_path: Path) -> None:
         IncrementalCheckpointer(run.acc, str(tmp_path), storage_options=[])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="every_n_steps"):
         IncrementalCheckpointer(run.acc, str(tmp_path), every_n_steps=0)
+    with pytest.raises(TypeError, match="watchdog must be True, False or None"):
+        IncrementalCheckpointer(run.acc, str(tmp_path), watchdog=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least 3 heartbeat intervals"):
+        IncrementalCheckpointer(run.acc, str(tmp_path), heartbeat_interval=30.0)
+    with pytest.raises(ValueError, match="replica_check must be one of"):
+        IncrementalCheckpointer(run.acc, str(tmp_path), replica_check="mend")
     ckpt = IncrementalCheckpointer(run.acc, str(tmp_path / "s"))
     with pytest.raises(TypeError, match="step must be an int"):
         ckpt.save("3")  # type: ignore[arg-type]

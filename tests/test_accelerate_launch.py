@@ -99,6 +99,31 @@ def test_interrupted_mid_epoch_and_restarted_is_bit_identical(
     assert_identical(reference, resumed)
 
 
+def test_a_diverged_process_is_repaired_and_the_run_stays_bit_identical(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """Process 1 flips a bit of a weight right before the save of step 6: the replica check
+    finds it, broadcasts the main process's copy, records the repair, and the run ends as if
+    nothing happened, with both processes in agreement."""
+    env = {
+        "JOB_MODE": "api",
+        "JOB_STORE": str(tmp_path / "store"),
+        "JOB_OUT": str(tmp_path / "o"),
+        "JOB_FLIP_AT": "6",
+        "JOB_REPLICA_CHECK": "repair",
+    }
+    result = finished(env)
+    assert_identical(reference, result)
+    assert result["replicas_agree"]
+    assert result["repairs"][6] == {
+        "diverged_ranks": [1],
+        "source_rank": 0,
+        "repaired": ["models/0/0.weight"],
+        "repaired_count": 1,
+    }
+    assert all(result["repairs"][s] is None for s in (3, 9, 12, 15))
+
+
 def test_launch_flag_routes_save_state_and_load_state(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:

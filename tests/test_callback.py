@@ -536,6 +536,12 @@ def test_ckpt_path_behind_the_store_is_refused(tmp_path: Path) -> None:
         ({"dirpath": ""}, ConfigError, "must not be empty"),
         ({"max_consecutive_failures": 0}, ConfigError, "max_consecutive_failures must be >= 1"),
         ({"max_consecutive_failures": True}, TypeError, "max_consecutive_failures must be an int"),
+        ({"watchdog": "yes"}, TypeError, "watchdog must be True, False or None"),
+        ({"heartbeat_interval": 0}, ConfigError, "heartbeat_interval must be a positive"),
+        ({"heartbeat_timeout": 5.0}, ConfigError, "at least 3 heartbeat intervals"),
+        ({"progress_timeout": 30.0}, ConfigError, "must be longer than heartbeat_timeout"),
+        ({"replica_check": "fix"}, ConfigError, "replica_check must be one of"),
+        ({"replica_check": None}, TypeError, "replica_check must be one of"),
     ],
 )
 def test_invalid_arguments_are_refused_on_construction(

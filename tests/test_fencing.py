@@ -91,9 +91,14 @@ def test_a_claim_racing_a_commit_makes_it_invisible(tmp_path: Path) -> None:
         assert new.storage.exists(mf.manifest_path(2))  # written ...
         assert new.steps() == [1]  # ... and never visible
         assert_state_equal(new.load(), state(1.0))
+        reader = small_store(url)  # a long-lived reader that has seen the stale manifest
+        assert reader.steps() == [1]
         # The new generation takes the step over; the stale manifest goes to quarantine.
         new.save(state(5.0), 2).wait()
         assert new.steps() == [1, 2]
+        assert reader.steps() == [1, 2]
+        assert_state_equal(reader.load(), state(5.0))
+        reader.close()
         assert new.storage.exists(f"{mf.QUARANTINE_DIR}/{2:020d}.fenced.json")
         assert_state_equal(new.load(), state(5.0))
     old.close()

@@ -32,9 +32,26 @@ pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimen
 
 DTYPES = [
     getattr(torch, n)
-    for n in ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2",
-              "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
-              "complex32", "complex64", "complex128")
+    for n in (
+        "float32",
+        "float16",
+        "bfloat16",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex32",
+        "complex64",
+        "complex128",
+    )
     if isinstance(getattr(torch, n, None), torch.dtype)
 ]
 
@@ -65,8 +82,12 @@ def toy_state(seed: int = 0) -> dict[str, Any]:
     return {
         "model": net.state_dict(),
         "optimizers": [opt.state_dict()],
-        "extra": {"half": torch.randn(3).bfloat16(), "mask": torch.tensor([True, False]),
-                  "z": torch.randn(2, dtype=torch.complex64), "epoch": 3},
+        "extra": {
+            "half": torch.randn(3).bfloat16(),
+            "mask": torch.tensor([True, False]),
+            "z": torch.randn(2, dtype=torch.complex64),
+            "epoch": 3,
+        },
     }
 
 
@@ -89,8 +110,10 @@ def test_fingerprint_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int,
 
 def test_dtype_and_shape_are_part_of_the_hash() -> None:
     t = torch.zeros(4, dtype=torch.int32)
-    fps = {fingerprint({"t": x})["t"] for x in (t, t.view(torch.float32), t.view(2, 2),
-                                                t.view(torch.uint8))}
+    fps = {
+        fingerprint({"t": x})["t"]
+        for x in (t, t.view(torch.float32), t.view(2, 2), t.view(torch.uint8))
+    }
     assert len(fps) == 4
 
 
@@ -128,16 +151,26 @@ def test_key_paths_are_stable_and_readable() -> None:
     assert "optimizers/0/param_groups/0/lr" in fp  # a plain value
     assert fp["optimizers/0/param_groups/0/lr"].startswith("=float:")
     assert "extra/epoch" in fp and "extra/half" in fp
-    assert list(fingerprint(state, values=False)) == [k for k, v in fp.items()
-                                                      if not v.startswith("=")]
+    assert list(fingerprint(state, values=False)) == [
+        k for k, v in fp.items() if not v.startswith("=")
+    ]
 
 
 def test_values_escaping_collisions_and_skipped_objects() -> None:
     t = torch.ones(1)
     state = {
-        "a/b": t, "a": {"b": t}, "50%": 1, 3: "x", "3": "y",
-        "dev": torch.device("cpu"), "fn": print, "s": {"b", "a"}, "np": np.arange(3),
-        "f": [0.1, -0.0, float("nan")], "sz": torch.Size([2, 3]), "n": None,
+        "a/b": t,
+        "a": {"b": t},
+        "50%": 1,
+        3: "x",
+        "3": "y",
+        "dev": torch.device("cpu"),
+        "fn": print,
+        "s": {"b", "a"},
+        "np": np.arange(3),
+        "f": [0.1, -0.0, float("nan")],
+        "sz": torch.Size([2, 3]),
+        "n": None,
     }
     fp = fingerprint(state)
     assert "a%2Fb" in fp and "a/b" in fp and "50%25" in fp
@@ -246,15 +279,18 @@ def test_describe_truncates_long_lists() -> None:
 
 @settings(max_examples=50, deadline=None)
 @given(
-    world=st.integers(1, 7), coordinator=st.integers(0, 6), data=st.data(),
+    world=st.integers(1, 7),
+    coordinator=st.integers(0, 6),
+    data=st.data(),
 )
 def test_minority_corruption_is_reported_exactly(
     world: int, coordinator: int, data: st.DataObject
 ) -> None:
     coordinator %= world
     n_bad = data.draw(st.integers(0, (world - 1) // 2))
-    bad = data.draw(st.lists(st.integers(0, world - 1), min_size=n_bad, max_size=n_bad,
-                             unique=True))
+    bad = data.draw(
+        st.lists(st.integers(0, world - 1), min_size=n_bad, max_size=n_bad, unique=True)
+    )
     ranks = fps(world, keys=6)
     expected: dict[int, list[str]] = {}
     for r in bad:
@@ -266,8 +302,9 @@ def test_minority_corruption_is_reported_exactly(
     assert report.diverged == expected
     assert report.ok == (not bad)
     assert report.source not in report.diverged
-    assert report.source == (coordinator if coordinator not in bad else
-                             min(set(range(world)) - set(bad)))
+    assert report.source == (
+        coordinator if coordinator not in bad else min(set(range(world)) - set(bad))
+    )
 
 
 # ---------------------------------------------------------------- single process
@@ -309,8 +346,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     awkward dtypes and layouts and a full broadcast restores it bitwise. Results go to JSON."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         result: dict[str, Any] = {}
         state = toy_state()
@@ -327,9 +363,13 @@ def _worker(rank: int, port: int, out: str) -> None:
 
         base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
         awkward = OrderedDict(
-            bf16=base.bfloat16(), mask=base > 7, z=torch.complex(base, -base),
-            i8=base.to(torch.int8), scalar=torch.tensor(2.5, dtype=torch.float64),
-            empty=torch.zeros(0, 3), view=base.clone().t(),  # non-contiguous
+            bf16=base.bfloat16(),
+            mask=base > 7,
+            z=torch.complex(base, -base),
+            i8=base.to(torch.int8),
+            scalar=torch.tensor(2.5, dtype=torch.float64),
+            empty=torch.zeros(0, 3),
+            view=base.clone().t(),  # non-contiguous
             big=torch.arange(300, dtype=torch.int64),
         )
         if rank == 1:

@@ -191,11 +191,12 @@ def test_a_frozen_rank_is_fenced_off_and_the_run_recovers_bit_exactly(
     found = [e for e in events if e["event"] == "watchdog" and e["restart"] == 0]
     assert found and found[0]["rank"] == 0, events
     assert "rank 1 sent no heartbeat" in found[0]["message"]
-    assert f"exitcode: {EXIT_PEER_DEAD}" in run["log"] or f"exitcode : {EXIT_PEER_DEAD}" in run[
-        "log"
-    ]
+    assert (
+        f"exitcode: {EXIT_PEER_DEAD}" in run["log"] or f"exitcode : {EXIT_PEER_DEAD}" in run["log"]
+    )
     latency = found[0]["time"] - stop["time"]
-    assert 2.0 <= latency < 2.0 + 10.0, latency  # heartbeat_timeout plus checks and startup
+    assert 3.0 <= latency < 3.0 + 10.0, latency  # heartbeat_timeout, plus a check interval
+    print(f"\nstop: rank 0's watchdog ended the survivor {latency:.1f}s after the freeze")
     _report(run, "stop")
 
     # The store: the fences of three generations; the frozen generation's checkpoints end at
@@ -206,9 +207,7 @@ def test_a_frozen_rank_is_fenced_off_and_the_run_recovers_bit_exactly(
         visible = store.steps()
         assert visible == list(range(2, 13, 2)), visible
         by_step = {s: store.manifest(s)["generation"] for s in visible}
-        fence1 = fencing.parse(
-            store.storage.get(fencing.fence_path(1)), 1, "fence 1"
-        )
+        fence1 = fencing.parse(store.storage.get(fencing.fence_path(1)), 1, "fence 1")
         assert all(s <= stop["step"] for s in fence1.accepted)
         assert all(by_step[s] == 0 for s in fence1.accepted)
         assert all(g >= 1 for s, g in by_step.items() if s not in fence1.accepted)

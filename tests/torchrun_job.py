@@ -40,7 +40,7 @@ from lightning_incremental import IncrementalCheckpoint
 from tests.lightning_job import TinyModel, weights
 
 RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-TIMINGS = {"heartbeat_interval": 0.25, "heartbeat_timeout": 2.0, "progress_timeout": 30.0}
+TIMINGS = {"heartbeat_interval": 0.25, "heartbeat_timeout": 3.0, "progress_timeout": 30.0}
 
 
 class Events:

@@ -349,19 +349,25 @@ class CheckpointStore:
         return sorted(steps)
 
     def _generation_of(self, step: int, fence: fencing.Fence) -> int | None:
-        """The generation recorded in a manifest (read once: manifests are immutable); a
-        manifest that cannot be read counts as the fence's (it then fails on load, loudly)."""
+        """The generation recorded in a manifest; a manifest that cannot be read counts as the
+        fence's (it then fails on load, loudly). Remembered only while it makes the manifest
+        visible: a visible manifest is never replaced by an invisible one, while an invisible
+        one may be displaced by the current generation's checkpoint of the same step."""
         if step in fence.accepted:
             return None  # visible whatever it says
-        if step not in self._manifest_generation:
-            try:
-                doc = self._read_manifest(step)
-            except CheckpointNotFoundError:
-                return -1
-            except CheckpointError:
-                return fence.generation
-            self._manifest_generation[step] = doc["generation"]
-        return self._manifest_generation[step]
+        known = self._manifest_generation.get(step)
+        if known is not None and known >= fence.generation:
+            return known
+        try:
+            doc = self._read_manifest(step)
+        except CheckpointNotFoundError:
+            return -1
+        except CheckpointError:
+            return fence.generation
+        generation: int = doc["generation"]
+        if generation >= fence.generation:
+            self._manifest_generation[step] = generation
+        return generation
 
     # ------------------------------------------------------------------ fencing
 

@@ -53,3 +53,21 @@ def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
     # a save where nothing changed writes a manifest, not the state
     assert unchanged[-1]["bytes_written"] < 0.05 * plain[-1]["bytes_written"]
     assert (tmp_path / "quick.md").read_text().count("|") > 20
+
+
+@pytest.mark.slow
+def test_replica_check_benchmark_runs_over_two_ranks(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.replica_check", "--quick", "--repeats", "1",
+         "--json", str(tmp_path / "r.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["ranks"] == 2 and result["tensors"] > 10
+    assert result["state_bytes"] > 1_000_000
+    assert "check / training step" in out.stdout

@@ -9,6 +9,7 @@ random state and its position in each prepared DataLoader) gathered into it.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,7 @@ class IncrementalCheckpointer:
             89 on every process) or ``"off"``; see :mod:`lightning_incremental.core.replicas`.
         heartbeat_interval, heartbeat_timeout, progress_timeout: the watchdog's timings in
             seconds (see :class:`~lightning_incremental.core.WatchdogConfig`); progress is a
-            batch from :meth:`iterate` or a call of :meth:`save` / :meth:`maybe_save`.
+            prepared optimizer step, a batch from :meth:`iterate` or a :meth:`save`.
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
@@ -168,13 +169,22 @@ class IncrementalCheckpointer:
         if accelerator.num_processes > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
             self.generation = self._claim_generation()
         self._watchdog: Watchdog | None = None
+        self._hooks: list[Any] = []
         if watchdog or (watchdog is None and accelerator.num_processes > 1):
-            self._watchdog = watch_job(
+            dog = self._watchdog = watch_job(
                 watchdog_config,
                 rank=accelerator.process_index,
                 world_size=accelerator.num_processes,
                 generation=self.generation or 0,
             )
+            # Progress is every optimizer step, whatever loop the script runs (its own, or
+            # through iterate()); a checkpointer dropped without close() stops its watchdog.
+            self._hooks = [
+                getattr(opt, "optimizer", opt).register_step_post_hook(lambda *_: dog.progress())
+                for opt in accelerator._optimizers
+            ]
+            dropped = weakref.finalize(self, dog.stop, finished=False)
+            dropped.atexit = False  # at exit the watchdog says it finished (Watchdog.start)
 
     def _claim_generation(self) -> int:
         """A new fencing generation, claimed by the main process, known to every process."""
@@ -266,8 +276,13 @@ class IncrementalCheckpointer:
         acc = self.accelerator
         if acc.num_processes == 1 or self.replica_check == "off":
             return replicas.Verdict(None)
+        # Parameters and optimizer state, not buffers (running statistics legitimately differ
+        # per process under DDP); the tensors share storage with the live ones (for a repair).
         state = {
-            "models": [acc.unwrap_model(m).state_dict() for m in acc._models],
+            "models": [
+                {name: p.detach() for name, p in acc.unwrap_model(m).named_parameters()}
+                for m in acc._models
+            ],
             "optimizers": [opt.state_dict() for opt in acc._optimizers],
         }
         try:
@@ -277,6 +292,7 @@ class IncrementalCheckpointer:
                 raise
             if acc.is_main_process:
                 self._failures.collect(self._handles, block=True)  # earlier, good saves commit
+            acc.wait_for_everyone()  # ... before any process exits
             raise SystemExit(replicas.EXIT_REPLICA_DIVERGED) from exc
 
     def _settle(self, *, block: bool, everywhere: bool = True) -> None:
@@ -461,6 +477,9 @@ class IncrementalCheckpointer:
             Exception: the error of a failed save.
         """
         dog, self._watchdog = self._watchdog, None
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
         if dog is not None:
             dog.stop(finished=finished)
         try:

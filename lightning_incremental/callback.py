@@ -193,6 +193,9 @@ class IncrementalCheckpoint(Checkpoint):
         self._totals = {"saves": 0, "bytes_written": 0, "bytes_logical": 0, "blocked_s": 0.0}
 
     def _reset_run_state(self) -> None:
+        dog = getattr(self, "_watchdog", None)
+        if dog is not None:  # a previous fit that never reached teardown
+            dog.stop(finished=False)
         self._url: str | None = None
         self._saver: Saver | None = None
         self._resume_hook: ResumeHook | None = None
@@ -331,14 +334,20 @@ class IncrementalCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             try:
                 store = self._open_store()
-                if fenced:  # a new incarnation of the job: fence off the previous ones
+                steps = store.steps()
+                self._newest = steps[-1] if steps else None
+                # A new incarnation of the job fences off the previous ones — unless this run is
+                # about to refuse the store (resume=False on a store in use: not ours to take).
+                if fenced and (self.resume or self._newest is None):
                     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
                     minimum = int(restarts) if restarts.isdigit() else 0
                     self._generation = store.claim_generation(minimum)
-                steps = store.steps()
-                self._newest = steps[-1] if steps else None
+                    steps = store.steps()
+                    self._newest = steps[-1] if steps else None
             except Exception as exc:
                 error = exc
+                if store is not None:
+                    store.close()
         self._newest, self._generation, text = strategy.broadcast(
             (self._newest, self._generation, resume._describe(error)), src=0
         )
@@ -533,8 +542,10 @@ class IncrementalCheckpoint(Checkpoint):
         self._last_saved_step = step  # before the dump: the checkpoint records it
         try:
             verdict = self._check_replicas(trainer)
-            if verdict.skip_save:
+            if verdict.skip_save:  # wait for the next scheduled save rather than retry now
                 self._last_saved_step = previous
+                self._last_time = time.monotonic()
+                self._due = self._due_at = None
                 return
             state = resume.rank_state(trainer, boundary, self._epoch_record)
             self._saver.save(
@@ -558,17 +569,14 @@ class IncrementalCheckpoint(Checkpoint):
         """Compare the replicas' weights and optimizer state (every rank at once)."""
         if trainer.world_size == 1 or self.replica_check == "off":
             return replicas.Verdict(None)
-        state = {
-            "model": trainer.lightning_module.state_dict(),
-            "optimizers": [opt.state_dict() for opt in trainer.optimizers],
-        }
         try:
-            return replicas.enforce(state, self.replica_check)
+            return replicas.enforce(replicated_state(trainer), self.replica_check)
         except replicas.ReplicaDivergedError as exc:
             if self.replica_check != "stop":
                 raise
             assert self._saver is not None
-            self._saver.collect(block=True)  # the earlier, good checkpoints commit first
+            self._saver.collect(block=True)  # the earlier, good checkpoints commit first ...
+            trainer.strategy.barrier()  # ... before any rank exits and the group is torn down
             raise SystemExit(replicas.EXIT_REPLICA_DIVERGED) from exc
 
     def _collect(self) -> None:
@@ -668,6 +676,18 @@ class IncrementalCheckpoint(Checkpoint):
         loaded), a store to close after reading elsewhere. Used by ResumeHook."""
         store = self._saver.store if self._saver is not None else None
         return store if store is not None else self._open_store()
+
+
+def replicated_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """What data-parallel replicas must hold identically: the parameters and the optimizers'
+    state. Not the buffers: under DDP each rank updates running statistics (BatchNorm) from its
+    own batch, and DDP broadcasts rank 0's at the next forward, so they legitimately differ.
+    The tensors share storage with the live ones (a repair writes into them)."""
+    module = trainer.lightning_module
+    return {
+        "model": {name: p.detach() for name, p in module.named_parameters()},
+        "optimizers": [opt.state_dict() for opt in trainer.optimizers],
+    }
 
 
 def _callbacks_of(trainer: pl.Trainer) -> list[Callback]:

@@ -310,11 +310,13 @@ class IncrementalCheckpointIO(CheckpointIO):
         def finish() -> None:
             try:
                 handle.wait()
-            except Exception as exc:  # reported by the next call, as the failure policy says
+            except BaseException as exc:  # reported by the next call, as the policy says
                 entry.inflight.discard(step)
                 self._restore(target, pointer, old_bytes)
                 log.error("IncrementalCheckpointIO: saving %s failed: %s", target.display, exc)
                 self._failures.failed(f"{target.display} (step {step} of {entry.store.url})", exc)
+                if not isinstance(exc, Exception):
+                    raise  # KeyboardInterrupt, SystemExit: not a storage failure to count
                 return
             entry.inflight.discard(step)
             self._failures.committed()

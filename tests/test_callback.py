@@ -683,3 +683,26 @@ def test_late_module_hooks_are_warned_about(tmp_path) -> None:
     )
     with pytest.warns(UserWarning, match="overrides on_train_batch_end"):
         trainer.fit(WithEma())
+
+
+def test_under_torchrun_each_start_claims_a_generation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun (here: its environment, one process) every start of fit claims a fencing
+    generation at least the restart count; a run that refuses the store claims nothing."""
+    from lightning_incremental.core import fencing
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    store = tmp_path / "store"
+    _, _, ckpt = fit(store, every_n_train_steps=4, trainer={"max_epochs": 1})
+    assert ckpt.generation == 3
+    with CheckpointStore(store) as reader:
+        assert {reader.manifest(s)["generation"] for s in reader.steps()} == {3}
+        assert fencing.generations(reader.storage) == [3]
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        fit(store, every_n_train_steps=4, resume=False, trainer={"max_epochs": 1})
+    with CheckpointStore(store) as reader:  # the refused run did not fence off the first one
+        assert fencing.generations(reader.storage) == [3]
+    _, _, ckpt = fit(store, every_n_train_steps=4, trainer={"max_epochs": 2})
+    assert ckpt.generation == 4 and ckpt.resumed_from == 8

@@ -24,6 +24,7 @@ from lightning_incremental.core import (
     FencedError,
     ManifestError,
     StepError,
+    StorageError,
     fencing,
 )
 from lightning_incremental.core import manifest as mf
@@ -238,3 +239,53 @@ def test_a_frozen_writer_that_wakes_up_writes_nothing_visible(local_url: str) ->
 def _proc_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_checkpoint_committed_while_gc_runs_is_kept(local_url: str) -> None:
+    writer = small_store(local_url)
+    writer.save(state(1.0), 1).wait()
+    writer.save(state(2.0), 2).wait()
+    faulty = FaultyStorage(open_storage(local_url, None))
+    gate = faulty.hold("manifest", op="get")
+    reports = []
+    with small_store(faulty) as collector:
+        thread = threading.Thread(
+            target=lambda: reports.append(collector.gc(keep_last=2, grace_s=3600))
+        )
+        thread.start()
+        while not _waiting_on(gate):  # gc listed the manifests and reads the kept ones
+            time.sleep(0.01)
+        writer.save(state(3.0), 3).wait()
+        gate.set()
+        thread.join(60)
+    (report,) = reports
+    assert 3 not in report.removed_steps
+    assert writer.steps() == [1, 2, 3]
+    writer.close()
+
+
+def test_a_manifest_that_cannot_be_read_is_not_made_visible(local_url: str) -> None:
+    """A storage error while judging a manifest propagates: a stale checkpoint must not turn
+    visible because its generation could not be read."""
+    faulty = FaultyStorage(open_storage(local_url, None))
+    with small_store(faulty) as store:
+        store.claim_generation()
+        store.save(state(1.0), 1).wait()
+        store.claim_generation()
+        store.save(state(2.0), 2).wait()  # not in the newest fence: its generation is read
+        store._manifest_generation.clear()
+        faulty.fail("manifest", op="get", times=None)
+        with pytest.raises(StorageError):
+            store.steps()
+        faulty.clear()
+        assert store.steps() == [1, 2]
+
+
+def test_generations_past_ten_digits_still_fence(local_url: str) -> None:
+    with small_store(local_url) as store:
+        big = 10**12
+        assert store.claim_generation(minimum=big) == big
+        store.save(state(1.0), 1).wait()
+        assert fencing.newest(store.storage).generation == big  # type: ignore[union-attr]
+        assert store.claim_generation() == big + 1
+        assert fencing.generations(store.storage) == [big, big + 1]

@@ -403,3 +403,14 @@ def test_two_gloo_ranks_detect_and_repair_a_bit_flip(tmp_path: Path) -> None:
         assert res["view_still_view"]
     assert results[0]["fp_after"] == results[1]["fp_after"] == fingerprint(toy_state())
     assert results[0]["awkward_fp"] == results[1]["awkward_fp"]
+
+
+def test_when_every_rank_is_odd_somewhere_each_value_comes_from_its_majority() -> None:
+    from lightning_incremental.core.replicas import source_of
+
+    good = {"a": "x", "b": "y", "c": "z"}
+    ranks = [dict(good, a="bad0"), dict(good, b="bad1"), dict(good, c="bad2")]
+    report = compare(ranks, coordinator=0)
+    assert report.diverged == {0: ["a"], 1: ["b"], 2: ["c"]}
+    assert 0 in report.diverged  # the coordinator's copy must not be committed as it is
+    assert [source_of(report, k) for k in ("a", "b", "c")] == [1, 0, 0]

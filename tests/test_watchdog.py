@@ -251,3 +251,18 @@ def test_the_job_store_is_found_from_the_environment(monkeypatch) -> None:
     assert job_store_address() == ("10.1.2.3", 29511)
     monkeypatch.delenv("MASTER_PORT")
     assert job_store_address() is None
+
+
+def test_the_hang_check_is_armed_by_a_rank_s_first_progress() -> None:
+    """Setup (a long resume from object storage, compiling the first step) is not a hang."""
+    tracker = PeerTracker(2, CONFIG, started=0.0)
+    for t in range(0, 500):
+        tracker.observe(0, {"seq": t, "step": None, "progress": 0}, float(t))
+        tracker.observe(1, {"seq": t, "step": None, "progress": 0}, float(t))
+        assert tracker.judge(float(t)) is None, t
+    tracker.observe(1, {"seq": 500, "step": 0, "progress": 1}, 500.0)
+    for t in range(501, 700):
+        tracker.observe(0, {"seq": t, "step": None, "progress": 0}, float(t))
+        tracker.observe(1, {"seq": t, "step": 0, "progress": 1}, float(t))
+    failure = tracker.judge(699.0)
+    assert failure is not None and failure.kind == "hung" and failure.rank == 1

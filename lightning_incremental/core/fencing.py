@@ -14,7 +14,13 @@ and after their commit so that they learn they were fenced off (:class:`FencedEr
 generation that finds a fenced-off manifest at a step it wants moves it to quarantine.
 
 Create-only writes (local link, S3 ``If-None-Match``) make two claimants of the same number
-impossible: the loser takes the next number. Stores that never claim join the newest generation.
+impossible: the loser takes the next number. On a backend without an atomic create-only write
+(an S3 endpoint without conditional writes, some fsspec filesystems) the claimant reads its record
+back, which narrows the race but cannot close it: there, fencing is best effort. Stores that
+never claim join the newest generation.
+
+A damaged newest fence record (e.g. truncated by a crash with ``fsync=False``) stops every read
+with an error naming it; deleting that file restores the previous generation's rule.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from lightning_incremental.core.errors import ManifestError
 from lightning_incremental.core.storage import Storage
 
 FENCE_DIR = "fences"
-_NAME = re.compile(r"^(\d{10})\.json$")
+_NAME = re.compile(r"^(\d{10,})\.json$")  # zero-padded to 10 digits, longer when larger
 _MAX_ACCEPTED = 10_000_000
 
 
@@ -86,11 +92,18 @@ def newest(storage: Storage) -> Fence | None:
         data = storage.get(fence_path(generation))
     except FileNotFoundError as exc:  # deleted between the listing and the read
         raise ManifestError(f"{where} vanished while being read") from exc
-    return parse(data, generation, where)
+    try:
+        return parse(data, generation, where)
+    except ManifestError as exc:
+        raise ManifestError(
+            f"{exc}; if it is damaged, delete it to fall back to the previous generation's fence"
+        ) from exc
 
 
 def parse(data: bytes, generation: int, where: str) -> Fence:
     """A fence record's bytes, validated (plain JSON only; bounded)."""
+    if len(data) > 16 * _MAX_ACCEPTED:
+        raise ManifestError(f"{where} is too large ({len(data)} bytes)")
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:

@@ -439,8 +439,24 @@ def repair_(
     else:
         present = {p for p, v in leaves(state) if isinstance(v, torch.Tensor)}
         keys = [k for k in report.keys if k in present]
-    broadcast_state_(select_tensors(state, keys), report.source, group)
+    # Each value comes from a rank that holds the majority's version of *that* value: when
+    # every rank is odd in some value, no single rank holds the whole reference state.
+    by_source: dict[int, list[str]] = {}
+    for key in keys:
+        by_source.setdefault(source_of(report, key), []).append(key)
+    for source in sorted(by_source):  # the same order on every rank: the report is identical
+        broadcast_state_(select_tensors(state, by_source[source]), source, group)
     return keys
+
+
+def source_of(report: ReplicaReport, key: str) -> int:
+    """A rank holding the majority's version of ``key``: the coordinator when it does, else the
+    lowest rank that does (ranks outside ``report.diverged[rank]`` for that key)."""
+    ranks = [report.coordinator, *(r for r in range(report.world_size) if r != report.coordinator)]
+    for rank in ranks:
+        if key not in report.diverged.get(rank, ()):
+            return rank
+    return report.source
 
 
 # ---------------------------------------------------------------- the adapters' policy
@@ -506,15 +522,15 @@ def enforce(state: Any, action: str, *, coordinator: int = 0, group: Any = None)
         raise ReplicaDivergedError(report)
     if action == "repair":
         repaired = repair_(state, report, group=group)
-        log.warning("%s Repaired %d values from rank %d.", message, len(repaired), report.source)
+        log.warning("%s Repaired %d values from the majority's copies.", message, len(repaired))
         if _rank(group) == coordinator:
             warnings.warn(
-                f"{message} Repaired: {len(repaired)} values broadcast from rank "
-                f"{report.source}; training continues from a common state.",
+                f"{message} Repaired: {len(repaired)} values broadcast from the ranks holding "
+                "the majority's version; training continues from a common state.",
                 stacklevel=2,
             )
         return Verdict(report, tuple(repaired))
-    skip = report.source != coordinator
+    skip = coordinator in report.diverged
     suffix = (
         " This checkpoint is skipped: the coordinator's copy is not the reference one."
         if skip

@@ -29,6 +29,7 @@ from lightning_incremental.core.errors import (
     ConfigError,
     CorruptCheckpointError,
     FencedError,
+    FormatVersionError,
     ManifestError,
     NotAStoreError,
     PickleNotAllowedError,
@@ -272,8 +273,8 @@ class CheckpointStore:
         }
         data = mf.dumps(body)
         write_start = time.perf_counter()
+        self._check_not_fenced(step, "not committed")  # before touching anything of others
         self._unquarantine(step)
-        self._check_not_fenced(step, "not committed")
         if not self.storage.put(mf.manifest_path(step), data):
             self._check_not_fenced(step, "not committed")  # a newer generation holds the step
             self._displace_fenced(step)
@@ -333,11 +334,21 @@ class CheckpointStore:
     def steps(self) -> list[int]:
         """Committed steps, oldest first: those visible under the newest generation's fence
         (a checkpoint an older, fenced-off generation wrote after the claim is not listed)."""
+        return self._partition()[0]
+
+    def _partition(self) -> tuple[list[int], list[int]]:
+        """One listing of the manifests, split into the visible steps and those a fenced-off
+        generation wrote (invisible), each oldest first."""
         steps = self._written_steps()
         fence = fencing.newest(self.storage)
         if fence is None:
-            return steps
-        return [s for s in steps if fence.admits(s, self._generation_of(s, fence))]
+            return steps, []
+        visible: list[int] = []
+        fenced: list[int] = []
+        for step in steps:
+            admitted = fence.admits(step, self._generation_of(step, fence))
+            (visible if admitted else fenced).append(step)
+        return visible, fenced
 
     def _written_steps(self) -> list[int]:
         """Every manifest in storage, visible or not, oldest first."""
@@ -349,8 +360,9 @@ class CheckpointStore:
         return sorted(steps)
 
     def _generation_of(self, step: int, fence: fencing.Fence) -> int | None:
-        """The generation recorded in a manifest; a manifest that cannot be read counts as the
-        fence's (it then fails on load, loudly). Remembered only while it makes the manifest
+        """The generation recorded in a manifest; a manifest that is corrupt counts as the
+        fence's (it then fails on load, loudly); a storage error propagates (a manifest must not
+        turn visible because it could not be read). Remembered only while it makes the manifest
         visible: a visible manifest is never replaced by an invisible one, while an invisible
         one may be displaced by the current generation's checkpoint of the same step."""
         if step in fence.accepted:
@@ -362,7 +374,7 @@ class CheckpointStore:
             doc = self._read_manifest(step)
         except CheckpointNotFoundError:
             return -1
-        except CheckpointError:
+        except (CorruptCheckpointError, FormatVersionError):
             return fence.generation
         generation: int = doc["generation"]
         if generation >= fence.generation:
@@ -400,19 +412,25 @@ class CheckpointStore:
         self._check_open()
         self.wait()
         with self._write_lock, self._lock:
-            fence = fencing.newest(self.storage)
-            visible = self.steps()
-            written = 0
-            if visible:
-                try:
-                    written = self._read_manifest(visible[-1])["generation"] + 1
-                except CheckpointError:
-                    written = 0
-            generation = max(minimum, written, fence.generation + 1 if fence else 0)
             self._write_marker()
-            while not self.storage.put(
-                fencing.fence_path(generation), fencing.record(generation, visible, minimum)
-            ):
+            generation = minimum
+            while True:
+                fence = fencing.newest(self.storage)
+                visible = self.steps()
+                written = 0
+                if visible:
+                    try:
+                        written = self._read_manifest(visible[-1])["generation"] + 1
+                    except CheckpointError:
+                        written = 0
+                generation = max(generation, written, fence.generation + 1 if fence else 0)
+                record = fencing.record(generation, visible, minimum)
+                path = fencing.fence_path(generation)
+                # Create-only, then read back: on a backend whose create-only write is a check
+                # then a write (no conditional writes), a racing claimant's record may have
+                # replaced ours; then we did not win this number.
+                if self.storage.put(path, record) and self.storage.get(path) == record:
+                    break
                 generation += 1  # another claimant took it first
             self._generation = generation
             log.info(
@@ -769,7 +787,9 @@ class CheckpointStore:
         dry_run: bool,
         drop: tuple[int, ...] = (),
     ) -> GcReport:
-        steps = self.steps()
+        # One listing for both: a checkpoint committed while gc runs is in neither list, so it
+        # is neither removed as fenced off nor counted against keep_last.
+        steps, fenced = self._partition()
         kept = set(steps if keep_last is None else steps[-keep_last:]) | (set(keep) & set(steps))
         kept -= set(drop)
         removed = [s for s in steps if s not in kept]
@@ -784,7 +804,6 @@ class CheckpointStore:
                     f"read, so the objects it needs are unknown ({exc})"
                 ) from exc
         # Manifests a fenced-off generation wrote are invisible: they go too.
-        fenced = sorted(set(self._written_steps()) - set(steps))
         report = GcReport(sorted(kept), sorted(removed + fenced), [], 0, dry_run)
         for step in removed + fenced:
             if not dry_run:

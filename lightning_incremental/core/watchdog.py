@@ -27,6 +27,7 @@ Exit codes: ``EXIT_PEER_DEAD`` (86), ``EXIT_PEER_HUNG`` (87), ``EXIT_ISOLATED`` 
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import logging
@@ -155,9 +156,20 @@ class PeerTracker:
                 return Failure("dead", rank, now - state.seq_since, state.step)
         for rank in range(self.world_size):
             state = self.seen.get(rank, _Seen(seq_since=self.started, step_since=self.started))
-            if not state.stopped and now - state.step_since > self.config.progress_timeout:
+            if state.stopped or state.progress in (None, 0):
+                continue  # armed at a rank's first progress: setup may legitimately be long
+            if now - state.step_since > self.config.progress_timeout:
                 return Failure("hung", rank, now - state.step_since, state.step)
         return None
+
+
+def _read_records(client: KeyValueStore, keys: list[str]) -> list[dict[str, Any] | None]:
+    """Every key's record (None where a rank has not published yet): one round trip when all
+    exist and the store has ``multi_get`` (a TCPStore does), else one per key."""
+    multi_get = getattr(client, "multi_get", None)
+    if multi_get is not None and client.check(keys):
+        return [json.loads(value) for value in multi_get(keys)]
+    return [json.loads(client.get(key)) if client.check([key]) else None for key in keys]
 
 
 def _exit_process(failure: Failure) -> None:
@@ -202,6 +214,7 @@ class Watchdog:
         self._fired = threading.Lock()
         self._failure: Failure | None = None
         self._threads: list[threading.Thread] = []
+        self._published_stop = False
 
     @property
     def failure(self) -> Failure | None:
@@ -221,16 +234,26 @@ class Watchdog:
             thread = threading.Thread(target=target, name=f"li-{name}-rank{self.rank}", daemon=True)
             self._threads.append(thread)
             thread.start()
+        # A process that ends without stopping its watchdog (a script that never calls close)
+        # still tells the others it is done, rather than leave them to find it dead.
+        atexit.register(self._at_exit)
         return self
+
+    def _at_exit(self) -> None:
+        self.stop(timeout=2 * self.config.heartbeat_interval)
 
     def stop(self, timeout: float | None = None, *, finished: bool = True) -> None:
         """Stop both threads. ``finished``: this rank is done (training ended normally), so it
         publishes ``stopped`` and the others stop watching it. Pass False when this rank is
         failing: if the others are left waiting for it, they must find it dead and restart."""
         self._stop.set()
+        atexit.unregister(self._at_exit)
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout)
+        if self._published_stop:
+            return
+        self._published_stop = True
         if finished and self._threads and self._failure is None:
             try:
                 client = self.connect()
@@ -260,6 +283,9 @@ class Watchdog:
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/{rank}"
+
+    def _records(self, client: KeyValueStore) -> list[dict[str, Any] | None]:
+        return _read_records(client, [self._key(rank) for rank in range(self.world_size)])
 
     def _heartbeat(self) -> None:
         client: KeyValueStore | None = None
@@ -297,9 +323,7 @@ class Watchdog:
             try:
                 if client is None:
                     client = self.connect()
-                for rank in range(self.world_size):
-                    key = self._key(rank)
-                    record = json.loads(client.get(key)) if client.check([key]) else None
+                for rank, record in enumerate(self._records(client)):
                     tracker.observe(rank, record, now)
             except Exception as exc:  # judged by the heartbeat thread (isolated)
                 client = None

@@ -355,6 +355,9 @@ class IncrementalCheckpoint(Checkpoint):
             raise error
         if text is not None:
             raise CheckpointError(f"rank 0 could not open the checkpoint store {self._url}: {text}")
+        self._saver = Saver(
+            store, self._url, self._totals, trainer.loggers, self.max_consecutive_failures
+        )
         if self.watchdog or (self.watchdog is None and trainer.world_size > 1):
             self._watchdog = watch_job(
                 self.watchdog_config,
@@ -362,9 +365,6 @@ class IncrementalCheckpoint(Checkpoint):
                 world_size=trainer.world_size,
                 generation=self._generation or 0,
             )
-        self._saver = Saver(
-            store, self._url, self._totals, trainer.loggers, self.max_consecutive_failures
-        )
         if not self.resume and self._newest is not None:
             raise ConfigError(
                 f"IncrementalCheckpoint(resume=False) but {self._url} already holds checkpoints "

@@ -226,14 +226,14 @@ def test_a_frozen_rank_is_fenced_off_and_the_run_recovers_bit_exactly(
 
 
 def _report(run: dict[str, Any], kind: str) -> None:
-    events = run["events"]
-    signal_event = next(e for e in events if e["event"] == "signal" and e["kind"] == kind)
-    resumed = started(run, signal_event["restart"] + 1)
-    print(
-        f"\n{kind}: signal at step {signal_event['step']}, "
-        f"training resumed from step {resumed['resumed_from']} "
-        f"{resumed['time'] - signal_event['time']:.1f}s after the signal"
-    )
+    """Print, for every fault of the run, when and from which step training resumed."""
+    for fault in (e for e in run["events"] if e["event"] == "signal"):
+        resumed = started(run, fault["restart"] + 1)
+        print(
+            f"\n{kind} run, {fault['kind']} of rank {fault['rank']} at step {fault['step']}: "
+            f"training resumed from step {resumed['resumed_from']} "
+            f"{resumed['time'] - fault['time']:.1f}s after the signal"
+        )
 
 
 def replica_findings(run: dict[str, Any]) -> list[dict[str, Any]]:

@@ -32,7 +32,8 @@ CHUNK = 4 << 20  # the engine's default chunk size
 MIN_PIECE = 64 << 10  # ignore smaller tail pieces and tensors (timings would be overhead)
 
 
-def _best(fn: Callable[[], Any], repeats: int) -> float:
+def best_of(fn: Callable[[], Any], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls (robust to other load on the machine)."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -118,7 +119,7 @@ def profile_kind(chunks: list[tuple], repeats: int) -> dict[str, Any]:
             )
         ),
     }
-    speeds = {name: nbytes / _best(fn, repeats) / 1e6 for name, fn in stages.items()}
+    speeds = {name: nbytes / best_of(fn, repeats) / 1e6 for name, fn in stages.items()}
 
     def ratio(blobs: list[bytes]) -> float:
         return nbytes / sum(len(b) for b in blobs)

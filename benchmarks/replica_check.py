@@ -21,25 +21,14 @@ import json
 import os
 import socket
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from benchmarks.codec_profile import best_of
 from benchmarks.model import FULL, QUICK
 from benchmarks.scenarios import SCENARIOS, Params
 from lightning_incremental.core import replicas
-
-
-def _best(fn: Callable[[], Any], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _measure(rank: int, world: int, port: int, quick: bool, repeats: int, out: str) -> None:
@@ -56,8 +45,8 @@ def _measure(rank: int, world: int, port: int, quick: bool, repeats: int, out: s
     }
     nbytes = sum(t.numel() * t.element_size() for _, t in replicas.leaves(state)
                  if isinstance(t, torch.Tensor))  # fmt: skip
-    step_s = _best(lambda: work.train(1), repeats)
-    fingerprint_s = _best(lambda: replicas.fingerprint(state), repeats)
+    step_s = best_of(lambda: work.train(1), repeats)
+    fingerprint_s = best_of(lambda: replicas.fingerprint(state), repeats)
 
     def check() -> None:
         if world > 1:
@@ -65,8 +54,8 @@ def _measure(rank: int, world: int, port: int, quick: bool, repeats: int, out: s
         report = replicas.check_replicas(state)
         assert report.ok, report.describe()
 
-    check_s = _best(check, repeats)
-    save_s = _best(lambda: torch.save(state, io.BytesIO()), repeats)
+    check_s = best_of(check, repeats)
+    save_s = best_of(lambda: torch.save(state, io.BytesIO()), repeats)
     result = {
         "ranks": world,
         "state_bytes": nbytes,

@@ -118,7 +118,7 @@ def test_a_step_the_new_generation_holds_refuses_the_old_one(local_url: str) -> 
         new.claim_generation()
         new.save(state(2.0), 2).wait()
         # The old writer never reached its check before: it learns at the create-only write.
-        old._check_not_fenced = lambda step, outcome: None  # type: ignore[method-assign]
+        old._fencing.check = lambda step, generation, outcome: None  # type: ignore[method-assign]
         with pytest.raises(StepError, match="already committed"):
             old.save(state(9.0), 2).wait()
         assert_state_equal(new.load(), state(2.0))
@@ -273,7 +273,7 @@ def test_a_manifest_that_cannot_be_read_is_not_made_visible(local_url: str) -> N
         store.save(state(1.0), 1).wait()
         store.claim_generation()
         store.save(state(2.0), 2).wait()  # not in the newest fence: its generation is read
-        store._manifest_generation.clear()
+        store._fencing._known.clear()
         faulty.fail("manifest", op="get", times=None)
         with pytest.raises(StorageError):
             store.steps()

@@ -27,15 +27,26 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_incremental.core import manifest as mf
-from lightning_incremental.core.errors import ManifestError
+from lightning_incremental.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FencedError,
+    FormatVersionError,
+    ManifestError,
+)
 from lightning_incremental.core.storage import Storage
+
+log = logging.getLogger("lightning_incremental")
 
 FENCE_DIR = "fences"
 _NAME = re.compile(r"^(\d{10,})\.json$")  # zero-padded to 10 digits, longer when larger
@@ -132,3 +143,117 @@ def record(generation: int, accepted: list[int], minimum: int) -> bytes:
         "pid": os.getpid(),
     }
     return json.dumps(body, sort_keys=True).encode()
+
+
+ReadManifest = Callable[[int], dict[str, Any]]
+
+
+class Fencing:
+    """The fencing side of one store: judges which manifests are visible, claims generations,
+    and tells a writer when it was fenced off.
+
+    Args:
+        storage: the store's storage.
+        read_manifest: reads and validates the manifest of a step (the store's reader: it
+            raises ``CheckpointNotFoundError``, ``CorruptCheckpointError``, ...).
+    """
+
+    def __init__(self, storage: Storage, read_manifest: ReadManifest) -> None:
+        self.storage = storage
+        self._read = read_manifest
+        # A manifest's generation, remembered only while it makes the manifest visible: a
+        # visible manifest is never replaced by an invisible one, while an invisible one may be
+        # displaced by the current generation's checkpoint of the same step.
+        self._known: dict[int, int] = {}
+
+    def partition(self, steps: list[int]) -> tuple[list[int], list[int]]:
+        """``steps`` (one listing of the manifests) split into the visible ones and those a
+        fenced-off generation wrote."""
+        fence = newest(self.storage)
+        if fence is None:
+            return steps, []
+        visible: list[int] = []
+        fenced: list[int] = []
+        for step in steps:
+            admitted = fence.admits(step, self._generation_of(step, fence))
+            (visible if admitted else fenced).append(step)
+        return visible, fenced
+
+    def forget(self, step: int) -> None:
+        """The manifest of ``step`` was removed or replaced."""
+        self._known.pop(step, None)
+
+    def _generation_of(self, step: int, fence: Fence) -> int | None:
+        """The generation a manifest records. A corrupt manifest counts as the fence's (it then
+        fails on load, loudly); a storage error propagates: a manifest must not turn visible
+        because it could not be read."""
+        if step in fence.accepted:
+            return None  # visible whatever it says
+        known = self._known.get(step)
+        if known is not None and known >= fence.generation:
+            return known
+        try:
+            doc = self._read(step)
+        except CheckpointNotFoundError:
+            return -1
+        except (CorruptCheckpointError, FormatVersionError):
+            return fence.generation
+        generation: int = doc["generation"]
+        if generation >= fence.generation:
+            self._known[step] = generation
+        return generation
+
+    def claim(self, minimum: int, visible: Callable[[], list[int]]) -> int:
+        """Claim the next generation (at least ``minimum``, above every generation claimed or
+        written): write its fence record, listing ``visible()`` steps, create-only."""
+        generation = minimum
+        while True:
+            fence = newest(self.storage)
+            steps = visible()
+            written = 0
+            if steps:
+                try:
+                    written = self._read(steps[-1])["generation"] + 1
+                except CheckpointError:
+                    written = 0
+            generation = max(generation, written, fence.generation + 1 if fence else 0)
+            data = record(generation, steps, minimum)
+            path = fence_path(generation)
+            # Create-only, then read back: on a backend whose create-only write is a check then
+            # a write (no conditional writes), a racing claimant's record may have replaced
+            # ours; then we did not win this number.
+            if self.storage.put(path, data) and self.storage.get(path) == data:
+                log.info("claimed generation %d (%d checkpoints visible)", generation, len(steps))
+                return generation
+            generation += 1  # another claimant took it first
+
+    def check(self, step: int, generation: int, outcome: str) -> None:
+        """Raise :class:`FencedError` when a newer generation took over and does not admit a
+        manifest of ``step`` written by ``generation``."""
+        fence = newest(self.storage)
+        if fence is None or fence.admits(step, generation):
+            return
+        raise FencedError(
+            f"checkpoint step {step} {outcome}: this writer is generation {generation} of "
+            f"{self.storage.url}, but {fence.describe()} took over since. A restarted job owns "
+            "the store now; this process must stop."
+        )
+
+    def displace(self, step: int, visible: Callable[[], list[int]]) -> None:
+        """A manifest at ``step`` already exists: when a fenced-off generation wrote it (it is
+        not visible), move it to quarantine so the current generation can commit the step."""
+        if newest(self.storage) is None or step in visible():
+            return
+        source = mf.manifest_path(step)
+        try:
+            data = self.storage.get(source)
+        except FileNotFoundError:
+            return
+        self.storage.put(f"{mf.QUARANTINE_DIR}/{step:020d}.fenced.json", data, overwrite=True)
+        self.storage.delete(source)
+        self.forget(step)
+        log.warning(
+            "moved checkpoint step %d, written by a fenced-off generation, to %s/",
+            step,
+            mf.QUARANTINE_DIR,
+        )

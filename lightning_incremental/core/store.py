@@ -28,8 +28,6 @@ from lightning_incremental.core.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
-    FencedError,
-    FormatVersionError,
     ManifestError,
     NotAStoreError,
     PickleNotAllowedError,
@@ -118,7 +116,7 @@ class CheckpointStore:
         self._closed = False
         self.loaded_step: int | None = None  # the step the latest successful load returned
         self._generation: int | None = self.config.generation  # None: joins the newest claim
-        self._manifest_generation: dict[int, int | None] = {}  # manifests are immutable
+        self._fencing = fencing.Fencing(self.storage, self._read_manifest)
         _OPEN_STORES.add(self)
 
     # ------------------------------------------------------------------ saving
@@ -273,11 +271,11 @@ class CheckpointStore:
         }
         data = mf.dumps(body)
         write_start = time.perf_counter()
-        self._check_not_fenced(step, "not committed")  # before touching anything of others
+        self._fencing.check(step, self.generation, "not committed")  # before touching others'
         self._unquarantine(step)
         if not self.storage.put(mf.manifest_path(step), data):
-            self._check_not_fenced(step, "not committed")  # a newer generation holds the step
-            self._displace_fenced(step)
+            self._fencing.check(step, self.generation, "not committed")  # a newer one holds it
+            self._fencing.displace(step, self.steps)
             if not self.storage.put(mf.manifest_path(step), data):
                 raise StepError(
                     f"step {step} is already committed in {self.url} (another writer saved it); "
@@ -285,7 +283,9 @@ class CheckpointStore:
                 )
         # A claim that landed between the check above and the write makes this commit invisible
         # (the fence decides on every read); tell the writer.
-        self._check_not_fenced(step, "committed after it was fenced off, so it is not visible")
+        self._fencing.check(
+            step, self.generation, "committed after it was fenced off, so it is not visible"
+        )
         write_s = enc.write_s + time.perf_counter() - write_start
         with self._lock:
             self._set_parent(*next_parent(step, body, leaves, enc.tensors, self.config))
@@ -334,21 +334,7 @@ class CheckpointStore:
     def steps(self) -> list[int]:
         """Committed steps, oldest first: those visible under the newest generation's fence
         (a checkpoint an older, fenced-off generation wrote after the claim is not listed)."""
-        return self._partition()[0]
-
-    def _partition(self) -> tuple[list[int], list[int]]:
-        """One listing of the manifests, split into the visible steps and those a fenced-off
-        generation wrote (invisible), each oldest first."""
-        steps = self._written_steps()
-        fence = fencing.newest(self.storage)
-        if fence is None:
-            return steps, []
-        visible: list[int] = []
-        fenced: list[int] = []
-        for step in steps:
-            admitted = fence.admits(step, self._generation_of(step, fence))
-            (visible if admitted else fenced).append(step)
-        return visible, fenced
+        return self._fencing.partition(self._written_steps())[0]
 
     def _written_steps(self) -> list[int]:
         """Every manifest in storage, visible or not, oldest first."""
@@ -358,28 +344,6 @@ class CheckpointStore:
             if step is not None and path.count("/") == 1:
                 steps.append(step)
         return sorted(steps)
-
-    def _generation_of(self, step: int, fence: fencing.Fence) -> int | None:
-        """The generation recorded in a manifest; a manifest that is corrupt counts as the
-        fence's (it then fails on load, loudly); a storage error propagates (a manifest must not
-        turn visible because it could not be read). Remembered only while it makes the manifest
-        visible: a visible manifest is never replaced by an invisible one, while an invisible
-        one may be displaced by the current generation's checkpoint of the same step."""
-        if step in fence.accepted:
-            return None  # visible whatever it says
-        known = self._manifest_generation.get(step)
-        if known is not None and known >= fence.generation:
-            return known
-        try:
-            doc = self._read_manifest(step)
-        except CheckpointNotFoundError:
-            return -1
-        except (CorruptCheckpointError, FormatVersionError):
-            return fence.generation
-        generation: int = doc["generation"]
-        if generation >= fence.generation:
-            self._manifest_generation[step] = generation
-        return generation
 
     # ------------------------------------------------------------------ fencing
 
@@ -393,10 +357,10 @@ class CheckpointStore:
         return self._generation
 
     def claim_generation(self, minimum: int = 0) -> int:
-        """Claim a new fencing generation for this writer: greater than ``minimum``'s
-        predecessor (``minimum`` itself at least, e.g. the launcher's restart count) and than
-        every generation claimed or written in storage. Checkpoints that older generations write
-        from now on are never visible, and their commits raise :class:`FencedError`.
+        """Claim a new fencing generation for this writer: at least ``minimum`` (e.g. the
+        launcher's restart count) and greater than every generation claimed or written in
+        storage. Checkpoints that older generations write from now on are never visible, and
+        their commits raise :class:`FencedError` (see :mod:`~lightning_incremental.core.fencing`).
 
         Call once per (re)start of a job, on the process that commits, before saving.
 
@@ -413,63 +377,8 @@ class CheckpointStore:
         self.wait()
         with self._write_lock, self._lock:
             self._write_marker()
-            generation = minimum
-            while True:
-                fence = fencing.newest(self.storage)
-                visible = self.steps()
-                written = 0
-                if visible:
-                    try:
-                        written = self._read_manifest(visible[-1])["generation"] + 1
-                    except CheckpointError:
-                        written = 0
-                generation = max(generation, written, fence.generation + 1 if fence else 0)
-                record = fencing.record(generation, visible, minimum)
-                path = fencing.fence_path(generation)
-                # Create-only, then read back: on a backend whose create-only write is a check
-                # then a write (no conditional writes), a racing claimant's record may have
-                # replaced ours; then we did not win this number.
-                if self.storage.put(path, record) and self.storage.get(path) == record:
-                    break
-                generation += 1  # another claimant took it first
-            self._generation = generation
-            log.info(
-                "claimed generation %d of %s (%d checkpoints visible)",
-                generation,
-                self.url,
-                len(visible),
-            )
-            return generation
-
-    def _check_not_fenced(self, step: int, outcome: str) -> None:
-        fence = fencing.newest(self.storage)
-        if fence is None or fence.admits(step, self.generation):
-            return
-        raise FencedError(
-            f"checkpoint step {step} {outcome}: this writer is generation {self.generation} of "
-            f"{self.url}, but {fence.describe()} took over since. A restarted job owns the "
-            "store now; this process must stop."
-        )
-
-    def _displace_fenced(self, step: int) -> None:
-        """A manifest at ``step`` already exists: when an older generation wrote it after it was
-        fenced off (invisible), move it to quarantine so this generation can commit the step."""
-        fence = fencing.newest(self.storage)
-        if fence is None or step in self.steps():
-            return
-        source = mf.manifest_path(step)
-        try:
-            data = self.storage.get(source)
-        except FileNotFoundError:
-            return
-        self.storage.put(f"{mf.QUARANTINE_DIR}/{step:020d}.fenced.json", data, overwrite=True)
-        self.storage.delete(source)
-        self._manifest_generation.pop(step, None)
-        log.warning(
-            "moved checkpoint step %d, written by a fenced-off generation, to %s/",
-            step,
-            mf.QUARANTINE_DIR,
-        )
+            self._generation = self._fencing.claim(minimum, self.steps)
+            return self._generation
 
     def load(
         self, step: int | None = None, *, map_location: MapLocation = None, strict: bool = False
@@ -789,7 +698,7 @@ class CheckpointStore:
     ) -> GcReport:
         # One listing for both: a checkpoint committed while gc runs is in neither list, so it
         # is neither removed as fenced off nor counted against keep_last.
-        steps, fenced = self._partition()
+        steps, fenced = self._fencing.partition(self._written_steps())
         kept = set(steps if keep_last is None else steps[-keep_last:]) | (set(keep) & set(steps))
         kept -= set(drop)
         removed = [s for s in steps if s not in kept]
@@ -808,7 +717,7 @@ class CheckpointStore:
         for step in removed + fenced:
             if not dry_run:
                 self.storage.delete(mf.manifest_path(step))
-                self._manifest_generation.pop(step, None)
+                self._fencing.forget(step)
         report.removed_objects, report.bytes_freed = sweep(self.storage, live, grace_s, dry_run)
         if removed:
             log.info(

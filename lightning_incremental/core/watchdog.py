@@ -214,7 +214,7 @@ class Watchdog:
         self._fired = threading.Lock()
         self._failure: Failure | None = None
         self._threads: list[threading.Thread] = []
-        self._published_stop = False
+        self._finished = False  # publish "stopped" when the heartbeat thread ends
 
     @property
     def failure(self) -> Failure | None:
@@ -246,20 +246,13 @@ class Watchdog:
         """Stop both threads. ``finished``: this rank is done (training ended normally), so it
         publishes ``stopped`` and the others stop watching it. Pass False when this rank is
         failing: if the others are left waiting for it, they must find it dead and restart."""
-        self._stop.set()
+        if not self._stop.is_set():  # the first call decides
+            self._finished = finished
+            self._stop.set()
         atexit.unregister(self._at_exit)
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout)
-        if self._published_stop:
-            return
-        self._published_stop = True
-        if finished and self._threads and self._failure is None:
-            try:
-                client = self.connect()
-                client.set(self._key(self.rank), json.dumps({"stopped": True, "step": self._step}))
-            except Exception as exc:  # the others then judge this rank by its silence
-                log.warning("rank %d could not publish that it stopped: %s", self.rank, exc)
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -314,6 +307,14 @@ class Watchdog:
                     self._fire(Failure("isolated", self.rank, cut_off, self._step))
                     return
             self._stop.wait(self.config.heartbeat_interval)
+        if self._finished and self._failure is None:
+            # Over the client already open (no new connection that could wait on a store whose
+            # host has gone): the others stop watching this rank.
+            try:
+                client = client or self.connect()
+                client.set(self._key(self.rank), json.dumps({"stopped": True, "step": self._step}))
+            except Exception as exc:  # the others then judge this rank by its silence
+                log.warning("rank %d could not publish that it stopped: %s", self.rank, exc)
 
     def _monitor(self) -> None:
         tracker = PeerTracker(self.world_size, self.config, started=self.clock())

@@ -341,9 +341,7 @@ class IncrementalCheckpoint(Checkpoint):
                 if fenced and (self.resume or self._newest is None):
                     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
                     minimum = int(restarts) if restarts.isdigit() else 0
-                    self._generation = store.claim_generation(minimum)
-                    steps = store.steps()
-                    self._newest = steps[-1] if steps else None
+                    self._generation = store.claim_generation(minimum)  # keeps what is visible
             except Exception as exc:
                 error = exc
                 if store is not None:

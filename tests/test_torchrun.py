@@ -3,8 +3,9 @@ of ``tests/torchrun_job.py`` with real SIGKILL and SIGSTOP, each ending bitwise 
 fault-free run of the same script.
 
 Six launches in all (a reference, two with two faults each, three with a flipped bit under each
-replica-check action) share one module fixture, so the suite pays for them once. The detection
-latency and recovery time they show are printed (``-s``) and quoted in the README.
+replica-check action, the last one also with a hang) share one module fixture, so the suite pays
+for them once. The detection latency and recovery time they show are printed (``-s``) and quoted
+in the README.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from lightning_incremental.core import CheckpointStore, fencing
 from lightning_incremental.core import manifest as mf
-from lightning_incremental.core.watchdog import EXIT_PEER_DEAD
+from lightning_incremental.core.watchdog import EXIT_PEER_DEAD, EXIT_PEER_HUNG
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +132,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
         # rank 1 flips a bit of a weight right before the checkpoint of step 6 checks replicas
         "warn": torchrun(work, "warn", ["0:1:6:flip"], replica_check="warn"),
         "repair": torchrun(work, "repair", ["0:1:6:flip"], replica_check="repair"),
-        "stop": torchrun(work, "stop", ["0:1:6:flip"], replica_check="stop"),
+        # ... and in the restarted run, rank 1 hangs at step 9
+        "stop": torchrun(work, "stop", ["0:1:6:flip", "1:1:9:hang"], replica_check="stop"),
     }
 
 
@@ -284,3 +286,23 @@ def test_stop_restarts_from_the_last_good_checkpoint(runs: dict[str, dict[str, A
     with CheckpointStore(run["store"]) as store:
         assert store.steps() == list(range(2, 13, 2))
         assert store.manifest(6)["generation"] == 1
+
+
+def test_a_hung_rank_is_found_by_the_watchdog_and_the_run_recovers(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    """Restart 1 of the ``stop`` run: rank 1 stops making progress at step 9 (its heartbeat
+    goes on), rank 0 waits for it in a collective. The watchdogs name rank 1 (furthest behind)
+    after ``progress_timeout``, the processes end with exit code 87, the group restarts from the
+    newest checkpoint and the run ends bitwise equal to the reference (asserted above)."""
+    run = runs["stop"]
+    (hang,) = [e for e in run["events"] if e["event"] == "signal" and e["kind"] == "hang"]
+    found = [e for e in run["events"] if e["event"] == "watchdog" and e["restart"] == 1]
+    assert found, run["events"]
+    assert all("rank 1 made no training progress" in e["message"] for e in found)
+    assert f"exitcode: {EXIT_PEER_HUNG}" in run["log"]
+    latency = min(e["time"] for e in found) - hang["time"]
+    assert 6.0 <= latency < 6.0 + 10.0, latency  # progress_timeout, plus a check interval
+    assert started(run, 2)["resumed_from"] == 8
+    print(f"\nhang: the watchdog ended the group {latency:.1f}s after rank 1 stopped progressing")
+    _report(run, "hang")

@@ -266,3 +266,14 @@ def test_the_hang_check_is_armed_by_a_rank_s_first_progress() -> None:
         tracker.observe(1, {"seq": t, "step": 0, "progress": 1}, float(t))
     failure = tracker.judge(699.0)
     assert failure is not None and failure.kind == "hung" and failure.rank == 1
+
+
+def test_of_ranks_stuck_together_the_one_furthest_behind_is_named() -> None:
+    """Rank 1 stops outside a collective, rank 0 then waits inside it: neither progresses."""
+    tracker = PeerTracker(3, CONFIG, started=0.0)
+    for t in range(0, 200):
+        tracker.observe(0, {"seq": t, "step": 9, "progress": 9}, float(t))
+        tracker.observe(1, {"seq": t, "step": 8, "progress": 8}, float(t))
+        tracker.observe(2, {"seq": t, "step": 9, "progress": 9}, float(t))
+    failure = tracker.judge(199.0)
+    assert failure is not None and failure.kind == "hung" and failure.rank == 1

@@ -11,7 +11,10 @@ Each ``--fault RESTART:RANK:STEP:KIND`` fires once, in the run whose
 * ``commit``: rank 0 SIGKILLs itself while committing checkpoint STEP, after the checkpoint's
   data is written and before its manifest is (the background writer's put of the manifest);
 * ``flip``: the rank flips one bit of one weight (a silent memory error), right before the
-  checkpoint of STEP checks the replicas (``--replica-check``).
+  checkpoint of STEP checks the replicas (``--replica-check``);
+* ``hang``: the rank stops making progress (sleeps, its heartbeat thread still running: a
+  deadlock in data loading, a stuck filesystem), and the others wait for it in the next
+  collective.
 
 Every run records its events (pids, faults, watchdog findings, resumes) as JSON lines in
 ``O/events.jsonl``; the run that finishes writes each rank's final weights to
@@ -40,7 +43,7 @@ from lightning_incremental import IncrementalCheckpoint
 from tests.lightning_job import TinyModel, weights
 
 RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-TIMINGS = {"heartbeat_interval": 0.25, "heartbeat_timeout": 3.0, "progress_timeout": 30.0}
+TIMINGS = {"heartbeat_interval": 0.25, "heartbeat_timeout": 3.0, "progress_timeout": 6.0}
 
 
 class Events:
@@ -100,6 +103,9 @@ class Faults(L.Callback):
                 weight = trainer.lightning_module.net[0].weight.data  # type: ignore[index]
                 weight.view(torch.int32).view(-1)[3] ^= 1 << 7
                 self.events("signal", kind=kind, step=step)
+            if trainer.global_step == step and kind == "hang":
+                self.events("signal", kind=kind, step=step)
+                time.sleep(600)
             if trainer.global_step == step and kind in ("kill", "stop"):
                 self.events("signal", kind=kind, step=step)
                 os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
@@ -149,7 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     for spec in args.fault:
         restart, rank, step, kind = spec.split(":")
-        assert kind in ("kill", "stop", "commit", "flip"), kind
+        assert kind in ("kill", "stop", "commit", "flip", "hang"), kind
         FAULTS.append((int(restart), int(rank), int(step), kind))
     torch.set_num_threads(1)
     out = Path(args.out)

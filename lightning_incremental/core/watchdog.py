@@ -149,18 +149,24 @@ class PeerTracker:
             state.progress, state.step_since = progress, now
 
     def judge(self, now: float) -> Failure | None:
-        """The first rank found dead, else the first found hung, else None."""
+        """The first rank found dead, else the hung rank that is furthest behind (a rank stuck
+        outside a collective stops the others inside it: all stop progressing, the culprit
+        with the fewest batches done), else None."""
         for rank in range(self.world_size):
             state = self.seen.get(rank, _Seen(seq_since=self.started, step_since=self.started))
             if not state.stopped and now - state.seq_since > self.config.heartbeat_timeout:
                 return Failure("dead", rank, now - state.seq_since, state.step)
+        hung = []
         for rank in range(self.world_size):
             state = self.seen.get(rank, _Seen(seq_since=self.started, step_since=self.started))
             if state.stopped or state.progress in (None, 0):
                 continue  # armed at a rank's first progress: setup may legitimately be long
             if now - state.step_since > self.config.progress_timeout:
-                return Failure("hung", rank, now - state.step_since, state.step)
-        return None
+                behind = state.progress if isinstance(state.progress, int) else 0
+                hung.append(
+                    (behind, rank, Failure("hung", rank, now - state.step_since, state.step))
+                )
+        return min(hung, key=lambda item: item[:2])[2] if hung else None
 
 
 def _read_records(client: KeyValueStore, keys: list[str]) -> list[dict[str, Any] | None]:

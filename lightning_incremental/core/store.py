@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import threading
@@ -116,7 +117,11 @@ class CheckpointStore:
         self._closed = False
         self.loaded_step: int | None = None  # the step the latest successful load returned
         self._generation: int | None = self.config.generation  # None: joins the newest claim
-        self._fencing = fencing.Fencing(self.storage, self._read_manifest)
+        # A function of the storage, not a bound method: no reference cycle, so a store dropped
+        # without close() is collected at once and its executors' threads end.
+        self._fencing = fencing.Fencing(
+            self.storage, functools.partial(read_manifest, self.storage)
+        )
         _OPEN_STORES.add(self)
 
     # ------------------------------------------------------------------ saving
@@ -464,15 +469,7 @@ class CheckpointStore:
         return step
 
     def _read_manifest(self, step: int) -> dict[str, Any]:
-        where = f"step {step} of {self.url}"
-        try:
-            data = self.storage.get(mf.manifest_path(step))
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"checkpoint {where} does not exist") from exc
-        doc = mf.loads(data, where)
-        if doc["step"] != step:
-            raise ManifestError(f"manifest {where} records step {doc['step']}")
-        return doc
+        return read_manifest(self.storage, step)
 
     def _load_step(self, step: int, map_location: MapLocation) -> dict[str, Any]:
         doc = self._read_manifest(step)
@@ -911,6 +908,23 @@ class CheckpointStore:
                 f"no {mf.MARKER} and no manifests); pass the location checkpoints were saved to"
             )
         raise CheckpointNotFoundError(f"there is no checkpoint store at {self.url}")
+
+
+def read_manifest(storage: Storage, step: int) -> dict[str, Any]:
+    """The validated manifest of ``step``.
+
+    Raises:
+        CheckpointNotFoundError: there is none. CorruptCheckpointError: it does not validate.
+    """
+    where = f"step {step} of {storage.url}"
+    try:
+        data = storage.get(mf.manifest_path(step))
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"checkpoint {where} does not exist") from exc
+    doc = mf.loads(data, where)
+    if doc["step"] != step:
+        raise ManifestError(f"manifest {where} records step {doc['step']}")
+    return doc
 
 
 def _check_step_type(step: Any) -> None:

@@ -7,6 +7,8 @@ Environment:
     JOB_OUT: where the main process writes the final weights and counters (torch.save).
     JOB_CRASH_AFTER: exit abruptly (status 3) right after the checkpoint of this global step
         committed; unset: run to the end.
+    JOB_KILL_AT: in the first run of a ``--max_restarts`` launch (TORCHELASTIC_RESTART_COUNT 0),
+        process 1 SIGKILLs itself at this global step; the launcher restarts both processes.
     JOB_FLIP_AT: process 1 flips one bit of a weight right before the save of this step (mode
         ``api``), under ``replica_check=JOB_REPLICA_CHECK`` (default ``warn``).
 
@@ -18,6 +20,7 @@ the data position and each process's random state all come back.
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 from accelerate import Accelerator
@@ -49,6 +52,9 @@ def main() -> None:
     mode = os.environ["JOB_MODE"]
     crash_after = int(os.environ.get("JOB_CRASH_AFTER", "-1"))
     flip_at = int(os.environ.get("JOB_FLIP_AT", "-1"))
+    kill_at = int(os.environ.get("JOB_KILL_AT", "-1"))
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        kill_at = -1
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
@@ -93,6 +99,8 @@ def main() -> None:
                 ckpt.maybe_save(counter.step)
             elif counter.step % EVERY == 0:
                 accelerator.save_state()
+            if counter.step == kill_at and accelerator.process_index == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
             if counter.step == crash_after:
                 ckpt.wait()
                 accelerator.wait_for_everyone()

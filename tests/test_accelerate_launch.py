@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_incremental.core import CheckpointStore
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,10 +33,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def launch(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def launch(env: dict[str, str], restarts: int = 0) -> subprocess.CompletedProcess[str]:
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--max_restarts", str(restarts), "--monitor_interval", "0.1",
         "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(_free_port()),
         str(JOB),
@@ -53,8 +56,8 @@ def _why(out: subprocess.CompletedProcess[str]) -> str:
     return "\n".join([line for line in lines if any(k in line for k in keys)][:60])
 
 
-def finished(env: dict[str, str]) -> dict[str, Any]:
-    out = launch(env)
+def finished(env: dict[str, str], restarts: int = 0) -> dict[str, Any]:
+    out = launch(env, restarts)
     assert out.returncode == 0, _why(out)
     assert out.stdout.count("JOB DONE") == 2, out.stdout[-2000:]
     result: dict[str, Any] = torch.load(env["JOB_OUT"], weights_only=False)
@@ -122,6 +125,28 @@ def test_a_diverged_process_is_repaired_and_the_run_stays_bit_identical(
         "repaired_count": 1,
     }
     assert all(result["repairs"][s] is None for s in (3, 9, 12, 15))
+
+
+def test_a_killed_process_is_restarted_by_the_launcher_and_resumes_exactly(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """``accelerate launch --max_restarts 1``: process 1 is SIGKILLed at step 8; the launcher
+    restarts both processes, the checkpointer claims a new generation and the run resumes from
+    the newest checkpoint (6) by itself, ending bit-identical to the uninterrupted run."""
+    env = {
+        "JOB_MODE": "api",
+        "JOB_STORE": str(tmp_path / "store"),
+        "JOB_OUT": str(tmp_path / "o"),
+        "JOB_KILL_AT": "8",
+        # torchrun's shared rendezvous store keeps the first attempt's gloo addresses
+        # (pytorch/pytorch#135712): each attempt gets its own store with this setting.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+    result = finished(env, restarts=1)
+    assert result["resumed"] == 6
+    assert_identical(reference, result)
+    with CheckpointStore(env["JOB_STORE"]) as store:
+        assert [store.manifest(s)["generation"] for s in store.steps()] == [0, 0, 1, 1, 1]
 
 
 def test_launch_flag_routes_save_state_and_load_state(

@@ -37,7 +37,8 @@ def launch(env: dict[str, str], restarts: int = 0) -> subprocess.CompletedProces
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--max_restarts", str(restarts), "--monitor_interval", "0.1",
+        *(["--max_restarts", str(restarts), "--monitor_interval", "0.1", "--rdzv_backend",
+           "c10d"] if restarts else []),
         "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(_free_port()),
         str(JOB),
@@ -130,9 +131,11 @@ def test_a_diverged_process_is_repaired_and_the_run_stays_bit_identical(
 def test_a_killed_process_is_restarted_by_the_launcher_and_resumes_exactly(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    """``accelerate launch --max_restarts 1``: process 1 is SIGKILLed at step 8; the launcher
-    restarts both processes, the checkpointer claims a new generation and the run resumes from
-    the newest checkpoint (6) by itself, ending bit-identical to the uninterrupted run."""
+    """``accelerate launch --max_restarts 1 --rdzv_backend c10d`` (the default static
+    rendezvous serves a restarted group the first attempt's keys): process 1 is SIGKILLed at
+    step 8; the launcher restarts both processes, the checkpointer claims a new generation and
+    the run resumes from the newest checkpoint (6) by itself, ending bit-identical to the
+    uninterrupted run."""
     env = {
         "JOB_MODE": "api",
         "JOB_STORE": str(tmp_path / "store"),

@@ -30,6 +30,7 @@ from lightning_incremental.core import (
     SaveHandle,
     Watchdog,
     WatchdogConfig,
+    fencing,
     replicas,
 )
 from lightning_incremental.core.watchdog import watch_job
@@ -166,7 +167,7 @@ class IncrementalCheckpointer:
         )
         self._handles: list[SaveHandle] = []  # the main process's saves not collected yet
         self.generation: int | None = None
-        if accelerator.num_processes > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+        if fencing.should_claim(accelerator.num_processes):
             self.generation = self._claim_generation()
         self._watchdog: Watchdog | None = None
         self._hooks: list[Any] = []
@@ -192,9 +193,8 @@ class IncrementalCheckpointer:
         error: str | None = None
         failure: BaseException | None = None
         if self.accelerator.is_main_process:
-            restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             try:
-                claimed = self.store.claim_generation(int(restarts) if restarts.isdigit() else 0)
+                claimed = self.store.claim_generation(fencing.restart_count())
             except Exception as exc:  # re-raised below, after the other processes learn of it
                 failure, error = exc, f"{type(exc).__name__}: {exc}"
         claimed, error = _broadcast((claimed, error))

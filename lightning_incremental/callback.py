@@ -42,6 +42,7 @@ from lightning_incremental.core import (
     StoreConfig,
     Watchdog,
     WatchdogConfig,
+    fencing,
     replicas,
 )
 from lightning_incremental.core.watchdog import watch_job
@@ -330,7 +331,6 @@ class IncrementalCheckpoint(Checkpoint):
         # Rank 0 opens the store; whatever happens there, every rank learns it through the
         # broadcast below, so a failure never leaves the other ranks waiting in a collective.
         store, error = None, None
-        fenced = trainer.world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ
         if trainer.is_global_zero:
             try:
                 store = self._open_store()
@@ -338,10 +338,10 @@ class IncrementalCheckpoint(Checkpoint):
                 self._newest = steps[-1] if steps else None
                 # A new incarnation of the job fences off the previous ones — unless this run is
                 # about to refuse the store (resume=False on a store in use: not ours to take).
-                if fenced and (self.resume or self._newest is None):
-                    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                    minimum = int(restarts) if restarts.isdigit() else 0
-                    self._generation = store.claim_generation(minimum)  # keeps what is visible
+                if fencing.should_claim(trainer.world_size) and (
+                    self.resume or self._newest is None
+                ):  # the claim keeps what is visible
+                    self._generation = store.claim_generation(fencing.restart_count())
             except Exception as exc:
                 error = exc
                 if store is not None:

@@ -73,6 +73,19 @@ class Fence:
         return f"generation {self.generation} (claimed by host {who[0]} pid {who[1]} at {who[2]})"
 
 
+def should_claim(world_size: int) -> bool:
+    """Whether a job's (re)start claims a generation: when it has several processes, or runs
+    under torchrun (which may restart it)."""
+    return world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def restart_count() -> int:
+    """The elastic launcher's restart count (0 outside torchrun): the least generation a
+    restarted job may claim."""
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(restarts) if restarts.isdigit() else 0
+
+
 def fence_path(generation: int) -> str:
     return f"{FENCE_DIR}/{generation:010d}.json"
 

@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_incremental import _data_position as dp
-from lightning_incremental import _rng
+from lightning_incremental import _loops, _rng
 from lightning_incremental.core import CheckpointError, CheckpointStore
 
 if TYPE_CHECKING:
@@ -76,6 +76,9 @@ class ResumeHook:
         where = f"{self._callback.url} (step {step})"
         rank_zero_info(f"Restoring states from the checkpoint path at {where}")
         self._connector._ckpt_path = where
+        saved = checkpoint.get(KEY)
+        if isinstance(saved, dict) and saved.get("ranks") and saved["ranks"][0].get("boundary"):
+            _loops.between_epochs(checkpoint)  # also what earlier versions saved mid-bookkeeping
         self._connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, None)
 
     def _load_newest(self) -> tuple[int, dict[str, Any]] | None:
@@ -160,6 +163,7 @@ def rank_state(
         "boundary": boundary,
         "batches": 0 if boundary else progress.ready,
         "epoch_start": None if boundary else epoch_record,
+        "logged": _loops.logged_state(trainer, running=not boundary),
     }
 
 
@@ -196,6 +200,7 @@ def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Res
         )
         return None
     state = saved["ranks"][trainer.global_rank]
+    _loops.restore_logged(trainer, state.get("logged"))
     plan = dp.plan(trainer)
     epoch = loop.epoch_progress.current.processed  # type: ignore[attr-defined]
     rng = state["rng"]
@@ -203,18 +208,13 @@ def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Res
         _rng.restore(rng)
         return Restored(None, False, False)
     if state["boundary"]:
+        # Saved between two epochs: the next one starts as it did uninterrupted — Lightning
+        # creates its iterator after the epoch-start hooks, from the restored random states.
         _rng.restore(rng)
-        if loop.restarted_on_epoch_end:
-            # Iteration-based training (max_steps): Lightning first finishes the saved epoch
-            # again (its end hooks), then creates the next epoch's iterator itself.
-            mismatched = dp.set_generator_states(dp.train_loaders(trainer), state["generators"])
-            _report(trainer, [dp.generators_changed(mismatched)] if mismatched else [], plan, 0)
-            return Restored(None, False, False)
-        record = {"torch": rng["torch"], "generators": state["generators"], "iter_created": False}
-        if "cuda" in rng:
-            record["cuda"] = rng["cuda"]
-        _report(trainer, dp.replay(trainer, record, 0, epoch, plan.mode), plan, 0)
-        return Restored(record, True, False)
+        mismatched = dp.set_generator_states(dp.train_loaders(trainer), state["generators"])
+        _loops.start_next_epoch(trainer)
+        _report(trainer, [dp.generators_changed(mismatched)] if mismatched else [], plan, 0)
+        return Restored(None, False, False)
     record, batches = state["epoch_start"], state["batches"]
     if record is None or plan.mode == dp.IMPOSSIBLE:
         _rng.restore(rng)

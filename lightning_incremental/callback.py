@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_incremental import _data_position as dp
+from lightning_incremental import _loops
 from lightning_incremental import _resume as resume
 from lightning_incremental._failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
@@ -209,7 +210,11 @@ class IncrementalCheckpoint(Checkpoint):
         self._in_save = False
         self._save_failed = False
         self._due: str | None = None  # a scheduled save waiting for the next consistent point
-        self._due_at: str | None = None  # "validation" or "epoch_end"
+        # "validation", "epoch_end" (this epoch's end) or "between_epochs" (once Lightning
+        # finished the epoch: the next epoch's start, or the end of training)
+        self._due_at: str | None = None
+        self._finish_restart = False  # resumed mid-epoch: leave Lightning's restart mode
+        self._front: _BetweenEpochs | None = None
         self._step_at_batch_start = -1
         self._last_time = 0.0
         self._epoch_open = False
@@ -317,8 +322,15 @@ class IncrementalCheckpoint(Checkpoint):
         self._check_model_checkpoints(trainer)
         # Run after every other callback, ModelCheckpoint included: the saved state then holds
         # what their hooks for the same event did, and `trainer.checkpoint_callback` stays theirs.
-        others = [cb for cb in _callbacks_of(trainer) if cb is not self]
-        trainer.callbacks = [*others, self]  # type: ignore[attr-defined]
+        # A save due at an epoch's end happens once Lightning has finished that epoch, before
+        # any other callback starts the next one (see `_save_between_epochs`).
+        others = [
+            cb
+            for cb in _callbacks_of(trainer)
+            if cb is not self and not (isinstance(cb, _BetweenEpochs) and cb.owner is self)
+        ]
+        self._front = _BetweenEpochs(self)
+        trainer.callbacks = [self._front, *others, self]  # type: ignore[attr-defined]
         if trainer.fast_dev_run:  # type: ignore[attr-defined]
             rank_zero_info("IncrementalCheckpoint: disabled with fast_dev_run")
             self._disabled = True
@@ -416,6 +428,9 @@ class IncrementalCheckpoint(Checkpoint):
         if self._disabled:
             return
         self._close_warnings_guard()
+        if self._finish_restart:
+            self._finish_restart = False
+            _loops.finish_restart(trainer)
         if self._check_iter:  # did Lightning create this epoch's iterator before or after us?
             self._check_iter = False
             if self._epoch_record is not None:
@@ -448,16 +463,20 @@ class IncrementalCheckpoint(Checkpoint):
             due = self.schedule.time_due(time.monotonic() - self._last_time)
             if trainer.strategy.broadcast(due, src=0):  # rank 0's clock decides for all
                 reason = "time"
+        if reason is None and self.save_on_train_end and _loops.max_steps_reached(trainer):
+            # Training ends here (max_steps), maybe mid-epoch: save before Lightning closes the
+            # partial epoch (its epoch-end hooks and bookkeeping), so that a run extended to
+            # more steps continues this epoch exactly as a longer run would.
+            reason = "train_end"
         if reason is None or step == self._last_saved_step:
             return
-        # Save where a restarted run continues exactly: after this epoch's last batch, at the
-        # epoch's end (so the resumed run starts the next epoch); before a validation, after it
+        # Save where a restarted run continues exactly: after this epoch's last batch, once the
+        # epoch is over (the resumed run starts the next epoch); before a validation, after it
         # (the resumed run skips that validation, but the validation changed random state and
         # the monitoring callbacks' state).
-        epoch_loop, fetcher = trainer.fit_loop.epoch_loop, trainer.fit_loop._data_fetcher
-        if epoch_loop._num_ready_batches_reached():
+        if _loops.epoch_ends_here(trainer):
             self._due, self._due_at = reason, "epoch_end"
-        elif fetcher is not None and epoch_loop._should_check_val_fx(fetcher):
+        elif _loops.validation_follows(trainer):
             self._due, self._due_at = reason, "validation"
         else:
             self._save(trainer, reason, boundary=False)
@@ -494,8 +513,21 @@ class IncrementalCheckpoint(Checkpoint):
         if self.schedule.epoch_due(trainer.current_epoch):
             reason = "epoch"
         if reason is not None and trainer.global_step not in (0, self._last_saved_step):
+            # Not yet: after the callbacks' hook, Lightning still steps ReduceLROnPlateau
+            # schedulers and completes the epoch. A checkpoint taken now would resume into the
+            # middle of that bookkeeping.
+            self._due, self._due_at = reason, "between_epochs"
+        else:
+            self._due = self._due_at = None
+
+    def _save_between_epochs(self, trainer: pl.Trainer) -> None:
+        """The save due at the end of the previous epoch, now that Lightning finished it: the
+        next epoch's start, before any callback or the LightningModule begins it."""
+        if self._disabled or self._due_at != "between_epochs":
+            return
+        reason, self._due, self._due_at = self._due, None, None
+        if reason is not None and trainer.global_step not in (0, self._last_saved_step):
             self._save(trainer, reason, boundary=True)
-        self._due = self._due_at = None
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -503,7 +535,7 @@ class IncrementalCheckpoint(Checkpoint):
             return
         step = trainer.global_step
         if (self.save_on_train_end or self._due) and step not in (0, self._last_saved_step):
-            self._save(trainer, "train_end", boundary=not self._epoch_open)
+            self._save(trainer, self._due or "train_end", boundary=not self._epoch_open)
         assert self._saver is not None
         self._saver.collect(block=True)
         report = trainer.strategy.broadcast(self._saver.failure_report(), src=0)
@@ -624,6 +656,7 @@ class IncrementalCheckpoint(Checkpoint):
         self._epoch_record = restored.epoch_record
         self._skip_epoch_record = restored.recreated and not restored.mid_epoch
         self._epoch_open = restored.mid_epoch
+        self._finish_restart = restored.mid_epoch
         if restored.mid_epoch and restored.epoch_record is not None:
             # Lightning warns that a plain dataloader restarts its epoch: here it does not.
             self._warnings_guard = warnings.catch_warnings()
@@ -674,6 +707,24 @@ class IncrementalCheckpoint(Checkpoint):
         loaded), a store to close after reading elsewhere. Used by ResumeHook."""
         store = self._saver.store if self._saver is not None else None
         return store if store is not None else self._open_store()
+
+
+class _BetweenEpochs(Callback):
+    """Runs first among the trainer's callbacks, to take the checkpoint due at an epoch's end
+    once Lightning finished that epoch and before anything begins the next one (it holds no
+    state; ``IncrementalCheckpoint`` adds it to the trainer in ``setup``)."""
+
+    def __init__(self, owner: IncrementalCheckpoint) -> None:
+        self.owner = owner
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return f"{type(self).__qualname__}[{self.owner.state_key}]"
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.owner._save_between_epochs(trainer)
 
 
 def replicated_state(trainer: pl.Trainer) -> dict[str, Any]:

@@ -9,8 +9,9 @@ the runs that need their own processes:
   an uninterrupted reference in ``D/ref`` and writes ``O/result.json``.
 * ``python tests/lightning_job.py ddp --dir D --out O``: DDP with 2 CPU ranks (gloo), launched by
   Lightning's own launcher (it re-runs this command for rank 1). In one launch: an uninterrupted
-  reference, a run interrupted mid-epoch and resumed, a run interrupted after an epoch-boundary
-  checkpoint and resumed; every rank writes its final weights to ``O/<run>_rank<r>.pt``.
+  reference, a run interrupted mid-epoch and resumed, runs interrupted after an epoch-boundary
+  checkpoint and resumed (epoch- and step-limited); every rank writes its final weights to
+  ``O/<run>_rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -227,12 +228,14 @@ def _ddp(args: argparse.Namespace) -> None:
     module, trainer, _ = fit(root / "ref", trainer=ddp, every_n_train_steps=0)
     save("ref", module, trainer)
     # Each rank reads 4 batches per epoch (its half of the data, Lightning's DistributedSampler).
-    for name, crash_at, schedule in (
-        ("mid", 10, {"every_n_train_steps": 3}),  # resumes from step 9: batch 1 of epoch 2
-        ("epoch", 7, {"every_n_epochs": 1}),  # resumes from step 4: the end of epoch 0
+    steps = {**ddp, "max_steps": 12, "max_epochs": -1}  # the same 12 steps, iteration-based
+    for name, crash_at, options, schedule in (
+        ("mid", 10, ddp, {"every_n_train_steps": 3}),  # resumes from step 9: batch 1 of epoch 2
+        ("epoch", 7, ddp, {"every_n_epochs": 1}),  # resumes from step 4: the end of epoch 0
+        ("epoch_steps", 11, steps, {"every_n_epochs": 1}),  # from step 8: the end of epoch 1
     ):
-        fit(root / name, crash_at=crash_at, trainer=ddp, **schedule)
-        module, trainer, ckpt = fit(root / name, trainer=ddp, **schedule)
+        fit(root / name, crash_at=crash_at, trainer=options, **schedule)
+        module, trainer, ckpt = fit(root / name, trainer=options, **schedule)
         save(name, module, trainer)
         resumed[name] = ckpt.resumed_from
     if trainer.is_global_zero:

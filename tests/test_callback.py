@@ -251,10 +251,11 @@ def test_ddp_two_ranks_resume_bit_identical(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert json.loads((out / "result.json").read_text()) == {"resumed_from": {"mid": 9, "epoch": 4}}
+    resumed = {"mid": 9, "epoch": 4, "epoch_steps": 8}
+    assert json.loads((out / "result.json").read_text()) == {"resumed_from": resumed}
     assert "resumed mid-epoch 2: skipped the 1 batches" in done.stderr
     expected = torch.load(out / "ref_rank0.pt")
-    for name in ("ref", "mid", "epoch"):
+    for name in ("ref", "mid", "epoch", "epoch_steps"):
         for rank in (0, 1):
             assert_bit_identical(torch.load(out / f"{name}_rank{rank}.pt"), expected)
 

@@ -84,6 +84,16 @@ class LoaderPosition:
             "generators": dict(self._generator_states),
         }
 
+    def at_epoch_end(self) -> bool:
+        """Whether the loop holds the epoch's last batch (the loader's length is known and every
+        batch of the epoch was handed out)."""
+        if self.consumed is None:
+            return False
+        try:
+            return self.consumed >= len(self.loader)
+        except TypeError:  # no length (an iterable dataset)
+            return False
+
     def restore(self, state: dict[str, Any]) -> None:
         """Arrange for the next ``iterate`` to continue the saved epoch where it stood.
 

@@ -161,6 +161,7 @@ class IncrementalCheckpointer:
         )
         self._positions: dict[int, LoaderPosition] = {}
         self._saved_rng: dict[str, Any] | None = None  # this process's RNG at the loaded save
+        self._deferred: int | None = None  # a save due at an epoch's last batch, taken later
         self.max_consecutive_failures = max_consecutive_failures
         self._failures = FailurePolicy(
             "IncrementalCheckpointer", str(self.store.url), max_consecutive_failures
@@ -223,13 +224,27 @@ class IncrementalCheckpointer:
         return self._save(step, self.accelerator.project_configuration.iteration, metadata)
 
     def maybe_save(self, step: int) -> SaveHandle | None:
-        """:meth:`save` when ``step`` is a positive multiple of ``every_n_steps``; else None."""
+        """:meth:`save` when ``step`` is a positive multiple of ``every_n_steps``; else None.
+
+        A save due right after the last batch of an epoch read through :meth:`iterate` is taken
+        once that epoch is over — when the next :meth:`iterate` starts, or at :meth:`wait` /
+        :meth:`close` — so it holds the epoch's end work too (an epoch-interval scheduler step,
+        an evaluation) and a resumed run starts the next epoch, whatever its loop looks like
+        (``while loader.iteration < epochs`` or ``for epoch in range(start, epochs)``)."""
         _check_step(step)
         if self._watchdog is not None:
             self._watchdog.progress(step)
         if self.every_n_steps is None or step <= 0 or step % self.every_n_steps:
             return None
+        if any(position.at_epoch_end() for position in self._positions.values()):
+            self._deferred = step
+            return None
         return self.save(step)
+
+    def _save_deferred(self) -> None:
+        step, self._deferred = self._deferred, None
+        if step is not None:
+            self.save(step)
 
     def _save(
         self, step: int, iteration: int, metadata: dict[str, Any] | None
@@ -323,6 +338,7 @@ class IncrementalCheckpointer:
         Raises:
             CheckpointError: ``max_consecutive_failures`` saves in a row failed.
         """
+        self._save_deferred()
         self._settle(block=True, everywhere=False)
         self.store.wait()
 
@@ -449,6 +465,7 @@ class IncrementalCheckpointer:
             if self._saved_rng is not None:
                 _rng.restore(self._saved_rng)
 
+        self._save_deferred()  # the previous epoch is over, the next one not begun
         dog = self._watchdog
         for batch in position.iterate(self.accelerator.skip_first_batches, restore_now):
             if dog is not None:
@@ -483,6 +500,8 @@ class IncrementalCheckpointer:
         if dog is not None:
             dog.stop(finished=finished)
         try:
+            if finished:
+                self._save_deferred()
             self._settle(block=True, everywhere=False)
         finally:
             self.store.close()

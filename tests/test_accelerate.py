@@ -482,3 +482,47 @@ def test_single_process_accelerator_in_multi_process_launch_refused(
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"WORLD_SIZE=2.*Accelerator\(cpu=True\)"):
         IncrementalCheckpointer(acc, str(tmp_path / "s"))
+
+
+def train_epochs(ckpt: IncrementalCheckpointer, run: Run, style: str, *, stop_at: int = -1) -> int:
+    """Three epochs with ``maybe_save`` after every batch and work at each epoch's end (an
+    epoch-interval scheduler step, random draws), in the loop style of many scripts:
+    ``while loader.iteration < 3`` or ``for epoch in range(step // len(loader), 3)``. Returns
+    the step reached (stopping early, after the newest save committed, at ``stop_at``)."""
+    step = run.counter.value
+    epochs = iter(range(step // len(run.loader), 3)) if style == "range" else None
+    while (next(epochs, None) is not None) if epochs else run.loader.iteration < 3:
+        for x, y in ckpt.iterate(run.loader):
+            run.step(x, y)
+            step = run.counter.value
+            ckpt.maybe_save(step)
+            if step == stop_at:
+                ckpt.wait()
+                return step
+        run.sched.step()
+        torch.rand(3)
+    ckpt.wait()
+    return step
+
+
+@pytest.mark.parametrize("style", ["while", "range"])
+def test_checkpoint_at_an_epochs_last_batch_resumes_into_the_next_epoch(
+    tmp_path: Path, style: str
+) -> None:
+    """A save due at an epoch's last batch is taken once the epoch's end work ran (at the next
+    iterate), so a run interrupted after it resumes exactly, whatever the loop looks like."""
+    ref = make_run()
+    with IncrementalCheckpointer(ref.acc, str(tmp_path / "ref"), every_n_steps=6) as ckpt:
+        train_epochs(ckpt, ref, style)
+        assert ckpt.steps() == [6, 12, 18]
+    final = weights(ref)
+    for attempt in range(2):  # interrupted at step 8 (after the save of step 6), then resumed
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        run = make_run()
+        ckpt = IncrementalCheckpointer(run.acc, str(tmp_path / "run"), every_n_steps=6)
+        resumed = ckpt.load()
+        assert resumed == (None if attempt == 0 else 6)
+        train_epochs(ckpt, run, style, stop_at=8 if attempt == 0 else -1)
+        ckpt.close()
+    assert same(final, weights(run))

@@ -15,12 +15,14 @@ predict(ckpt_path=...)`` checks that the file exists). So each path stays a real
 - each save becomes the next step of that store: steps are a sequence number (0, 1, 2, ...),
   not the global step, because ModelCheckpoint saves the same global step under several names
   (a top-k file and ``last.ckpt``); the second save costs a manifest, since nothing changed;
-- at the path Lightning asked for, a small JSON *pointer file* names the store (relative to the
-  pointer's own directory, so a checkpoint directory can be moved or copied whole) and the step::
+- at the path Lightning asked for, a small *pointer file* names the store (relative to the
+  pointer's own directory, so a checkpoint directory can be moved or copied whole) and the step:
+  a short header that makes ``torch.load`` fail saying what the file is and how to load it
+  (:mod:`lightning_incremental._pointers`), then the JSON document::
 
       {"format": "lightning-incremental-pointer", "version": 1, "store": ".incremental",
        "step": 7, "id": "<32 hex digits>", "global_step": 400, "epoch": 3,
-       "previous": 5, "previous_id": "<32 hex digits>"}
+       "previous": 5, "previous_id": "<32 hex digits>", "writer": {"host": ..., "pid": ...}}
 
   It is written by ``save_checkpoint`` itself, as soon as the engine has snapshotted the state
   and before the step commits, atomically (a temporary file renamed into place on local disks,
@@ -29,11 +31,14 @@ predict(ckpt_path=...)`` checks that the file exists). So each path stays a real
   of the pointer it replaced (the same path's older checkpoint); that step is kept until the
   new one commits, and released only then.
 - a pointer whose step has not committed is *pending*. Loading it waits for the save when this
-  process is making it. Otherwise the save never committed (its process crashed between the
-  pointer and the commit, or the save failed): the load falls back to ``previous`` when that is
-  committed, with a warning naming both steps, and else raises ``CheckpointNotFoundError``
-  saying that the save to that path never committed. A save that fails in the background also
-  puts the replaced pointer file back (or removes its own, when it replaced none).
+  process is making it, through this plug-in instance or another (a second ``Trainer``): every
+  save is registered in :mod:`lightning_incremental.core.inflight` under its store. Otherwise
+  another process is still writing it (its ``writer`` is alive), or the save never committed
+  (its writer died between the pointer and the commit, or the save failed): the load falls back
+  to ``previous`` when that is committed, with a warning naming both steps and which case it
+  is, and else raises ``CheckpointNotFoundError`` saying so. A save that fails in the
+  background also puts the replaced pointer file back (or removes its own, when it replaced
+  none).
 
 ``load_checkpoint(path)`` reads the pointer, validates it (format, version, a store name that
 cannot leave the directory, an id that the step's manifest must record) and returns the complete
@@ -65,10 +70,15 @@ they fail) — never lost. A save that failed to commit (storage error, full dis
 warned about there, and training goes on from the previous checkpoint (the save's file keeps
 naming it); ``max_consecutive_failures`` failed saves in a row raise ``CheckpointError`` instead.
 Other background errors (releasing a replaced step) are raised. ``teardown`` waits for every
-pending save to commit and closes the stores; the plug-in reopens them on next use. After
-calling ``trainer.save_checkpoint`` outside of a Trainer stage, call
-:meth:`IncrementalCheckpointIO.wait` to be sure the checkpoint committed before another process
-reads it.
+pending save to commit and closes the stores; the plug-in reopens them on next use.
+``trainer.save_checkpoint`` called outside of a running stage (after ``fit``) is synchronous: it
+returns once the checkpoint committed (raising if it failed), as callers of ``save_checkpoint``
+rely on, and closes the stores.
+
+Threads: the plug-in's background thread and the stores' threads run only while there is work
+(:class:`~lightning_incremental.core.workers.WorkerPool`: daemon threads that end after a short
+idle time; saves in flight at interpreter exit are finished by an exit hook). ``teardown``,
+:meth:`IncrementalCheckpointIO.close` and a save outside of a stage end them at once.
 
 What is covered
 ---------------

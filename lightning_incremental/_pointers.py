@@ -167,6 +167,37 @@ class Pointer:
         }
         return HEADER + (json.dumps(body, indent=1) + "\n").encode()
 
+    def why_uncommitted(self) -> str:
+        """Why the step this pointer names is not committed, no save of this process being in
+        flight: says whether its writer is still running, died, or cannot be checked. Finishes
+        "<path> names step 7 of <store>, which ..."."""
+        writer = self.writer
+        if writer is None:  # written by an earlier version
+            return (
+                "never committed (the process saving it crashed, the save failed, or another "
+                "process is still writing it)"
+            )
+        state = writer.state()
+        if state == "this process":
+            return (
+                "never committed: its save failed in this process (the error was reported when it "
+                "failed)"
+            )
+        if state == "running":
+            return (
+                f"is not committed yet: its writer, {writer.describe()}, is still running (still "
+                "writing it, or hung); load it again once that process's save_checkpoint returned"
+            )
+        if state == "dead":
+            return (
+                f"never committed: its writer died ({writer.describe()} exited before the "
+                "checkpoint committed)"
+            )
+        return (
+            f"is not committed: either not yet ({writer.describe()} is still writing it) or never "
+            "(that process died or its save failed); this host cannot tell which"
+        )
+
     @classmethod
     def parse(cls, data: bytes, where: str) -> Pointer:
         """Raises: PointerError, FormatVersionError."""

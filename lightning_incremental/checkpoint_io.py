@@ -115,7 +115,6 @@ import io
 import logging
 import os
 import pickle
-import sys
 import threading
 import uuid
 import warnings
@@ -147,6 +146,7 @@ from lightning_incremental._pointers import (
     looks_like_pointer,
     valid_store_name,
 )
+from lightning_incremental._trainer import MATERIALIZE, marks_of, trainer_stage_running
 from lightning_incremental.core import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -163,8 +163,6 @@ log = logging.getLogger(__name__)
 
 # not pickled
 _RUNTIME = ("_lock", "_stores", "_executor", "_jobs", "_pending", "_failures", "_marks")
-
-_MATERIALIZE = ("best", "last")
 
 __all__ = ["IncrementalCheckpointIO", "NotATorchCheckpointError", "PointerError"]
 
@@ -382,8 +380,8 @@ class IncrementalCheckpointIO(CheckpointIO):
         entry.saving.append(job)
         with self._lock:
             self._pending[target.key] = job
-            self._marks.update(_marks_of(checkpoint))
-        if _trainer_stage_running() is False:
+            self._marks.update(marks_of(checkpoint))
+        if trainer_stage_running() is False:
             self._finish_now(job, failure, target, step, entry)
 
     def _finish_now(
@@ -656,7 +654,7 @@ class IncrementalCheckpointIO(CheckpointIO):
             missing = exc
         # The step the pointer names is not committed, and no save of this process is writing
         # it: another process is still writing it, or its writer died or failed.
-        why = _uncommitted(pointer)
+        why = pointer.why_uncommitted()
         if pointer.previous is not None:
             try:
                 self._check_step(
@@ -1025,37 +1023,6 @@ def _to_cpu(storage: Any, location: str) -> Any:
     return storage
 
 
-def _uncommitted(pointer: Pointer) -> str:
-    """Why the step ``pointer`` names is not committed (no save of this process is in flight):
-    finishes "... step 7 of <store>, which ..."."""
-    writer = pointer.writer
-    if writer is None:  # written by an earlier version
-        return (
-            "never committed (the process saving it crashed, the save failed, or another "
-            "process is still writing it)"
-        )
-    state = writer.state()
-    if state == "this process":
-        return (
-            "never committed: its save failed in this process (the error was reported when it "
-            "failed)"
-        )
-    if state == "running":
-        return (
-            f"is not committed yet: its writer, {writer.describe()}, is still running (still "
-            "writing it, or hung); load it again once that process's save_checkpoint returned"
-        )
-    if state == "dead":
-        return (
-            f"never committed: its writer died ({writer.describe()} exited before the "
-            "checkpoint committed)"
-        )
-    return (
-        f"is not committed: either not yet ({writer.describe()} is still writing it) or never "
-        "(that process died or its save failed); this host cannot tell which"
-    )
-
-
 def _materialize_option(value: Any) -> tuple[str, ...]:
     """``materialize`` as the tuple of kinds it asks for (empty: off).
 
@@ -1065,54 +1032,12 @@ def _materialize_option(value: Any) -> tuple[str, ...]:
     if value is False or value is None:
         return ()
     if value is True:
-        return _MATERIALIZE
+        return MATERIALIZE
     kinds = (value,) if isinstance(value, str) else value
     if not isinstance(kinds, (tuple, list, set, frozenset)) or not all(
-        k in _MATERIALIZE for k in kinds
+        k in MATERIALIZE for k in kinds
     ):
         raise ConfigError(
             f"materialize must be True, False, 'best', 'last' or a list of them, got {value!r}"
         )
-    return tuple(k for k in _MATERIALIZE if k in kinds)
-
-
-def _marks_of(checkpoint: Any) -> dict[str, dict[str, str]]:
-    """ModelCheckpoint's ``best_model_path`` / ``last_model_path`` in a Lightning checkpoint
-    dict (its ``callbacks`` section), per callback state key."""
-    callbacks = checkpoint.get("callbacks") if isinstance(checkpoint, dict) else None
-    found: dict[str, dict[str, str]] = {}
-    if not isinstance(callbacks, dict):
-        return found
-    for key, value in callbacks.items():
-        if not isinstance(value, dict):
-            continue
-        paths = {
-            kind: value[f"{kind}_model_path"]
-            for kind in _MATERIALIZE
-            if isinstance(value.get(f"{kind}_model_path"), str) and value[f"{kind}_model_path"]
-        }
-        if paths:
-            found[str(key)] = paths
-    return found
-
-
-def _trainer_stage_running() -> bool | None:
-    """Whether the ``Trainer.save_checkpoint`` call this save comes from happens while the
-    trainer runs ``fit/validate/test/predict``; None when the save does not come from
-    ``Trainer.save_checkpoint`` (a direct call, a strategy's launcher).
-
-    Lightning gives a ``CheckpointIO`` no view of the trainer, so the call's own frame is read:
-    the innermost ``Trainer.save_checkpoint`` frame on this thread's stack and its ``self``.
-    """
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.trainer.states import TrainerStatus
-
-    code = Trainer.save_checkpoint.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            trainer = frame.f_locals.get("self")
-            if isinstance(trainer, Trainer):
-                return bool(trainer.state.status == TrainerStatus.RUNNING)
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return tuple(k for k in MATERIALIZE if k in kinds)

@@ -102,15 +102,21 @@ def check_optimizer(index: int, optimizer: Any, saved: dict[str, Any]) -> None:
                 )
 
 
-def check_compatible(accelerator: Any, state: dict[str, Any], fmt: str) -> None:
-    """Raises ValueError when ``state`` is not a checkpoint of this accelerator's layout."""
+def check_compatible(
+    accelerator: Any, state: dict[str, Any], fmt: str, models: list[Any] | None = None
+) -> None:
+    """Raises ValueError when ``state`` is not a checkpoint of this accelerator's layout.
+    ``models``: the models the checkpoint's weights go to (default: every prepared model; fewer
+    when a load pre-hook loaded some itself)."""
+    if models is None:
+        models = list(accelerator._models)
     if not isinstance(state, dict) or state.get("format") != fmt:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(
             f"not an accelerate_incremental checkpoint (format {found!r}, expected {fmt!r}); "
             "was it written by another adapter?"
         )
-    _count("prepared models", len(state["models"]), len(accelerator._models))
+    _count("prepared models", len(state["models"]), len(models))
     _count("prepared optimizers", len(state["optimizers"]), len(accelerator._optimizers))
     _count("prepared schedulers", len(state["schedulers"]), len(accelerator._schedulers))
     _count(
@@ -127,7 +133,7 @@ def check_compatible(accelerator: Any, state: dict[str, Any], fmt: str) -> None:
         )
     loaders = len(state["processes"][accelerator.process_index]["loaders"])
     _count("prepared DataLoaders", loaders, len(accelerator._dataloaders))
-    for i, (model, weights) in enumerate(zip(accelerator._models, state["models"], strict=True)):
+    for i, (model, weights) in enumerate(zip(models, state["models"], strict=True)):
         check_model(i, accelerator.unwrap_model(model), weights)
     for i, (opt, saved) in enumerate(
         zip(accelerator._optimizers, state["optimizers"], strict=True)

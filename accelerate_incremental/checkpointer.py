@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accelerate_incremental import _layout
+from accelerate_incremental import _hooks, _layout
 from accelerate_incremental._position import LoaderPosition
 from lightning_incremental import _rng
 from lightning_incremental._failures import (
@@ -247,7 +247,11 @@ class IncrementalCheckpointer:
             self.save(step)
 
     def _save(
-        self, step: int, iteration: int, metadata: dict[str, Any] | None
+        self,
+        step: int,
+        iteration: int,
+        metadata: dict[str, Any] | None,
+        weights: list[dict[str, Any]] | None = None,  # the models' state dicts, after the hooks
     ) -> SaveHandle | None:
         _check_step(step)
         if self._watchdog is not None:
@@ -270,7 +274,9 @@ class IncrementalCheckpointer:
             return None
         state = {
             "format": FORMAT,
-            "models": [acc.unwrap_model(m).state_dict() for m in acc._models],
+            "models": weights
+            if weights is not None
+            else [acc.unwrap_model(m).state_dict() for m in acc._models],
             "optimizers": [opt.state_dict() for opt in acc._optimizers],
             "schedulers": [s.state_dict() for s in acc._schedulers],
             "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
@@ -344,7 +350,7 @@ class IncrementalCheckpointer:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self) -> int | None:
+    def load(self, *, _pre_hooks: Any = None) -> int | None:
         """Restore the newest committed checkpoint into the prepared objects on every process and
         return its step; None (nothing restored) when the store has no checkpoint.
 
@@ -382,8 +388,10 @@ class IncrementalCheckpointer:
             return None
         if state is None:
             state = self.store.load(step, map_location="cpu")
-        _layout.check_compatible(acc, state, FORMAT)
-        for model, weights in zip(acc._models, state["models"], strict=True):
+        # Accelerate's load pre-hooks: before the weights, which go to the models they leave
+        models = list(acc._models) if _pre_hooks is None else _pre_hooks(step)
+        _layout.check_compatible(acc, state, FORMAT, models)
+        for model, weights in zip(models, state["models"], strict=True):
             acc.unwrap_model(model).load_state_dict(weights)
         for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(opt_state)
@@ -411,8 +419,15 @@ class IncrementalCheckpointer:
         ``save_state`` saves checkpoint ``project_configuration.iteration``, waits for its commit
         (Accelerate's save_state is synchronous too) and increments the iteration (as Accelerate
         does); ``load_state`` restores the newest checkpoint and returns its step (None
-        when the store is empty). Both accept and ignore Accelerate's directory and serialization
-        arguments. :meth:`release` puts the original methods back.
+        when the store is empty). Both accept and ignore Accelerate's serialization arguments;
+        the directory is ignored too, unless pre-hooks are registered
+        (``register_save_state_pre_hook`` / ``register_load_state_pre_hook``): they run as
+        Accelerate runs them, with the checkpoint directory (see
+        :mod:`accelerate_incremental._hooks`). :meth:`release` puts the original methods back.
+
+        Raises (from the taken-over methods):
+            ValueError: pre-hooks are registered and there is no checkpoint directory for them
+                (no ``output_dir`` / ``input_dir`` and no automatic checkpoint naming).
         """
         acc = self.accelerator
         if getattr(acc, "_incremental_checkpointer", None) is not None:
@@ -420,14 +435,17 @@ class IncrementalCheckpointer:
 
         def save_state(output_dir: Any = None, *args: Any, **kwargs: Any) -> str:
             iteration = acc.project_configuration.iteration
-            self._save(iteration, iteration + 1, None)
+            weights = None
+            if _hooks.save_hooks(acc):
+                weights = _hooks.run_save_hooks(acc, output_dir, iteration)
+            self._save(iteration, iteration + 1, None, weights)
             self._settle(block=True)  # on every process: all warn or raise alike
             self.store.wait()
             acc.project_configuration.iteration = iteration + 1
             return str(self.store.url)
 
         def load_state(input_dir: Any = None, *args: Any, **kwargs: Any) -> int | None:
-            return self.load()
+            return self.load(_pre_hooks=_hooks.load_hooks_for(acc, input_dir))
 
         acc.save_state = save_state
         acc.load_state = load_state

@@ -16,6 +16,7 @@ from lightning_incremental.core import CheckpointStore, StoreConfig
 _LAZY: dict[str, str] = {
     "IncrementalCheckpoint": "lightning_incremental.callback",
     "IncrementalCheckpointIO": "lightning_incremental.checkpoint_io",
+    "load_from_checkpoint": "lightning_incremental.loading",
 }
 
 __all__ = ["CheckpointStore", "StoreConfig", "__version__", *_LAZY]

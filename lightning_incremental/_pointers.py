@@ -21,16 +21,38 @@ step is kept until the new one commits, and a reader that finds the named step n
 (the writer crashed, or its save failed) falls back to it. Both fields are optional additions to
 version 1: older pointers without them still parse, and older readers ignore them.
 
-Pointer files are JSON objects (first byte ``{``); ``torch.save`` files start with a zip or
-pickle header, so the two are told apart by their first bytes.
+``writer`` (optional, null when absent) names the process that wrote the pointer (``host``,
+``pid``): a reader that finds the step not committed tells "not committed yet, its writer is still
+running" from "its writer died" by it.
+
+The first bytes
+---------------
+Tools that expect a ``torch.save`` file (``torch.load``, ``LightningModule.load_from_checkpoint``)
+open pointer files too. So a pointer file starts with :data:`HEADER`, a five-line pickle program
+that only raises an error saying what the file is and how to load it, followed by the JSON
+document::
+
+    clightning_incremental._pointers
+    not_a_torch_checkpoint
+    (VThis file is a lightning-incremental pointer file, not a torch.save checkpoint: ...
+    tR.{"format": "lightning-incremental-pointer", "version": 1, ...}
+
+``torch.load(path)`` (``weights_only=True``) fails with "Unsupported global: GLOBAL
+lightning_incremental._pointers.not_a_torch_checkpoint"; ``torch.load(path, weights_only=False)``
+raises :class:`NotATorchCheckpointError` with the message (or, without this library installed,
+"No module named 'lightning_incremental'"). Nothing else runs. The reader skips the header; files
+without it (the plain JSON object written by earlier versions) still load. ``torch.save`` files
+start with a zip or a binary pickle header, so the two kinds are told apart by their first bytes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import posixpath
 import re
+import socket
 import uuid
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -51,10 +73,68 @@ _TMP_SUFFIX = ".li-tmp"  # not ".ckpt": Lightning's "last*.ckpt" search never se
 _TMP = re.compile(r"^\..*\.[0-9a-f]{32}\.li-tmp$")
 _ID = re.compile(r"^[0-9a-f]{32}$")
 
+HOW_TO_LOAD = (
+    "This file is a lightning-incremental pointer file, not a torch.save checkpoint: it names a "
+    "checkpoint in the incremental store next to it (the .incremental directory). Load it with "
+    "lightning_incremental.load_from_checkpoint(MyModel, path) instead of "
+    "MyModel.load_from_checkpoint(path), with IncrementalCheckpointIO().load_checkpoint(path), "
+    "or with Trainer(plugins=[IncrementalCheckpointIO()]) and ckpt_path=path. For plain .ckpt "
+    "files of the best and last checkpoints use IncrementalCheckpointIO(materialize=True); for "
+    "any checkpoint, the command: lightning-incremental export."
+)
+#: The first bytes of every pointer file: a pickle program (protocol 0) calling
+#: :func:`not_a_torch_checkpoint` with :data:`HOW_TO_LOAD`, so ``torch.load`` fails saying so.
+HEADER = f"c{__name__}\nnot_a_torch_checkpoint\n(V{HOW_TO_LOAD}\ntR.".encode("ascii")
+_HEADER_START = HEADER[: HEADER.index(b"\n") + 1]  # "clightning_incremental._pointers\n"
+_HEADER_END = b"\ntR."
+HEAD_BYTES = 64  # enough of a file to tell a pointer from a torch.save file
+
 
 class PointerError(CorruptCheckpointError):
     """A pointer file that is malformed, names a store outside its own directory, or names a
     checkpoint of another history."""
+
+
+class NotATorchCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """A pointer file was opened with ``torch.load`` (or ``pickle``), which cannot read it."""
+
+
+def not_a_torch_checkpoint(message: str) -> None:
+    """What unpickling a pointer file calls (see :data:`HEADER`): it only raises.
+
+    Raises:
+        NotATorchCheckpointError: always, with ``message`` (how to load the file).
+    """
+    raise NotATorchCheckpointError(message)
+
+
+@dataclass(frozen=True)
+class Writer:
+    """The process that wrote a pointer file."""
+
+    host: str
+    pid: int
+
+    @classmethod
+    def this_process(cls) -> Writer:
+        return cls(socket.gethostname(), os.getpid())
+
+    def state(self) -> str:
+        """``"this process"``, ``"running"``, ``"dead"`` or ``"unknown"`` (another host)."""
+        if self.host != socket.gethostname():
+            return "unknown"
+        if self.pid == os.getpid():
+            return "this process"
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return "dead"
+        except OSError:  # exists, owned by another user
+            return "running"
+        return "running"
+
+    def describe(self) -> str:
+        return f"process {self.pid} on {self.host}"
 
 
 @dataclass(frozen=True)
@@ -68,6 +148,7 @@ class Pointer:
     epoch: int | None = None
     previous: int | None = None  # the step of the pointer this one replaced, kept until commit
     previous_id: str | None = None
+    writer: Writer | None = None  # the process that wrote it
 
     def dumps(self) -> bytes:
         body = {
@@ -80,8 +161,42 @@ class Pointer:
             "epoch": self.epoch,
             "previous": self.previous,
             "previous_id": self.previous_id,
+            "writer": None
+            if self.writer is None
+            else {"host": self.writer.host, "pid": self.writer.pid},
         }
-        return (json.dumps(body, indent=1) + "\n").encode()
+        return HEADER + (json.dumps(body, indent=1) + "\n").encode()
+
+    def why_uncommitted(self) -> str:
+        """Why the step this pointer names is not committed, no save of this process being in
+        flight: says whether its writer is still running, died, or cannot be checked. Finishes
+        "<path> names step 7 of <store>, which ..."."""
+        writer = self.writer
+        if writer is None:  # written by an earlier version
+            return (
+                "never committed (the process saving it crashed, the save failed, or another "
+                "process is still writing it)"
+            )
+        state = writer.state()
+        if state == "this process":
+            return (
+                "never committed: its save failed in this process (the error was reported when it "
+                "failed)"
+            )
+        if state == "running":
+            return (
+                f"is not committed yet: its writer, {writer.describe()}, is still running (still "
+                "writing it, or hung); load it again once that process's save_checkpoint returned"
+            )
+        if state == "dead":
+            return (
+                f"never committed: its writer died ({writer.describe()} exited before the "
+                "checkpoint committed)"
+            )
+        return (
+            f"is not committed: either not yet ({writer.describe()} is still writing it) or never "
+            "(that process died or its save failed); this host cannot tell which"
+        )
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> Pointer:
@@ -91,7 +206,7 @@ class Pointer:
                 f"{where} is not a valid pointer file: larger than {MAX_POINTER_BYTES}"
             )
         try:
-            doc = json.loads(data.decode("utf-8"))
+            doc = json.loads(document(data).decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise PointerError(f"{where} is not a valid pointer file: {exc}") from exc
         if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
@@ -136,7 +251,24 @@ class Pointer:
             raise PointerError(
                 f"{where}: 'previous_id' must be 32 hex digits or null, got {previous_id!r}"
             )
-        return cls(store, step, ident, **progress, previous=previous, previous_id=previous_id)
+        writer = doc.get("writer")
+        if writer is not None and not (
+            isinstance(writer, dict)
+            and isinstance(writer.get("host"), str)
+            and is_int(writer.get("pid"))
+        ):
+            raise PointerError(
+                f"{where}: 'writer' must be null or {{'host': str, 'pid': int}}, got {writer!r}"
+            )
+        return cls(
+            store,
+            step,
+            ident,
+            **progress,
+            previous=previous,
+            previous_id=previous_id,
+            writer=None if writer is None else Writer(writer["host"], writer["pid"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -208,7 +340,7 @@ class CheckpointFile:
         """The first bytes of the file; None when there is no file."""
         try:
             with self.fs.open(self.path, "rb") as fh:
-                return bytes(fh.read(16))
+                return bytes(fh.read(HEAD_BYTES))
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
 
@@ -305,8 +437,24 @@ class CheckpointFile:
 
 
 def looks_like_pointer(head: bytes) -> bool:
-    """Pointer files are JSON objects; torch.save files start with a zip or pickle header."""
-    return head.lstrip()[:1] == b"{"
+    """Pointer files start with :data:`HEADER` (or, written by earlier versions, are a JSON
+    object); torch.save files start with a zip or binary pickle header. ``head``: at least
+    :data:`HEAD_BYTES` bytes of the file (or all of it)."""
+    return head.startswith(_HEADER_START) or head.lstrip()[:1] == b"{"
+
+
+def document(data: bytes) -> bytes:
+    """The JSON document of a pointer file: ``data`` without its :data:`HEADER`.
+
+    Raises:
+        PointerError: the header is not terminated.
+    """
+    if not data.startswith(_HEADER_START):
+        return data  # written by an earlier version: JSON only
+    end = data.find(_HEADER_END)
+    if end < 0:
+        raise PointerError("a pointer file whose header is cut off (a truncated copy?)")
+    return data[end + len(_HEADER_END) :]
 
 
 def valid_store_name(name: str) -> bool:

@@ -15,12 +15,14 @@ predict(ckpt_path=...)`` checks that the file exists). So each path stays a real
 - each save becomes the next step of that store: steps are a sequence number (0, 1, 2, ...),
   not the global step, because ModelCheckpoint saves the same global step under several names
   (a top-k file and ``last.ckpt``); the second save costs a manifest, since nothing changed;
-- at the path Lightning asked for, a small JSON *pointer file* names the store (relative to the
-  pointer's own directory, so a checkpoint directory can be moved or copied whole) and the step::
+- at the path Lightning asked for, a small *pointer file* names the store (relative to the
+  pointer's own directory, so a checkpoint directory can be moved or copied whole) and the step:
+  a short header that makes ``torch.load`` fail saying what the file is and how to load it
+  (:mod:`lightning_incremental._pointers`), then the JSON document::
 
       {"format": "lightning-incremental-pointer", "version": 1, "store": ".incremental",
        "step": 7, "id": "<32 hex digits>", "global_step": 400, "epoch": 3,
-       "previous": 5, "previous_id": "<32 hex digits>"}
+       "previous": 5, "previous_id": "<32 hex digits>", "writer": {"host": ..., "pid": ...}}
 
   It is written by ``save_checkpoint`` itself, as soon as the engine has snapshotted the state
   and before the step commits, atomically (a temporary file renamed into place on local disks,
@@ -29,11 +31,14 @@ predict(ckpt_path=...)`` checks that the file exists). So each path stays a real
   of the pointer it replaced (the same path's older checkpoint); that step is kept until the
   new one commits, and released only then.
 - a pointer whose step has not committed is *pending*. Loading it waits for the save when this
-  process is making it. Otherwise the save never committed (its process crashed between the
-  pointer and the commit, or the save failed): the load falls back to ``previous`` when that is
-  committed, with a warning naming both steps, and else raises ``CheckpointNotFoundError``
-  saying that the save to that path never committed. A save that fails in the background also
-  puts the replaced pointer file back (or removes its own, when it replaced none).
+  process is making it, through this plug-in instance or another (a second ``Trainer``): every
+  save is registered in :mod:`lightning_incremental.core.inflight` under its store. Otherwise
+  another process is still writing it (its ``writer`` is alive), or the save never committed
+  (its writer died between the pointer and the commit, or the save failed): the load falls back
+  to ``previous`` when that is committed, with a warning naming both steps and which case it
+  is, and else raises ``CheckpointNotFoundError`` saying so. A save that fails in the
+  background also puts the replaced pointer file back (or removes its own, when it replaced
+  none).
 
 ``load_checkpoint(path)`` reads the pointer, validates it (format, version, a store name that
 cannot leave the directory, an id that the step's manifest must record) and returns the complete
@@ -65,10 +70,15 @@ they fail) — never lost. A save that failed to commit (storage error, full dis
 warned about there, and training goes on from the previous checkpoint (the save's file keeps
 naming it); ``max_consecutive_failures`` failed saves in a row raise ``CheckpointError`` instead.
 Other background errors (releasing a replaced step) are raised. ``teardown`` waits for every
-pending save to commit and closes the stores; the plug-in reopens them on next use. After
-calling ``trainer.save_checkpoint`` outside of a Trainer stage, call
-:meth:`IncrementalCheckpointIO.wait` to be sure the checkpoint committed before another process
-reads it.
+pending save to commit and closes the stores; the plug-in reopens them on next use.
+``trainer.save_checkpoint`` called outside of a running stage (after ``fit``) is synchronous: it
+returns once the checkpoint committed (raising if it failed), as callers of ``save_checkpoint``
+rely on, and closes the stores.
+
+Threads: the plug-in's background thread and the stores' threads run only while there is work
+(:class:`~lightning_incremental.core.workers.WorkerPool`: daemon threads that end after a short
+idle time; saves in flight at interpreter exit are finished by an exit hook). ``teardown``,
+:meth:`IncrementalCheckpointIO.close` and a save outside of a stage end them at once.
 
 What is covered
 ---------------
@@ -101,6 +111,7 @@ steps (the engine refuses the second, nothing is overwritten).
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import pickle
@@ -110,7 +121,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -123,15 +134,19 @@ from lightning_incremental._failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     FailurePolicy,
     check_max_consecutive_failures,
+    describe,
 )
 from lightning_incremental._pointers import (
     CheckpointFile,
+    NotATorchCheckpointError,
     Pointer,
     PointerError,
+    Writer,
     is_int,
     looks_like_pointer,
     valid_store_name,
 )
+from lightning_incremental._trainer import MATERIALIZE, marks_of, trainer_stage_running
 from lightning_incremental.core import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -140,13 +155,28 @@ from lightning_incremental.core import (
     PickleNotAllowedError,
     StoreConfig,
     UnsupportedValueError,
+    inflight,
 )
+from lightning_incremental.core.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
-_RUNTIME = ("_lock", "_stores", "_executor", "_jobs", "_pending", "_failures")  # not pickled
+# not pickled
+_RUNTIME = ("_lock", "_stores", "_executor", "_jobs", "_pending", "_failures", "_marks")
 
-__all__ = ["IncrementalCheckpointIO", "PointerError"]
+__all__ = ["IncrementalCheckpointIO", "NotATorchCheckpointError", "PointerError"]
+
+
+class _TorchIODefault:
+    """``load_checkpoint``'s default ``map_location``: every tensor on the CPU, as
+    ``TorchCheckpointIO``'s default (``lambda storage, loc: storage``). An explicit ``None``
+    means what it means to ``torch.load``: the device each tensor was saved on."""
+
+    def __repr__(self) -> str:
+        return "<cpu: TorchCheckpointIO's default>"
+
+
+_TO_CPU: Any = _TorchIODefault()
 
 
 class IncrementalCheckpointIO(CheckpointIO):
@@ -168,6 +198,12 @@ class IncrementalCheckpointIO(CheckpointIO):
             error) at the plug-in's next call, and training goes on from the previous
             checkpoint. This many failed saves in a row raise ``CheckpointError`` instead; a
             committed save resets the count. 1: stop at the first failure.
+        materialize: also write real ``torch.save`` files, for tools that read ``.ckpt`` files
+            themselves: ``True`` (or ``("best", "last")``), ``"best"`` or ``"last"``. When fit
+            ends (at the plug-in's ``teardown``), the file at ModelCheckpoint's
+            ``best_model_path`` / ``last_model_path`` (of every ModelCheckpoint) is replaced by
+            the complete checkpoint (tensors on the CPU), and its step is released from the
+            store unless another pointer file names it. Default ``False``: pointer files only.
         **options: :class:`~lightning_incremental.core.StoreConfig` fields (``chunk_size``,
             ``full_every``, ``xor_base_memory``, ``max_in_flight``, ``fsync``, ...).
             ``keep_last`` is not accepted: what is kept is decided by ModelCheckpoint's
@@ -176,7 +212,8 @@ class IncrementalCheckpointIO(CheckpointIO):
     Raises:
         TypeError: ``storage_options`` is not a dict or None, ``max_consecutive_failures`` not
             an int.
-        ConfigError: an invalid option, ``store_name`` or ``max_consecutive_failures``.
+        ConfigError: an invalid option, ``store_name``, ``max_consecutive_failures`` or
+            ``materialize``.
     """
 
     def __init__(
@@ -186,6 +223,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         allow_pickle: bool = False,
         store_name: str = ".incremental",
         max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        materialize: bool | str | tuple[str, ...] | list[str] = False,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -207,6 +245,7 @@ class IncrementalCheckpointIO(CheckpointIO):
             )
         if not isinstance(allow_pickle, bool):
             raise ConfigError(f"allow_pickle must be True or False, got {allow_pickle!r}")
+        self.materialize = _materialize_option(materialize)
         self.storage_options = dict(storage_options) if storage_options else None
         self.allow_pickle = allow_pickle
         self.store_name = store_name
@@ -217,12 +256,14 @@ class IncrementalCheckpointIO(CheckpointIO):
     def _init_runtime(self) -> None:  # the names are listed in _RUNTIME
         self._lock = threading.Lock()
         self._stores: dict[str, _OpenStore] = {}
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: WorkerPool | None = None
         self._jobs: list[Future[None]] = []  # background work, oldest first
         self._pending: dict[str, Future[None]] = {}  # path -> its save's pointer job
         self._failures = FailurePolicy(
             "IncrementalCheckpointIO", None, self.max_consecutive_failures
         )
+        # ModelCheckpoint's best/last paths as of the newest save, per ModelCheckpoint
+        self._marks: dict[str, dict[str, str]] = {}
 
     # ------------------------------------------------------------------ CheckpointIO
 
@@ -234,9 +275,16 @@ class IncrementalCheckpointIO(CheckpointIO):
         ``path`` (naming the new step, and the replaced one as ``previous``); the step commits
         in the background, then the replaced step is released.
 
+        Called by ``Trainer.save_checkpoint`` outside of a running ``fit/validate/test/predict``
+        (after ``fit``, say), it returns only once the checkpoint committed, and leaves no
+        thread running: what the caller does next (another Trainer loading it, another process
+        reading it, the script ending) finds it complete.
+
         Raises:
             TypeError: ``storage_options`` were passed (give them to the constructor).
             UnsupportedValueError: a value that needs pickle, without ``allow_pickle``.
+            CheckpointError: outside of a running stage, the save failed to commit (the error's
+                own type when it is one, e.g. ``StorageError``).
             Exception: the error of an earlier background save, not delivered yet.
         """
         if storage_options is not None:
@@ -267,6 +315,7 @@ class IncrementalCheckpointIO(CheckpointIO):
                 uuid.uuid4().hex,
                 global_step=progress["global_step"],
                 epoch=progress["epoch"],
+                writer=Writer.this_process(),
             )
             try:
                 handle = entry.store.save(
@@ -303,9 +352,13 @@ class IncrementalCheckpointIO(CheckpointIO):
             target.write_atomic(pointer.dumps(), fsync=self.config.fsync)
         except BaseException:
             # the step still commits, without a name (as after a crash before the pointer)
-            job = self._submit(lambda: self._finish_unnamed(entry, handle, step), "saving")
+            job = self._submit(
+                lambda: self._finish_unnamed(entry, handle, step), "saving", track=entry.store_url
+            )
             entry.saving.append(job)
             raise
+
+        failure: list[BaseException] = []
 
         def finish() -> None:
             try:
@@ -314,6 +367,7 @@ class IncrementalCheckpointIO(CheckpointIO):
                 entry.inflight.discard(step)
                 self._restore(target, pointer, old_bytes)
                 log.error("IncrementalCheckpointIO: saving %s failed: %s", target.display, exc)
+                failure.append(exc)
                 self._failures.failed(f"{target.display} (step {step} of {entry.store.url})", exc)
                 if not isinstance(exc, Exception):
                     raise  # KeyboardInterrupt, SystemExit: not a storage failure to count
@@ -322,25 +376,65 @@ class IncrementalCheckpointIO(CheckpointIO):
             self._failures.committed()
             self._committed(target, entry, pointer)
 
-        job = self._submit(finish, f"saving {target.display}")
+        job = self._submit(finish, f"saving {target.display}", track=entry.store_url)
         entry.saving.append(job)
         with self._lock:
             self._pending[target.key] = job
+            self._marks.update(marks_of(checkpoint))
+        if trainer_stage_running() is False:
+            self._finish_now(job, failure, target, step, entry)
+
+    def _finish_now(
+        self,
+        job: Future[None],
+        failure: list[BaseException],
+        target: CheckpointFile,
+        step: int,
+        entry: _OpenStore,
+    ) -> None:
+        """``Trainer.save_checkpoint`` outside of a running stage: wait for the commit, raise
+        its failure, and end the threads (nothing else runs until the next stage or call).
+
+        Raises:
+            CheckpointError: the save failed to commit.
+        """
+        job.exception()
+        if not failure:
+            self.close()
+            return
+        exc = failure[0]
+        self._failures.take()  # reported here, by raising
+        try:
+            self.close()
+        except Exception as other:
+            log.error("another checkpoint error while closing: %r", other)
+        message = (
+            f"saving {target.display} (step {step} of {entry.store.url}) did not commit: "
+            f"{describe(exc)}; the file keeps naming the checkpoint it named before, if any"
+        )
+        if isinstance(exc, CheckpointError):
+            raise _rewrap(exc, message) from exc
+        raise CheckpointError(message) from exc
 
     @override
     def load_checkpoint(
         self,
         path: _PATH,
-        map_location: Any | None = None,
+        map_location: Any | None = _TO_CPU,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """The complete checkpoint dict saved at ``path`` (bit-identical tensors).
 
+        A save to the same store that this process started (through this plug-in or any other
+        instance: the ``Trainer`` that just saved it) is waited for first.
+
         Args:
             path: a pointer file written by this plug-in, a plain ``torch.save`` checkpoint, or
                 a store directory (its newest committed checkpoint).
-            map_location: like ``torch.load``'s; ``None`` loads tensors to the CPU, as
-                Lightning's ``TorchCheckpointIO`` does.
+            map_location: exactly ``torch.load``'s (None: the device each tensor was saved on;
+                a device or str; a ``{saved: target}`` dict; a callable ``(storage, location)``
+                returning a storage, or None for the saved device). Not given: every tensor on
+                the CPU, as Lightning's ``TorchCheckpointIO`` by default.
             weights_only: ``True`` refuses pickled values even with ``allow_pickle``; passed
                 through for plain ``torch.save`` files.
 
@@ -349,8 +443,9 @@ class IncrementalCheckpointIO(CheckpointIO):
 
         Raises:
             FileNotFoundError: no file at ``path`` (``CheckpointNotFoundError`` when a pointer
-                names a step that never committed and has no committed ``previous``, or the
-                store is missing or empty).
+                names a step that is not committed and has no committed ``previous``, or the
+                store is missing or empty; its message says whether the step is not committed
+                yet — its writer is still running — or its writer died or failed).
             PointerError: a malformed pointer, or one naming a store outside its directory.
             PickleNotAllowedError: the checkpoint holds pickles and they are not allowed.
             CorruptCheckpointError: the checkpoint cannot be restored bit-exactly.
@@ -426,8 +521,33 @@ class IncrementalCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Wait for every pending save to commit, close the stores (the plug-in
-        reopens them on next use), then raise the first background error not delivered yet.
+        """Wait for every pending save to commit; with ``materialize``, write the best/last
+        checkpoints as plain files; then :meth:`close`. Lightning calls it at the end of every
+        ``fit/validate/test/predict``.
+
+        Raises:
+            Exception: the first background error (the others are logged).
+        """
+        errors: list[BaseException] = []
+        try:
+            self.wait()
+            if self.materialize:
+                self._materialize()
+        except BaseException as exc:
+            errors.append(exc)
+        try:
+            self.close()
+        except BaseException as exc:
+            errors.append(exc)
+        for extra in errors[1:]:
+            log.error("another checkpoint error during teardown: %r", extra)
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Wait for every pending save to commit, close the stores and end the plug-in's
+        threads (the plug-in reopens them on next use), then raise the first background error
+        not delivered yet.
 
         Raises:
             Exception: the first background error (the others are logged).
@@ -450,7 +570,7 @@ class IncrementalCheckpointIO(CheckpointIO):
             except BaseException as exc:
                 errors.append(exc)
         for extra in errors[1:]:
-            log.error("another checkpoint error during teardown: %r", extra)
+            log.error("another checkpoint error while closing: %r", extra)
         if errors:
             raise errors[0]
 
@@ -494,7 +614,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         with self._lock:
             entry = self._stores.get(url)
             if entry is None:
-                entry = _OpenStore(self._open_store(url, self.config))
+                entry = _OpenStore(self._open_store(url, self.config), url)
                 self._stores[url] = entry
             return entry
 
@@ -504,28 +624,37 @@ class IncrementalCheckpointIO(CheckpointIO):
         return CheckpointFile.of(os.fspath(path), self.storage_options, resolve=resolve)
 
     def _resolve(self, path: _PATH) -> _Plan:
-        """What loading ``path`` means, once no save of this process is in flight.
+        """What loading ``path`` means, once no save of this process to its store is in flight
+        (whichever plug-in instance started it).
 
         Raises:
             FileNotFoundError, CheckpointError: as :meth:`load_checkpoint`.
         """
-        source = self._file(path, resolve=True)
-        if source.isdir():
-            return _Plan("store", source.path_url, None, source.display)
-        head = source.head()
-        if head is None:
-            raise FileNotFoundError(f"Checkpoint file not found: {source.display}")
-        if not looks_like_pointer(head):
-            return _Plan("torch", source.path, None, source.display)
-        pointer = Pointer.parse(source.read(), source.display)
-        url = source.store_url(pointer.store)
+        while True:
+            source = self._file(path, resolve=True)
+            if source.isdir():
+                if inflight.wait(source.path_url):
+                    continue
+                return _Plan("store", source.path_url, None, source.display)
+            head = source.head()
+            if head is None:
+                raise FileNotFoundError(f"Checkpoint file not found: {source.display}")
+            if not looks_like_pointer(head):
+                return _Plan("torch", source.path, None, source.display)
+            pointer = Pointer.parse(source.read(), source.display)
+            url = source.store_url(pointer.store)
+            # A save of this process to that store (this Trainer's or another's) commits first;
+            # then the file is read again: a failed save puts the file it replaced back.
+            if not inflight.wait(url):
+                break
         try:
             self._check_step(url, pointer.step, pointer.id, pointer.store, source.display)
             return _Plan("store", url, pointer.step, source.display)
         except CheckpointNotFoundError as exc:
             missing = exc
-        # The step the pointer names never committed, and no save of this process is writing
-        # it: the writer crashed between the pointer and the commit, or the save failed.
+        # The step the pointer names is not committed, and no save of this process is writing
+        # it: another process is still writing it, or its writer died or failed.
+        why = pointer.why_uncommitted()
         if pointer.previous is not None:
             try:
                 self._check_step(
@@ -535,9 +664,7 @@ class IncrementalCheckpointIO(CheckpointIO):
                 pass
             else:
                 message = (
-                    f"{source.display} names step {pointer.step} of {url}, whose save never "
-                    "committed (the process saving it crashed, the save failed, or another "
-                    "process is still writing it); loading "
+                    f"{source.display} names step {pointer.step} of {url}, which {why}; loading "
                     f"the checkpoint that file held before, step {pointer.previous}, instead"
                 )
                 log.warning(message)
@@ -550,9 +677,8 @@ class IncrementalCheckpointIO(CheckpointIO):
         )
         raise _rewrap(
             missing,
-            f"cannot load {source.display} (step {pointer.step} of {url}): {missing}; the save "
-            f"to {source.display} never committed (the process saving it crashed, the save failed, "
-            f"or another process is still writing it), or its store was moved or deleted{also}",
+            f"cannot load {source.display} (step {pointer.step} of {url}): {missing}; that step "
+            f"{why}, or its store was moved or deleted{also}",
         ) from missing
 
     def _execute(
@@ -562,7 +688,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         if plan.kind == "torch":
             state = TorchCheckpointIO().load_checkpoint(
                 plan.location,
-                map_location=_to_cpu if map_location is None else map_location,
+                map_location=_to_cpu if map_location is _TO_CPU else map_location,
                 weights_only=weights_only,
             )
             return state, None
@@ -577,7 +703,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         display: str,
     ) -> tuple[dict[str, Any], int | None]:
         what = f"step {step} of {url}" if step is not None else f"the newest checkpoint of {url}"
-        location = "cpu" if map_location is None else map_location
+        location = "cpu" if map_location is _TO_CPU else map_location
         try:
             if weights_only and self.allow_pickle:  # a one-off reader that refuses pickles
                 with self._open_store(url, self.config.replace(allow_pickle=False)) as store:
@@ -677,6 +803,37 @@ class IncrementalCheckpointIO(CheckpointIO):
         finally:
             entry.inflight.discard(step)
 
+    def _materialize(self) -> None:
+        """Replace the pointer files at ModelCheckpoint's best/last paths (as of the newest save)
+        by plain ``torch.save`` files of their checkpoints, and release their steps."""
+        import torch
+
+        with self._lock:
+            marks, self._marks = self._marks, {}
+        paths: list[str] = []
+        for mark in marks.values():
+            paths.extend(p for kind, p in mark.items() if kind in self.materialize)
+        done: set[str] = set()
+        for path in paths:
+            target = self._file(path, resolve=True)  # save_last="link": the file it links to
+            if target.key in done:
+                continue
+            done.add(target.key)
+            head = target.head()
+            if head is None or not looks_like_pointer(head):
+                continue  # removed meanwhile, or already a plain file
+            pointer = Pointer.parse(target.read(), target.display)
+            state, loaded = self._execute(self._resolve(target.key), "cpu", None)
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            del state
+            target.write_atomic(buffer.getvalue(), fsync=self.config.fsync)
+            log.info("IncrementalCheckpointIO: wrote %s as a plain checkpoint", target.display)
+            entry = self._store(target.store_url(pointer.store))
+            for step in dict.fromkeys((loaded, pointer.step, pointer.previous)):
+                if step is not None:  # the file no longer names them
+                    self._release(target, entry, pointer.store, step)
+
     def _release(
         self, target: CheckpointFile, entry: _OpenStore, store_name: str, step: int
     ) -> None:
@@ -709,7 +866,13 @@ class IncrementalCheckpointIO(CheckpointIO):
             except CheckpointNotFoundError:
                 log.debug("step %d of %s was already deleted", step, entry.store.url)
 
-    def _submit(self, work: Callable[[], None], what: str) -> Future[None]:
+    def _submit(
+        self, work: Callable[[], None], what: str, *, track: str | None = None
+    ) -> Future[None]:
+        """Run ``work`` on the plug-in's background thread (which ends when idle). ``track``: a
+        store URL whose loads in this process wait for this work (a save's commit and the
+        pointer-file bookkeeping after it), whatever plug-in instance loads."""
+
         def run() -> None:
             try:
                 work()
@@ -719,13 +882,17 @@ class IncrementalCheckpointIO(CheckpointIO):
 
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="li-checkpoint-io")
+                self._executor = WorkerPool(1, "li-checkpoint-io")
                 _drain_at_exit(self)
             # finished jobs stay only while their error is undelivered
             self._jobs = [j for j in self._jobs if not j.done() or j.exception() is not None]
             self._pending = {k: j for k, j in self._pending.items() if not j.done()}
             job = self._executor.submit(run)
             self._jobs.append(job)
+        if track is not None:
+            done = threading.Event()
+            inflight.track(track, done)
+            job.add_done_callback(lambda _: done.set())
         return job
 
     def _undelivered(self) -> list[BaseException]:
@@ -754,8 +921,9 @@ class IncrementalCheckpointIO(CheckpointIO):
 class _OpenStore:
     """One directory's store, the lock that orders saves against deletes, the next step."""
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, store_url: str) -> None:
         self.store = store
+        self.store_url = store_url  # as the plug-in names it (what loads wait for)
         self.lock = threading.Lock()
         self.reserved: int | None = None
         self.saving: deque[Future[None]] = deque()  # this store's saves, oldest first
@@ -853,3 +1021,23 @@ def _rewrap(exc: CheckpointError, message: str) -> CheckpointError:
 
 def _to_cpu(storage: Any, location: str) -> Any:
     return storage
+
+
+def _materialize_option(value: Any) -> tuple[str, ...]:
+    """``materialize`` as the tuple of kinds it asks for (empty: off).
+
+    Raises:
+        ConfigError: anything but a bool, ``"best"``, ``"last"`` or a collection of them.
+    """
+    if value is False or value is None:
+        return ()
+    if value is True:
+        return MATERIALIZE
+    kinds = (value,) if isinstance(value, str) else value
+    if not isinstance(kinds, (tuple, list, set, frozenset)) or not all(
+        k in MATERIALIZE for k in kinds
+    ):
+        raise ConfigError(
+            f"materialize must be True, False, 'best', 'last' or a list of them, got {value!r}"
+        )
+    return tuple(k for k in MATERIALIZE if k in kinds)

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_incremental import IncrementalCheckpointIO
+from lightning_incremental._pointers import document
 from lightning_incremental.checkpoint_io import PointerError
 from lightning_incremental.core import (
     CheckpointError,
@@ -168,7 +169,8 @@ def net(seed: int = 0, **hparams: Any) -> Net:
 
 
 def pointer(path: str | Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
+    """The JSON document of a pointer file (after its header)."""
+    return json.loads(document(Path(path).read_bytes()))
 
 
 def dir_bytes(path: Path) -> int:

@@ -11,14 +11,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 import torch
 
-from lightning_incremental.core import fencing
+from lightning_incremental.core import fencing, inflight
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.config import StoreConfig
@@ -44,6 +43,7 @@ from lightning_incremental.core.results import (
 )
 from lightning_incremental.core.storage import LocalStorage, Storage, open_storage
 from lightning_incremental.core.tree import Leaf, flatten, unflatten
+from lightning_incremental.core.workers import WorkerPool
 
 log = logging.getLogger("lightning_incremental")
 
@@ -103,8 +103,9 @@ class CheckpointStore:
         # Held while a save writes and commits, and while gc or compact deletes or rewrites:
         # objects a save is about to reference are never swept from under it.
         self._write_lock = threading.RLock()
-        self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="li-worker")
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="li-save")
+        # Threads exist only while there is work (they end after a short idle time).
+        self._pool = WorkerPool(self.config.workers, "li-worker")
+        self._saver = WorkerPool(1, "li-save")
         self._slots = threading.BoundedSemaphore(self.config.max_in_flight)
         self._handles: list[SaveHandle] = []
         self._parent: Parent | None = None
@@ -190,6 +191,7 @@ class CheckpointStore:
         self._saver.submit(
             self._run_save, handle, skeleton, leaves, pickled, meta, started, snapshot_s, waited
         )
+        inflight.track(self.url, handle._done)  # loads in this process wait for it
         return handle
 
     def wait(self) -> list[SaveResult]:
@@ -393,8 +395,10 @@ class CheckpointStore:
         Args:
             step: the step to load; None loads the newest committed checkpoint that verifies,
                 falling back past corrupt ones with a warning naming what was bad.
-            map_location: like ``torch.load``'s: a device, a ``{saved: target}`` dict, or a
-                callable ``(cpu_tensor, saved_device) -> tensor``. None: the saved device.
+            map_location: exactly ``torch.load``'s: None (the saved device), a device or
+                device string, a ``{saved: target}`` dict, or a callable
+                ``(cpu_storage, saved_location) -> storage`` whose None result means the saved
+                device (see :func:`~lightning_incremental.core.materialise.place`).
             strict: with ``step=None``, raise on the newest checkpoint's corruption instead of
                 falling back.
 
@@ -404,7 +408,11 @@ class CheckpointStore:
             CorruptCheckpointError: the checkpoint (or with ``step=None`` every one) is corrupt.
             FormatVersionError: written by a newer version of this library.
             PickleNotAllowedError: it holds pickles and ``allow_pickle`` is off.
+
+        Saves to the same location that this process started before the call (through this
+        store or any other instance) are waited for first: a load sees them once committed.
         """
+        inflight.wait(self.url)
         if step is not None:
             step = self._resolve_step(step)
             try:

@@ -1,0 +1,124 @@
+"""Worker threads that exist only while there is work.
+
+``concurrent.futures.ThreadPoolExecutor`` keeps its (non-daemon) threads until it is shut down or
+garbage-collected: a store or plug-in that saved once and is still referenced holds idle threads
+for as long as the program runs, and test harnesses that look for leaked threads report them.
+
+:class:`WorkerPool` is an ``Executor`` whose threads end after ``idle_s`` seconds without work
+and are started again on the next ``submit``. They are daemon threads, so an idle pool never
+delays the interpreter's exit; work still queued or running at exit is waited for by the owner's
+exit hook (the store's, which closes every open store), not by the threads' being non-daemon.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: Seconds a worker thread waits for more work before it ends.
+DEFAULT_IDLE_S = 1.0
+
+
+class WorkerPool(Executor):
+    """Up to ``max_workers`` named daemon threads, started on demand, ending when idle.
+
+    Args:
+        max_workers: the most threads running at once (>= 1).
+        name: thread name prefix (threads are ``<name>_<n>``, as ``ThreadPoolExecutor``'s).
+        idle_s: seconds a thread waits for work before it ends.
+
+    Raises:
+        ValueError: ``max_workers`` < 1 or ``idle_s`` <= 0.
+    """
+
+    def __init__(self, max_workers: int, name: str, *, idle_s: float = DEFAULT_IDLE_S) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if idle_s <= 0:
+            raise ValueError(f"idle_s must be > 0, got {idle_s}")
+        self.max_workers = max_workers
+        self.name = name
+        self.idle_s = idle_s
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
+        self._queue = deque()
+        self._threads: set[threading.Thread] = set()
+        self._idle = 0  # threads waiting for work
+        self._started = 0
+        self._shutdown = False
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Run ``fn(*args, **kwargs)`` on a worker thread.
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        future: Future[T] = Future()
+        with self._cv:
+            if self._shutdown:
+                raise RuntimeError(f"cannot submit work to {self.name}: the pool was shut down")
+            self._queue.append((future, fn, args, kwargs))
+            if len(self._queue) > self._idle and len(self._threads) < self.max_workers:
+                self._started += 1
+                thread = threading.Thread(
+                    target=self._work, name=f"{self.name}_{self._started - 1}", daemon=True
+                )
+                self._threads.add(thread)
+                thread.start()
+            self._cv.notify()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop accepting work; the threads end once the queue is empty (at once when idle).
+
+        With ``wait``, return when every thread has ended (work already submitted runs first,
+        unless ``cancel_futures``)."""
+        with self._cv:
+            self._shutdown = True
+            if cancel_futures:
+                while self._queue:
+                    self._queue.popleft()[0].cancel()
+            self._cv.notify_all()
+            threads = list(self._threads)
+        if wait:
+            current = threading.current_thread()
+            for thread in threads:
+                if thread is not current:
+                    thread.join()
+
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads alive now (none when the pool is idle past ``idle_s``)."""
+        with self._cv:
+            return list(self._threads)
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._cv:
+                while not self._queue:
+                    if self._shutdown:
+                        self._threads.discard(me)
+                        return
+                    self._idle += 1
+                    try:
+                        woken = self._cv.wait(self.idle_s)
+                    finally:
+                        self._idle -= 1
+                    if not woken and not self._queue:
+                        self._threads.discard(me)  # idle past the timeout: end
+                        return
+                future, fn, args, kwargs = self._queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del future, fn, args, kwargs  # no reference to the work outlives it

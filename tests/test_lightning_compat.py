@@ -396,6 +396,10 @@ def test_idle_threads_end_and_close_ends_them_at_once(tmp_path: Path) -> None:
         thread.join(60)  # ends by itself, idle
         assert not thread.is_alive()
     assert pool.submit(lambda: 8).result() == 8  # started again on demand
+    (thread,) = pool.threads()
+    thread.stop()  # as harnesses that end left-over daemon threads do
+    assert not thread.is_alive() and not pool.threads()
+    assert pool.submit(lambda: 10).result() == 10
     pool.shutdown()
     assert not pool.threads()
     with pytest.raises(RuntimeError, match="shut down"):

@@ -8,6 +8,8 @@ for as long as the program runs, and test harnesses that look for leaked threads
 and are started again on the next ``submit``. They are daemon threads, so an idle pool never
 delays the interpreter's exit; work still queued or running at exit is waited for by the owner's
 exit hook (the store's, which closes every open store), not by the threads' being non-daemon.
+Each thread can also be stopped on its own (``thread.stop()``: it ends once no work is queued),
+as test harnesses that end the daemon threads a test left behind expect.
 """
 
 from __future__ import annotations
@@ -65,9 +67,7 @@ class WorkerPool(Executor):
             self._queue.append((future, fn, args, kwargs))
             if len(self._queue) > self._idle and len(self._threads) < self.max_workers:
                 self._started += 1
-                thread = threading.Thread(
-                    target=self._work, name=f"{self.name}_{self._started - 1}", daemon=True
-                )
+                thread = _Worker(self, f"{self.name}_{self._started - 1}")
                 self._threads.add(thread)
                 thread.start()
             self._cv.notify()
@@ -96,12 +96,20 @@ class WorkerPool(Executor):
         with self._cv:
             return list(self._threads)
 
+    def _stop(self, thread: _Worker) -> None:
+        with self._cv:
+            thread.stopping = True
+            self._cv.notify_all()
+        if thread is not threading.current_thread():
+            thread.join()
+
     def _work(self) -> None:
         me = threading.current_thread()
+        assert isinstance(me, _Worker)
         while True:
             with self._cv:
                 while not self._queue:
-                    if self._shutdown:
+                    if self._shutdown or me.stopping:
                         self._threads.discard(me)
                         return
                     self._idle += 1
@@ -122,3 +130,17 @@ class WorkerPool(Executor):
             else:
                 future.set_result(result)
             del future, fn, args, kwargs  # no reference to the work outlives it
+
+
+class _Worker(threading.Thread):
+    """A pool thread; :meth:`stop` ends it (the pool starts another when work comes)."""
+
+    def __init__(self, pool: WorkerPool, name: str) -> None:
+        super().__init__(target=pool._work, name=name, daemon=True)
+        self._pool = pool
+        self.stopping = False
+
+    def stop(self) -> None:
+        """End this thread once no work is queued (work already running finishes first), and
+        wait for it."""
+        self._pool._stop(self)

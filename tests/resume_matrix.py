@@ -30,6 +30,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from lightning_incremental import IncrementalCheckpoint
 FEATURES = 6
 SAMPLERS = ("shuffle_generator", "shuffle_global", "sequential", "distributed")
 SCHEDULERS = ("none", "step", "epoch", "plateau_val", "plateau_train")
-CADENCES = ("steps", "epochs")
+CADENCES = ("steps", "epochs", "time")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Case:
     samples: int  # dataset size; the last batch may be short
     batch_size: int
     sampler: str  # one of SAMPLERS
-    cadence: str  # "steps" (every_n_train_steps) or "epochs" (every_n_epochs)
+    cadence: str  # "steps" (every_n_train_steps), "epochs" (every_n_epochs) or "time" (ms)
     every: int
     limit: str  # "max_steps" or "max_epochs"
     total: int  # the limit of the reference (and resumed) run
@@ -116,7 +117,12 @@ def _draw(rng: random.Random, index: int) -> Case | None:
     if scheduler == "plateau_val" and val_check == "off":
         val_check = None
     cadence = rng.choice(CADENCES)
-    every = rng.choice((1, 2)) if cadence == "epochs" else rng.randint(1, steps_per_epoch + 2)
+    if cadence == "epochs":
+        every = rng.choice((1, 2))
+    elif cadence == "time":  # train_time_interval in ms: which steps it saves varies by run
+        every = rng.choice((1, 5, 20))
+    else:
+        every = rng.randint(1, steps_per_epoch + 2)
     epochs = rng.randint(2, 4)
     limit = rng.choice(("max_steps", "max_epochs"))
     if limit == "max_steps":
@@ -265,11 +271,11 @@ class Crash(L.Callback):
 
 def train(case: Case, dirpath: Path, *, total: int, crash: bool) -> dict[str, torch.Tensor]:
     """One ``fit`` of the case; returns the final weights and optimizer state."""
-    ckpt_args: dict[str, Any] = (
-        {"every_n_train_steps": case.every}
-        if case.cadence == "steps"
-        else {"every_n_epochs": case.every}
-    )
+    ckpt_args: dict[str, Any] = {
+        "steps": {"every_n_train_steps": case.every},
+        "epochs": {"every_n_epochs": case.every},
+        "time": {"train_time_interval": timedelta(milliseconds=case.every)},
+    }[case.cadence]
     ckpt = IncrementalCheckpoint(dirpath, **ckpt_args)
     callbacks: list[L.Callback] = [ckpt]
     if crash and case.crash_at is not None:

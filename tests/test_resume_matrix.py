@@ -116,7 +116,7 @@ def test_draws_cover_every_dimension() -> None:
         "distributed",
     }
     assert {c.scheduler for c in drawn} == {"none", "step", "epoch", "plateau_val", "plateau_train"}
-    assert {c.cadence for c in drawn} == {"steps", "epochs"}
+    assert {c.cadence for c in drawn} == {"steps", "epochs", "time"}
     assert {c.limit for c in drawn} == {"max_steps", "max_epochs"}
     assert {c.accumulate for c in drawn} >= {1, 2, 3}
     assert {type(c.val_check) for c in drawn} >= {type(None), str, int, float}

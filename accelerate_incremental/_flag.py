@@ -1,15 +1,18 @@
-"""The launch flag: enable incremental checkpointing for an ``accelerate launch`` run.
+"""The launch flag's settings, and :func:`enable` for scripts that opt in with one line.
 
-``accelerate launch`` forwards its environment to every process it starts, and Accelerate's own
-config YAML rejects unknown keys, so the flag is an environment variable set on the launch line::
+With no edit to the script, ``accelerate launch ... -m accelerate_incremental --dirpath URL
+train.py`` installs the integration in every process (:mod:`accelerate_incremental._launch`).
+The environment variables work too; ``accelerate launch`` forwards its environment to every
+process it starts (Accelerate's own config YAML rejects unknown keys)::
 
     ACCELERATE_INCREMENTAL=checkpoints/ accelerate launch --num_processes 2 train.py
     ACCELERATE_INCREMENTAL_CONFIG=incremental.json accelerate launch ... train.py
 
-The script calls ``accelerate_incremental.enable(accelerator)`` once after ``prepare``: without
-the flag it does nothing and returns None; with it, it returns an
-:class:`~accelerate_incremental.IncrementalCheckpointer` and routes ``accelerator.save_state`` /
-``accelerator.load_state`` through it.
+without ``-m accelerate_incremental`` they take effect where the script calls
+``accelerate_incremental.enable(accelerator)`` after ``prepare``: without the flag it does
+nothing and returns None; with it, it returns an
+:class:`~accelerate_incremental.IncrementalCheckpointer` and installs the integration on that
+accelerator (:meth:`~accelerate_incremental.IncrementalCheckpointer.take_over`).
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ def take_over(ckpt: IncrementalCheckpointer) -> None:
 
     def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
         index = ckpt._index(dataloader)
-        if index is None or not _tracking.is_tracked(dataloader):
+        counted = isinstance(num_batches, int) and not isinstance(num_batches, bool)
+        if index is None or not _tracking.is_tracked(dataloader) or not counted or num_batches < 0:
             return type(acc).skip_first_batches(acc, dataloader, num_batches)
         position = ckpt._position(index)
         pending = position.pending()

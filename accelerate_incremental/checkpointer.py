@@ -76,7 +76,8 @@ class IncrementalCheckpointer:
             89 on every process) or ``"off"``; see :mod:`lightning_incremental.core.replicas`.
         heartbeat_interval, heartbeat_timeout, progress_timeout: the watchdog's timings in
             seconds (see :class:`~lightning_incremental.core.WatchdogConfig`); progress is a
-            prepared optimizer step, a batch from :meth:`iterate` or a :meth:`save`.
+            prepared optimizer step, a batch from :meth:`iterate` (or from a plain loop over a
+            loader tracked after :meth:`take_over`) or a :meth:`save`.
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 

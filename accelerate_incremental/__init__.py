@@ -5,8 +5,12 @@ Accelerate: it is imported when a checkpointer is created for an accelerator).
 
 * :class:`IncrementalCheckpointer` — save/load the whole ``Accelerator`` training state
   incrementally, one global commit per checkpoint.
-* :func:`enable` — the launch flag (``ACCELERATE_INCREMENTAL=dir accelerate launch ...``): routes
-  ``accelerator.save_state`` / ``load_state`` through the engine.
+* ``accelerate launch ... -m accelerate_incremental --dirpath URL train.py`` — no edit to the
+  script: every accelerator it prepares a model with saves and loads through the engine
+  (``accelerator.save_state`` / ``load_state``), and plain loops over its prepared DataLoaders
+  resume mid-epoch exactly.
+* :func:`enable` — the same for one accelerator, from the script (with the
+  ``ACCELERATE_INCREMENTAL`` environment variable, or a ``dirpath``).
 """
 
 from __future__ import annotations

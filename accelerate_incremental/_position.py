@@ -15,11 +15,13 @@ duck-typed attributes of Accelerate's DataLoader wrappers (``iteration``,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
 _FOLLOW = ("base_dataloader", "batch_sampler", "sampler", "dataset")
 _MAX_DEPTH = 5
@@ -71,12 +73,18 @@ class LoaderPosition:
         self._torch_state: torch.Tensor | None = None
         self._generator_states: dict[str, torch.Tensor] = {}
         self._resume: _Resume | None = None
+        self._skip = 0  # batches the next fresh epoch starts after (skip_next)
 
     def state(self) -> dict[str, Any]:
         """Plain data: the epoch, the batches consumed in it, and its starting random states."""
         now = {key: gen.get_state() for key, gen in generators(self.loader).items()}
         if self.consumed is None or self._torch_state is None:
             return {"epoch": _epoch(self.loader), "consumed": None, "generators": now}
+        if self.at_epoch_end():
+            # Every batch of the epoch is out and its order fully drawn: the state is that of
+            # the next epoch's start, so a resumed run goes on with that epoch whatever its loop
+            # derives the epoch from (the work a script does after the batch loop is not in it).
+            return {"epoch": self.epoch + 1, "consumed": None, "generators": now}
         return {
             "epoch": self.epoch,
             "consumed": self.consumed,
@@ -122,23 +130,46 @@ class LoaderPosition:
                 gen.set_state(saved[key].cpu())
             return
         self._resume = _Resume(epoch, int(consumed), state["torch"], saved)
+        if isinstance(getattr(self.loader, "dataset", None), IterableDataset):
+            warnings.warn(
+                f"the checkpoint stood {consumed} batches into an epoch of a DataLoader over an "
+                f"IterableDataset ({type(self.loader.dataset).__name__}), which has no saved "
+                "position: the resumed epoch reads and discards those batches again, and "
+                "continues exactly only if the dataset yields the same samples in the same order "
+                "as in the saved run",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def pending(self) -> int | None:
+        """The consumed batches a restored, interrupted epoch continues after; None if none."""
+        return None if self._resume is None else self._resume.consumed
+
+    def skip_next(self, batches: int) -> None:
+        """Start the next epoch after its first ``batches`` batches (the script's own skip,
+        ``accelerator.skip_first_batches``), still tracking the position within it."""
+        self._skip = batches
 
     def iterate(
         self,
-        skip_first_batches: Callable[[Any, int], Any],
+        open_epoch: Callable[[int], Iterable[Any]],
         restore_now: Callable[[], None],
     ) -> Iterator[Any]:
         """Yield the epoch's batches; a resumed epoch continues after its consumed batches.
 
-        ``restore_now`` puts back the process's random state as it was at the save; it runs once
-        the resumed epoch's iterator has drawn its order."""
+        ``open_epoch(n)`` returns the loader's epoch without its first ``n`` batches (the
+        loader's own iteration for 0). ``restore_now`` puts back the process's random state as it
+        was at the save; it runs once the resumed epoch's iterator has drawn its order."""
         resume, self._resume = self._resume, None
+        skip, self._skip = self._skip, 0
         if resume is None:
             self.epoch = _epoch(self.loader)
             self._torch_state = torch.get_rng_state()
             self._generator_states = {k: g.get_state() for k, g in generators(self.loader).items()}
-            self.consumed = 0
-            yield from self._count(iter(self.loader), 0)
+            self.consumed = skip
+            yield from self._count(iter(open_epoch(skip)), skip)
+            if skip and hasattr(self.loader, "iteration"):  # another loader ran the epoch
+                self.loader.iteration = self.epoch + 1
         else:
             self.epoch = resume.epoch
             self._torch_state = resume.torch_state
@@ -147,7 +178,7 @@ class LoaderPosition:
             for key, gen in generators(self.loader).items():
                 gen.set_state(resume.generator_states[key].cpu())
             self.consumed = resume.consumed
-            source = iter(skip_first_batches(self.loader, resume.consumed))
+            source = iter(open_epoch(resume.consumed))
             try:
                 first = next(source)
             except StopIteration:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accelerate_incremental import _hooks, _layout
+from accelerate_incremental import _layout, _takeover, _tracking
 from accelerate_incremental._position import LoaderPosition
 from lightning_incremental import _rng
 from lightning_incremental._failures import (
@@ -28,6 +28,7 @@ from lightning_incremental.core import (
     CheckpointNotFoundError,
     CheckpointStore,
     SaveHandle,
+    StoreConfig,
     Watchdog,
     WatchdogConfig,
     fencing,
@@ -75,7 +76,8 @@ class IncrementalCheckpointer:
             89 on every process) or ``"off"``; see :mod:`lightning_incremental.core.replicas`.
         heartbeat_interval, heartbeat_timeout, progress_timeout: the watchdog's timings in
             seconds (see :class:`~lightning_incremental.core.WatchdogConfig`); progress is a
-            prepared optimizer step, a batch from :meth:`iterate` or a :meth:`save`.
+            prepared optimizer step, a batch from :meth:`iterate` (or from a plain loop over a
+            loader tracked after :meth:`take_over`) or a :meth:`save`.
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
@@ -129,28 +131,18 @@ class IncrementalCheckpointer:
                 "would write the same checkpoints on its own. On a machine without GPUs create "
                 "Accelerator(cpu=True) or launch with ACCELERATE_USE_CPU=1"
             )
-        if not isinstance(dirpath, str):
-            raise TypeError(
-                f"dirpath must be a str (a directory or URL), got {type(dirpath).__name__}"
-            )
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(
-                f"storage_options must be a dict or None, got {type(storage_options).__name__}"
-            )
-        if every_n_steps is not None and (
-            isinstance(every_n_steps, bool)
-            or not isinstance(every_n_steps, int)
-            or every_n_steps < 1
-        ):
-            raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
-        max_consecutive_failures = check_max_consecutive_failures(max_consecutive_failures)
-        if watchdog is not None and not isinstance(watchdog, bool):
-            raise TypeError(f"watchdog must be True, False or None, got {watchdog!r}")
-        self.replica_check = replicas.check_action(replica_check)
-        watchdog_config = WatchdogConfig(
+        self.replica_check, watchdog_config, max_consecutive_failures = check_arguments(
+            dirpath,
+            storage_options=storage_options,
+            keep_last=keep_last,
+            every_n_steps=every_n_steps,
+            max_consecutive_failures=max_consecutive_failures,
+            watchdog=watchdog,
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
             progress_timeout=progress_timeout,
+            replica_check=replica_check,
+            **options,
         )
         if keep_last is None:
             keep_last = accelerator.project_configuration.total_limit
@@ -161,7 +153,9 @@ class IncrementalCheckpointer:
         )
         self._positions: dict[int, LoaderPosition] = {}
         self._saved_rng: dict[str, Any] | None = None  # this process's RNG at the loaded save
-        self._deferred: int | None = None  # a save due at an epoch's last batch, taken later
+        # A save due at an epoch's last batch, taken when one of these loaders' next epoch
+        # starts (or at wait/close): (step, indices of the loaders at their epoch's end).
+        self._deferred: tuple[int, set[int]] | None = None
         self.max_consecutive_failures = max_consecutive_failures
         self._failures = FailurePolicy(
             "IncrementalCheckpointer", str(self.store.url), max_consecutive_failures
@@ -172,6 +166,7 @@ class IncrementalCheckpointer:
             self.generation = self._claim_generation()
         self._watchdog: Watchdog | None = None
         self._hooks: list[Any] = []
+        self._watched: set[int] = set()  # ids of the optimizers whose steps count as progress
         if watchdog or (watchdog is None and accelerator.num_processes > 1):
             dog = self._watchdog = watch_job(
                 watchdog_config,
@@ -181,12 +176,21 @@ class IncrementalCheckpointer:
             )
             # Progress is every optimizer step, whatever loop the script runs (its own, or
             # through iterate()); a checkpointer dropped without close() stops its watchdog.
-            self._hooks = [
-                getattr(opt, "optimizer", opt).register_step_post_hook(lambda *_: dog.progress())
-                for opt in accelerator._optimizers
-            ]
+            self._watch_optimizers()
             dropped = weakref.finalize(self, dog.stop, finished=False)
             dropped.atexit = False  # at exit the watchdog says it finished (Watchdog.start)
+
+    def _watch_optimizers(self) -> None:
+        """Count every prepared optimizer's step as progress for the watchdog (whatever loop the
+        script runs); optimizers prepared later are added by :meth:`follow`."""
+        dog = self._watchdog
+        if dog is None:
+            return
+        for opt in self.accelerator._optimizers:
+            if id(opt) not in self._watched:
+                self._watched.add(id(opt))
+                inner = getattr(opt, "optimizer", opt)
+                self._hooks.append(inner.register_step_post_hook(lambda *_: dog.progress()))
 
     def _claim_generation(self) -> int:
         """A new fencing generation, claimed by the main process, known to every process."""
@@ -226,25 +230,26 @@ class IncrementalCheckpointer:
     def maybe_save(self, step: int) -> SaveHandle | None:
         """:meth:`save` when ``step`` is a positive multiple of ``every_n_steps``; else None.
 
-        A save due right after the last batch of an epoch read through :meth:`iterate` is taken
-        once that epoch is over — when the next :meth:`iterate` starts, or at :meth:`wait` /
-        :meth:`close` — so it holds the epoch's end work too (an epoch-interval scheduler step,
-        an evaluation) and a resumed run starts the next epoch, whatever its loop looks like
-        (``while loader.iteration < epochs`` or ``for epoch in range(start, epochs)``)."""
+        A save due right after the last batch of an epoch is taken once that epoch is over —
+        when that loader's next epoch starts (through :meth:`iterate`, or a plain loop over it
+        after :meth:`take_over`), or at :meth:`wait` / :meth:`close` — so it holds the epoch's
+        end work too (an epoch-interval scheduler step, an evaluation) and a resumed run starts
+        the next epoch, whatever its loop looks like (``while loader.iteration < epochs`` or
+        ``for epoch in range(start, epochs)``)."""
         _check_step(step)
         if self._watchdog is not None:
             self._watchdog.progress(step)
         if self.every_n_steps is None or step <= 0 or step % self.every_n_steps:
             return None
-        if any(position.at_epoch_end() for position in self._positions.values()):
-            self._deferred = step
+        ended = {i for i, position in self._positions.items() if position.at_epoch_end()}
+        if ended:
+            self._deferred = (step, ended)
             return None
         return self.save(step)
 
     def _save_deferred(self) -> None:
-        step, self._deferred = self._deferred, None
-        if step is not None:
-            self.save(step)
+        if self._deferred is not None:
+            self.save(self._deferred[0])
 
     def _save(
         self,
@@ -254,6 +259,7 @@ class IncrementalCheckpointer:
         weights: list[dict[str, Any]] | None = None,  # the models' state dicts, after the hooks
     ) -> SaveHandle | None:
         _check_step(step)
+        self._deferred = None  # a due save not taken yet: this one holds newer state
         if self._watchdog is not None:
             self._watchdog.progress(step)
         acc = self.accelerator
@@ -367,6 +373,7 @@ class IncrementalCheckpointer:
         """
         acc = self.accelerator
         _layout.check_prepared(acc)
+        self._deferred = None  # the state it would have held is being replaced
         state: dict[str, Any] | None = None
         choice: tuple[int | None, str | None] = (None, None)
         failure: BaseException | None = None
@@ -413,8 +420,10 @@ class IncrementalCheckpointer:
     # ------------------------------------------------------------------ takeover
 
     def take_over(self) -> None:
-        """Make ``accelerator.save_state()`` / ``accelerator.load_state()`` go through this
-        checkpointer, by setting instance attributes that shadow the two methods.
+        """Install the integration on the accelerator: ``accelerator.save_state()`` /
+        ``load_state()`` go through this checkpointer, and every prepared DataLoader iterated
+        directly (``for batch in loader``) is tracked as through :meth:`iterate`, so a
+        mid-epoch resume is exact in plain loops too.
 
         ``save_state`` saves checkpoint ``project_configuration.iteration``, waits for its commit
         (Accelerate's save_state is synchronous too) and increments the iteration (as Accelerate
@@ -423,69 +432,72 @@ class IncrementalCheckpointer:
         the directory is ignored too, unless pre-hooks are registered
         (``register_save_state_pre_hook`` / ``register_load_state_pre_hook``): they run as
         Accelerate runs them, with the checkpoint directory (see
-        :mod:`accelerate_incremental._hooks`). :meth:`release` puts the original methods back.
+        :mod:`accelerate_incremental._hooks`). ``skip_first_batches`` on a tracked loader returns
+        the loader itself, skipping by index and still tracked (see
+        :mod:`accelerate_incremental._takeover`). :meth:`release` undoes all of it.
 
+        Raises:
+            RuntimeError: the accelerator is already taken over.
+            TypeError: a prepared DataLoader whose iteration cannot be tracked.
         Raises (from the taken-over methods):
             ValueError: pre-hooks are registered and there is no checkpoint directory for them
                 (no ``output_dir`` / ``input_dir`` and no automatic checkpoint naming).
         """
-        acc = self.accelerator
-        if getattr(acc, "_incremental_checkpointer", None) is not None:
-            raise RuntimeError("this accelerator's save_state/load_state are already taken over")
+        _takeover.take_over(self)
 
-        def save_state(output_dir: Any = None, *args: Any, **kwargs: Any) -> str:
-            iteration = acc.project_configuration.iteration
-            weights = None
-            if _hooks.save_hooks(acc):
-                weights = _hooks.run_save_hooks(acc, output_dir, iteration)
-            self._save(iteration, iteration + 1, None, weights)
-            self._settle(block=True)  # on every process: all warn or raise alike
-            self.store.wait()
-            acc.project_configuration.iteration = iteration + 1
-            return str(self.store.url)
-
-        def load_state(input_dir: Any = None, *args: Any, **kwargs: Any) -> int | None:
-            return self.load(_pre_hooks=_hooks.load_hooks_for(acc, input_dir))
-
-        acc.save_state = save_state
-        acc.load_state = load_state
-        acc._incremental_checkpointer = self
+    def follow(self) -> None:
+        """Track the DataLoaders (and watch the optimizers) prepared since :meth:`take_over`;
+        the launch flag calls it after every ``accelerator.prepare``."""
+        _takeover.follow(self)
+        self._watch_optimizers()
 
     def release(self) -> None:
-        """Undo :meth:`take_over`: the accelerator's own ``save_state``/``load_state`` again."""
-        acc = self.accelerator
-        if getattr(acc, "_incremental_checkpointer", None) is self:
-            del acc.save_state
-            del acc.load_state
-            del acc._incremental_checkpointer
+        """Undo :meth:`take_over`: the accelerator's own methods and loaders' iteration again."""
+        _takeover.release(self)
 
     # ------------------------------------------------------------------ data position
 
     def iterate(self, dataloader: Any) -> Iterator[Any]:
         """Iterate one epoch of a prepared DataLoader, tracking the position saved with each
         checkpoint. After :meth:`load`, the first call continues the interrupted epoch exactly
-        where it stood (same order, same random state), skipping the consumed batches.
+        where it stood (same order, same random state), skipping the consumed batches. After
+        :meth:`take_over` a plain ``for batch in dataloader`` is the same.
 
         Raises:
             ValueError: ``dataloader`` was not returned by ``accelerator.prepare``.
         """
-        index = next(
-            (i for i, dl in enumerate(self.accelerator._dataloaders) if dl is dataloader), None
-        )
+        index = self._index(dataloader)
         if index is None:
             raise ValueError(
                 "iterate() takes a DataLoader returned by accelerator.prepare(...); this one was "
                 "not prepared by this accelerator"
             )
+        return self._epoch(index)
+
+    def _index(self, dataloader: Any) -> int | None:
+        loaders = self.accelerator._dataloaders
+        return next((i for i, dl in enumerate(loaders) if dl is dataloader), None)
+
+    def _epoch(self, index: int) -> Iterator[Any]:
+        """One epoch of prepared DataLoader ``index``, its position tracked: the iteration of
+        :meth:`iterate` and of a tracked loader's own ``for`` loop."""
         position = self._position(index)
+        loader = position.loader
+
+        def open_epoch(skip: int) -> Any:
+            if skip == 0:
+                return _tracking.own_iter(loader)
+            acc = self.accelerator  # Accelerate's own, not a taken-over instance attribute
+            return type(acc).skip_first_batches(acc, loader, skip)
 
         def restore_now() -> None:
             if self._saved_rng is not None:
                 _rng.restore(self._saved_rng)
 
-        self._save_deferred()  # the previous epoch is over, the next one not begun
+        if self._deferred is not None and index in self._deferred[1]:
+            self._save_deferred()  # the epoch is over, the next one not begun
         dog = self._watchdog
-        for batch in position.iterate(self.accelerator.skip_first_batches, restore_now):
+        for batch in position.iterate(open_epoch, restore_now):
             if dog is not None:
                 dog.progress()
             yield batch
@@ -532,6 +544,52 @@ class IncrementalCheckpointer:
 
     def __repr__(self) -> str:
         return f"IncrementalCheckpointer({self.store.url!r}, every_n_steps={self.every_n_steps})"
+
+
+def check_arguments(
+    dirpath: Any,
+    *,
+    storage_options: Any = None,
+    keep_last: Any = None,
+    every_n_steps: Any = None,
+    max_consecutive_failures: Any = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    watchdog: Any = None,
+    heartbeat_interval: Any = 5.0,
+    heartbeat_timeout: Any = 60.0,
+    progress_timeout: Any = 900.0,
+    replica_check: Any = "warn",
+    **options: Any,
+) -> tuple[str, WatchdogConfig, int]:
+    """Validate :class:`IncrementalCheckpointer`'s arguments without an accelerator or a store
+    (the launch flag checks its settings before the script runs). Returns the replica check
+    action, the watchdog configuration and ``max_consecutive_failures``, validated.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: a bad ``every_n_steps``, ``max_consecutive_failures`` or ``replica_check``.
+        ConfigError: an invalid store option or watchdog timing.
+    """
+    if not isinstance(dirpath, str):
+        raise TypeError(f"dirpath must be a str (a directory or URL), got {type(dirpath).__name__}")
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise TypeError(
+            f"storage_options must be a dict or None, got {type(storage_options).__name__}"
+        )
+    if every_n_steps is not None and (
+        isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
+    ):
+        raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
+    failures = check_max_consecutive_failures(max_consecutive_failures)
+    if watchdog is not None and not isinstance(watchdog, bool):
+        raise TypeError(f"watchdog must be True, False or None, got {watchdog!r}")
+    action = replicas.check_action(replica_check)
+    watchdog_config = WatchdogConfig(
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_timeout=heartbeat_timeout,
+        progress_timeout=progress_timeout,
+    )
+    StoreConfig().replace(keep_last=keep_last, **options)
+    return action, watchdog_config, failures
 
 
 def _check_step(step: Any) -> None:

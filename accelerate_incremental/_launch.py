@@ -1,0 +1,158 @@
+"""``accelerate launch [options] -m accelerate_incremental [--dirpath URL | --config FILE]
+train.py [script args]``: incremental checkpointing for an unmodified script.
+
+Accelerate's ``-m/--module`` makes every process it starts run ``python -m accelerate_incremental
+...`` (everything after the module name is this module's command line). Here, in each process:
+
+1. The flags are parsed and checked, with the store settings, before the script runs: a bad value
+   ends the process with a usage error (exit status 2) naming it.
+2. ``Accelerator.prepare`` is wrapped (the class attribute, once per process): after each
+   ``prepare`` of an accelerator that holds a prepared model, that instance is enabled as
+   :func:`accelerate_incremental.enable` does — its ``save_state`` / ``load_state`` go through
+   the incremental store and its prepared DataLoaders' own iteration is tracked, so a mid-epoch
+   resume is exact in a plain ``for batch in loader`` — and later ``prepare`` calls add their
+   DataLoaders and optimizers.
+3. The script runs as ``__main__``, as ``python train.py [script args]`` would run it:
+   ``sys.argv``, ``__file__``, ``sys.path[0]`` (the script's directory), exit status,
+   exceptions and signals are the script's own.
+
+Without ``--dirpath`` / ``--config`` the environment variables ``ACCELERATE_INCREMENTAL`` /
+``ACCELERATE_INCREMENTAL_CONFIG`` give the store; the flags take precedence over them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from accelerate_incremental._flag import (
+    ENV_CONFIG,
+    ENV_DIR,
+    dir_settings,
+    enable,
+    file_settings,
+    settings,
+)
+from accelerate_incremental.checkpointer import IncrementalCheckpointer, check_arguments
+from lightning_incremental.core import ConfigError
+
+USAGE = (
+    "accelerate launch [accelerate options] -m accelerate_incremental "
+    "[--dirpath URL | --config FILE] script [script args]"
+)
+_MARK = "_accelerate_incremental_settings"  # on the wrapped prepare: the settings it applies
+
+
+def parser() -> argparse.ArgumentParser:
+    out = argparse.ArgumentParser(
+        prog="accelerate_incremental",
+        usage=USAGE,
+        allow_abbrev=False,
+        description="Run an unmodified Accelerate training script with incremental checkpoints: "
+        "its accelerator.save_state() / load_state() go through the incremental store, and a "
+        "mid-epoch resume continues after the last batch consumed before the checkpoint.",
+        epilog=f"Without --dirpath or --config, {ENV_DIR} or {ENV_CONFIG} gives the store.",
+    )
+    store = out.add_mutually_exclusive_group()
+    store.add_argument(
+        "--dirpath", metavar="URL", help="the checkpoint store: a directory or fsspec URL"
+    )
+    store.add_argument(
+        "--config",
+        metavar="FILE",
+        help='a JSON file of settings: {"dirpath": URL, "keep_last": 3, "every_n_steps": ..., '
+        '"storage_options": {...}, "options": {...}, "replica_check": ..., ...}',
+    )
+    out.add_argument("script", help="the training script, run as __main__")
+    out.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return out
+
+
+def parse(argv: Sequence[str]) -> tuple[dict[str, Any], str, list[str]]:
+    """The checkpointer settings, the script and its arguments from this module's command line.
+
+    Raises:
+        SystemExit: status 2 with a usage message: a bad flag or setting, no store, no script.
+    """
+    cli = parser()
+    args = cli.parse_args(list(argv))
+    try:
+        found: dict[str, Any] | None
+        if args.dirpath is not None:
+            found = dir_settings(args.dirpath, "--dirpath", "--dirpath ckpts/")
+            if os.path.isfile(args.dirpath):
+                cli.error(
+                    f"--dirpath {args.dirpath!r} is a file: give the checkpoint directory or URL "
+                    "first, then the script"
+                )
+        elif args.config is not None:
+            found = file_settings(args.config, f"--config {args.config!r}")
+        else:
+            found = settings()
+        if found is None:
+            cli.error(
+                f"no checkpoint store: give --dirpath URL or --config FILE (or set {ENV_DIR} / "
+                f"{ENV_CONFIG})"
+            )
+        check_arguments(**found)
+    except (ConfigError, TypeError, ValueError) as exc:
+        cli.error(str(exc))
+    if not os.path.exists(args.script):
+        cli.error(f"the training script {args.script!r} does not exist")
+    return found, args.script, list(args.script_args)
+
+
+def install(config: dict[str, Any]) -> None:
+    """Enable every accelerator this process prepares a model with, with ``config`` (the
+    keyword arguments of :class:`~accelerate_incremental.IncrementalCheckpointer`)."""
+    from accelerate import Accelerator
+
+    current = Accelerator.prepare
+    if hasattr(current, _MARK):
+        setattr(current, _MARK, dict(config))
+        return
+
+    @functools.wraps(current)
+    def prepare(self: Accelerator, *args: Any, **kwargs: Any) -> Any:
+        result = current(self, *args, **kwargs)
+        attach(self, getattr(prepare, _MARK))
+        return result
+
+    setattr(prepare, _MARK, dict(config))
+    Accelerator.prepare = prepare
+
+
+def attach(accelerator: Any, config: dict[str, Any]) -> IncrementalCheckpointer | None:
+    """Enable ``accelerator`` once it holds a prepared model; afterwards, follow what later
+    ``prepare`` calls add. Returns its checkpointer (None while no model is prepared)."""
+    existing: IncrementalCheckpointer | None = getattr(
+        accelerator, "_incremental_checkpointer", None
+    )
+    if existing is not None:
+        existing.follow()
+        return existing
+    if not accelerator._models:
+        return None
+    return enable(accelerator, **config)
+
+
+def run_script(script: str, script_args: list[str]) -> None:
+    """Run ``script`` as ``__main__`` with ``script_args``, as ``python script ...`` would."""
+    sys.argv = [script, *script_args]
+    if os.path.isfile(script) and not sys.flags.safe_path:
+        # python script.py puts the script's directory first (a directory or zip script is put
+        # there by runpy itself)
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The module's entry point: parse, install, run the script."""
+    config, script, script_args = parse(sys.argv[1:] if argv is None else argv)
+    install(config)
+    run_script(script, script_args)

@@ -379,7 +379,7 @@ class IncrementalCheckpointer:
         failure: BaseException | None = None
         if acc.is_main_process:
             try:
-                state = self.store.load(map_location="cpu")
+                state = self.store.load(map_location="cpu", into=self._live(), strict_into=False)
                 choice = (self.store.loaded_step, None)
             except CheckpointNotFoundError:
                 choice = (None, None)
@@ -394,7 +394,7 @@ class IncrementalCheckpointer:
         if step is None:
             return None
         if state is None:
-            state = self.store.load(step, map_location="cpu")
+            state = self.store.load(step, map_location="cpu", into=self._live(), strict_into=False)
         # Accelerate's load pre-hooks: before the weights, which go to the models they leave
         models = list(acc._models) if _pre_hooks is None else _pre_hooks(step)
         _layout.check_compatible(acc, state, FORMAT, models)
@@ -416,6 +416,13 @@ class IncrementalCheckpointer:
         self._saved_rng = mine["rng"]
         _rng.restore(mine["rng"])
         return step
+
+    def _live(self) -> dict[str, Any]:
+        """The prepared models' own tensors, for the engine to restore into: their weights are
+        decoded in place (``load_state_dict`` then copies each onto itself), not into a second
+        copy of the model."""
+        acc = self.accelerator
+        return {"models": [acc.unwrap_model(m).state_dict() for m in acc._models]}
 
     # ------------------------------------------------------------------ takeover
 

@@ -91,7 +91,7 @@ class ResumeHook:
         error: BaseException | None = None
         if trainer.is_global_zero:
             try:
-                step, checkpoint = _newest(callback._store_for_reading())
+                step, checkpoint = _newest(callback._store_for_reading(), _live(trainer))
             except Exception as exc:
                 error = exc
         step, text = strategy.broadcast((step, _describe(error)), src=0)
@@ -106,7 +106,9 @@ class ResumeHook:
             try:
                 store = callback._store_for_reading()
                 try:
-                    checkpoint = store.load(step, map_location="cpu")
+                    checkpoint = store.load(
+                        step, map_location="cpu", into=_live(trainer), strict_into=False
+                    )
                 finally:
                     store.close()
             except Exception as exc:  # reported to every rank by the decision below
@@ -128,14 +130,22 @@ class ResumeHook:
         return step, checkpoint
 
 
-def _newest(store: CheckpointStore) -> tuple[int | None, dict[str, Any] | None]:
+def _live(trainer: pl.Trainer) -> dict[str, Any]:
+    """The model's own tensors, for the engine to restore into (no second copy of the weights:
+    Lightning's ``load_state_dict`` then copies each tensor onto itself)."""
+    return {"state_dict": trainer.lightning_module.state_dict()}
+
+
+def _newest(
+    store: CheckpointStore, into: dict[str, Any] | None = None
+) -> tuple[int | None, dict[str, Any] | None]:
     """The newest checkpoint that restores, and its step. The engine falls back past corrupt
     checkpoints loudly, and sets them aside so that the resumed run may save those steps again.
     """
     steps = store.steps()
     if not steps:
         return None, None
-    checkpoint = store.load(map_location="cpu")
+    checkpoint = store.load(map_location="cpu", into=into, strict_into=False)
     step = store.loaded_step
     if checkpoint.get("global_step") != step:  # IncrementalCheckpoint saves at global_step
         raise CheckpointError(

@@ -95,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("step", nargs="?", type=int, help="step (default: the newest)")
     p.add_argument("--to", required=True, type=Path, help="file to write")
     p.add_argument("--format", choices=FORMATS, default="torch")
+    p.add_argument(
+        "--keys",
+        nargs="+",
+        metavar="KEY",
+        default=None,
+        help="export only these top-level keys (e.g. state_dict): the others are not read",
+    )
     command("compact", _compact, "rewrite the newest checkpoint as a full base")
     p = command("gc", _gc, "delete old checkpoints and unreferenced objects")
     p.add_argument("--keep-last", type=int, default=None, metavar="N")
@@ -332,9 +339,11 @@ def _diff(store: CheckpointStore, args: argparse.Namespace, console: Console) ->
 
 def _export(store: CheckpointStore, args: argparse.Namespace, console: Console) -> int:
     step = store.manifest(args.step)["step"]
-    state = store.load(step, map_location="cpu")
+    state = store.load(step, map_location="cpu", keys=args.keys)
     written = export_state(state, args.to, args.format)
     doc = {"step": step, "to": str(args.to), "format": args.format, "bytes": written}
+    if args.keys:
+        doc["keys"] = list(state)
     if not args.json:
         console.print(f"exported step {step} to {args.to} ({args.format}, {_mb(written)} MB)")
     _emit(console, args, doc, None)

@@ -198,3 +198,26 @@ def test_the_command_in_a_subprocess(store_dir: Path, tmp_path: Path) -> None:
 def test_every_command_in_a_subprocess(store_dir: Path, tmp_path: Path, argv, code) -> None:
     result = _cli(*(a.format(store=store_dir, tmp=tmp_path) for a in argv))
     assert result.returncode == code, result.stdout + result.stderr
+
+
+def test_export_keys_reads_and_writes_only_those_keys(store_dir: Path, tmp_path: Path, capsys):
+    target = tmp_path / "weights.safetensors"
+    code, doc = run_json(
+        capsys,
+        "export",
+        str(store_dir),
+        "--to",
+        str(target),
+        "--format",
+        "safetensors",
+        "--keys",
+        "state_dict",
+    )
+    assert code == 0 and doc["keys"] == ["state_dict"]
+    from safetensors.torch import load_file
+
+    expected = CheckpointStore(str(store_dir)).load(keys="state_dict")
+    loaded = load_file(str(target))
+    assert set(loaded) == {f"state_dict.{k}" for k in expected["state_dict"]}
+    code = main(["export", str(store_dir), "--to", str(tmp_path / "y"), "--keys", "nope"])
+    assert code != 0 and "no top-level key 'nope'" in capsys.readouterr().err

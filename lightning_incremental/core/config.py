@@ -33,7 +33,13 @@ class StoreConfig:
         xor_base_memory: most bytes of the previous snapshot kept in host memory as XOR base;
             ``None`` keeps all of it (host memory equal to the checkpoint's tensor bytes), ``0``
             is the same as ``xor_delta=False``. Tensors past the budget are stored standalone
-            when they change. Default None.
+            when they change, unless ``xor_base_from_storage``. Default None.
+        xor_base_from_storage: when the previous checkpoint's bytes are not in memory (the
+            first save after a restart or a restore, tensors past ``xor_base_memory``), decode
+            each changed chunk's base from storage, chunk by chunk, in the background: the save
+            reads the previous checkpoint's objects once, and writes deltas instead of
+            standalone chunks. A restore then never keeps a second copy of the state for the next
+            save. Default True.
         keep_last: after each commit, delete checkpoints older than the newest ``keep_last``
             (never an object that a kept checkpoint still needs). ``None`` keeps all. Default None.
         max_in_flight: saves that may be queued or running in the background; ``save`` blocks
@@ -61,6 +67,7 @@ class StoreConfig:
     compression_level: int = 1
     xor_delta: bool = True
     xor_base_memory: int | None = None
+    xor_base_from_storage: bool = True
     keep_last: int | None = None
     max_in_flight: int = 1
     workers: int = 2
@@ -94,6 +101,7 @@ class StoreConfig:
         _int("max_in_flight", self.max_in_flight, minimum=1)
         _int("workers", self.workers, minimum=1)
         _int("pack_size", self.pack_size, minimum=1)
+        _bool("xor_base_from_storage", self.xor_base_from_storage)
         _bool("fsync", self.fsync)
         _bool("allow_pickle", self.allow_pickle)
         if self.generation is not None:

@@ -1,8 +1,10 @@
 """The restore pipeline: read the objects a manifest names, decode chains, verify every chunk.
 
 Reads are grouped per pack and coalesced (few large reads instead of one per chunk, which is
-what object stores need), then each chunk's chain — its standalone base, then each XOR delta in
-order — is decoded into the destination buffer on the worker pool. Every link of every chain is
+what object stores need), issued in the order the tensors need them within a memory window, and
+each chunk's chain — its standalone base, then each XOR delta in order — is decoded into the
+destination on the worker pool as soon as the chain is in; what no pending chunk needs is
+released at once. Every link of every chain is
 checked against its XXH3-128 hash: a corrupt object is named, never returned.
 """
 
@@ -10,8 +12,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, as_completed
-from typing import Any
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
+from dataclasses import dataclass
+from typing import Any, Union
 
 import numpy as np
 
@@ -21,7 +24,8 @@ from lightning_incremental.core.manifest import closure
 from lightning_incremental.core.storage import Storage
 
 COALESCE_GAP = 1 << 20
-MAX_READ = 64 << 20
+MAX_READ = 16 << 20
+READ_AHEAD = 64 << 20  # bytes of objects a restore holds at a time (see restore_arrays)
 
 
 Read = tuple[str, int, int, list[tuple[int, int, str]]]  # path, start, end, members
@@ -142,63 +146,170 @@ def _decode_links(
             )
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A destination that is not one flat piece of host memory (a GPU tensor, a non-contiguous
+    view): each chunk is decoded into scratch host memory and handed to ``put(offset, data)``
+    (``offset``: the chunk's byte offset in the tensor)."""
+
+    nbytes: int
+    put: Callable[[int, np.ndarray], None]
+
+
+Target = Union[np.ndarray, Staged, None]
+
+
 def restore_arrays(
     storage: Storage,
     manifest: dict[str, Any],
     pool: Executor,
     where: str,
-    alloc: Callable[[dict[str, Any]], np.ndarray],
+    targets: list[Target],
     mirrors: list[np.ndarray] | None = None,
-) -> list[np.ndarray]:
-    """Decode every tensor of ``manifest`` into buffers from ``alloc(tensor_entry)`` (flat
-    uint8 of ``nbytes``), and into ``mirrors[i]`` too for the first ``len(mirrors)`` tensors (a
-    second copy, made chunk by chunk on the workers while the chunk is hot in cache). Reads and
-    decoding overlap: a chunk is decoded as soon as every link of its chain has been read.
+    *,
+    read_ahead: int = READ_AHEAD,
+) -> list[Target]:
+    """Decode every tensor of ``manifest`` into its target (``targets[i]`` for tensor ``i``): a
+    flat uint8 array of ``nbytes`` (decoded into directly), a :class:`Staged` destination, or
+    None (not restored: a partial load reads none of its objects). The first ``len(mirrors)``
+    tensors are also copied into ``mirrors[i]``, chunk by chunk while the chunk is hot in cache.
+
+    Memory stays bounded whatever the checkpoint's size: objects are read in the order the
+    tensors need them, at most ``read_ahead`` bytes of them held at a time (more only while
+    nothing else can progress), each released once every chunk that needs it is decoded. Reads
+    and decoding overlap on ``pool``: a chunk is decoded as soon as its whole chain is in.
 
     Raises:
         CorruptCheckpointError: naming the first bad object.
     """
     chunks = manifest["chunks"]
     reader = ObjectReader(storage, manifest, where)
-    buffers = [alloc(t) for t in manifest["tensors"]]
     mirrors = mirrors or []
-    waiting: dict[str, list[int]] = defaultdict(list)  # link -> jobs that need it
-    jobs: list[tuple[str, np.ndarray, np.ndarray | None, set[str]]] = []
-    needed: set[str] = set()
-    for index, (tensor, buf) in enumerate(zip(manifest["tensors"], buffers)):
+    jobs: list[_Job] = []
+    users: dict[str, int] = defaultdict(int)  # link -> jobs not yet decoded that need it
+    for index, (tensor, target) in enumerate(zip(manifest["tensors"], targets)):
+        if target is None:
+            continue
         mirror = mirrors[index] if index < len(mirrors) else None
         offset = 0
         for digest in tensor["chunks"]:
             size = chunks[digest]["size"]
-            links = set(closure(digest, chunks))
+            links = tuple(dict.fromkeys(closure(digest, chunks)))
             for link in links:
-                waiting[link].append(len(jobs))
+                users[link] += 1
+            out = target[offset : offset + size] if isinstance(target, np.ndarray) else None
             copy = mirror[offset : offset + size] if mirror is not None else None
-            jobs.append((digest, buf[offset : offset + size], copy, links))
-            needed |= links
+            jobs.append(_Job(digest, links, out, target, offset, size, copy))
             offset += size
+    _Schedule(reader, pool, jobs, users, read_ahead, chunks, where).run()
+    return targets
 
-    def decode(index: int) -> None:
-        digest, out, copy, _ = jobs[index]
-        decode_chunk(digest, chunks, reader.blobs, out, where)
-        if copy is not None:
-            copy[:] = out
 
-    reads = [pool.submit(reader.read, plan) for plan in reader.plan(needed)]
-    decodes: list[Future[None]] = []
-    try:
+@dataclass
+class _Job:
+    digest: str
+    links: tuple[str, ...]
+    out: np.ndarray | None  # decode straight into this, or ...
+    target: Target  # ... into scratch handed to a Staged target
+    offset: int
+    size: int
+    copy: np.ndarray | None
+
+
+class _Schedule:
+    """Runs the reads and decodes of one restore within a memory window (see restore_arrays)."""
+
+    def __init__(
+        self,
+        reader: ObjectReader,
+        pool: Executor,
+        jobs: list[_Job],
+        users: dict[str, int],
+        read_ahead: int,
+        chunks: dict[str, Any],
+        where: str,
+    ) -> None:
+        self.reader, self.pool, self.jobs, self.users = reader, pool, jobs, users
+        self.read_ahead, self.chunks, self.where = read_ahead, chunks, where
+        plans = reader.plan(set(users))
+        read_of = {digest: i for i, plan in enumerate(plans) for _, _, digest in plan[3]}
+        order: list[int] = []  # reads in the order the jobs first need them
+        seen: set[int] = set()
+        for job in jobs:
+            for link in job.links:
+                i = read_of[link]
+                if i not in seen:
+                    seen.add(i)
+                    order.append(i)
+        self.plans, self.order, self.read_of = plans, order, read_of
+        self.members_left = [len(plan[3]) for plan in plans]  # blobs of a read still held
+        self.waiting: dict[str, list[int]] = defaultdict(list)  # link -> jobs waiting for it
+        for index, job in enumerate(jobs):
+            for link in job.links:
+                self.waiting[link].append(index)
+        self.held = 0  # bytes of reads issued and not yet released
+
+    def run(self) -> None:
+        running: dict[Future[Any], tuple[str, int]] = {}
+        next_read = 0
         started: set[int] = set()
-        for done in as_completed(reads):
-            for link in done.result():
-                for index in waiting.pop(link, []):
-                    if index not in started and jobs[index][3].issubset(reader.blobs):
-                        started.add(index)
-                        decodes.append(pool.submit(decode, index))
-        for fut in decodes:
-            fut.result()
-    except BaseException:
-        pending: list[Future[Any]] = [*reads, *decodes]
-        for fut in pending:
-            fut.cancel()
-        raise
-    return buffers
+        decoded = 0
+        try:
+            while decoded < len(self.jobs):
+                decoding = sum(1 for kind, _ in running.values() if kind == "decode")
+                while next_read < len(self.order) and (
+                    self.held < self.read_ahead or (not decoding and not running)
+                ):
+                    i = self.order[next_read]
+                    next_read += 1
+                    _, start, end, _ = self.plans[i]
+                    self.held += end - start
+                    running[self.pool.submit(self.reader.read, self.plans[i])] = ("read", i)
+                if not running:
+                    raise AssertionError("restore stalled: no read or decode can run")
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    kind, index = running.pop(fut)
+                    fut.result()  # re-raises the read's or decode's error
+                    if kind == "read":
+                        for link in [d for _, _, d in self.plans[index][3]]:
+                            if not self.users.get(link):
+                                self._release(link)  # an unused member of a coalesced read
+                                continue
+                            for j in self.waiting.pop(link, []):
+                                job = self.jobs[j]
+                                if j not in started and all(
+                                    x in self.reader.blobs for x in job.links
+                                ):
+                                    started.add(j)
+                                    running[self.pool.submit(self._decode, job)] = ("decode", j)
+                    else:
+                        decoded += 1
+                        for link in self.jobs[index].links:
+                            self.users[link] -= 1
+                            if not self.users[link]:
+                                self._release(link)
+        except BaseException:
+            for fut in running:
+                fut.cancel()
+            for fut in running:
+                if not fut.cancelled():
+                    fut.exception()  # wait: no worker may still write into the targets
+            raise
+
+    def _decode(self, job: _Job) -> None:
+        out = job.out if job.out is not None else np.empty(job.size, dtype=np.uint8)
+        decode_chunk(job.digest, self.chunks, self.reader.blobs, out, self.where)
+        if job.copy is not None:
+            job.copy[:] = out
+        if isinstance(job.target, Staged):
+            job.target.put(job.offset, out)
+
+    def _release(self, link: str) -> None:
+        if self.reader.blobs.pop(link, None) is None:
+            return
+        i = self.read_of[link]
+        self.members_left[i] -= 1
+        if not self.members_left[i]:
+            _, start, end, _ = self.plans[i]
+            self.held -= end - start

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,9 @@ import torch
 
 from lightning_incremental.core import codec
 from lightning_incremental.core.config import StoreConfig
-from lightning_incremental.core.manifest import pack_path
+from lightning_incremental.core.decoder import ObjectReader, decode_chunk
+from lightning_incremental.core.errors import CorruptCheckpointError
+from lightning_incremental.core.manifest import closure, pack_path
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.tree import Leaf
 
@@ -62,6 +65,8 @@ class _Task:
     base: np.ndarray | None
     base_digest: str | None
     base_recipe: dict[str, Any] | None
+    # No base in memory: decode the parent's chunk ``base_digest`` from storage (on the worker)
+    fetch: Callable[[str], np.ndarray | None] | None = None
 
 
 # Choosing between standalone and XOR encodings: compressing both costs twice the CPU. For a
@@ -85,6 +90,8 @@ def _sample(data: np.ndarray) -> np.ndarray:
 def _encode_task(task: _Task, level: int, max_chain_ratio: float) -> tuple[str, bytes, float]:
     start = time.perf_counter()
     raw, base = task.raw, task.base
+    if base is None and task.fetch is not None and task.base_digest is not None:
+        base = task.fetch(task.base_digest)
     if base is None or task.base_recipe is None:
         return codec.KIND_FULL, codec.encode_full(raw, task.width, level), _since(start)
     chain_budget = max_chain_ratio * raw.size - task.base_recipe["chain"]
@@ -187,6 +194,11 @@ def encode(
     parent_chunks: dict[str, Any] = parent.manifest["chunks"] if parent else {}
     out = Encoded(tensors=[], chunks={}, packs={})
     pack = _PackWriter(storage, pool, config.pack_size, out)
+    fetch = None
+    stored: dict[str, dict[str, Any]] = {}
+    if parent is not None and config.uses_xor and config.xor_base_from_storage:
+        stored = {t["path"]: t for t in parent.manifest["tensors"] if t["path"] not in parent.base}
+        fetch = BaseReader(storage, parent.manifest, parent_chunks).read
     window: deque[tuple[Future[tuple[str, bytes, float]], _Task]] = deque()
     scheduled: set[str] = set()
 
@@ -233,6 +245,17 @@ def encode(
                 xor_base[0].size != raw.size or parent.manifest["chunk_size"] != config.chunk_size  # type: ignore[union-attr]
             ):
                 xor_base = None  # different size or chunking: chunk i is not chunk i any more
+            # Not in memory (a parent read from storage, e.g. after a restart or a restore):
+            # the parent's chunks are decoded from storage one by one on the workers.
+            stored_base = None
+            if xor_base is None and fetch is not None:
+                before = stored.get(leaf.path)
+                if (
+                    before is not None
+                    and before["nbytes"] == raw.size
+                    and parent.manifest["chunk_size"] == config.chunk_size  # type: ignore[union-attr]
+                ):
+                    stored_base = before["chunks"]
             digests = []
             for offset in range(0, raw.size, config.chunk_size):
                 piece = raw[offset : offset + config.chunk_size]
@@ -248,16 +271,20 @@ def encode(
                     out.chunks_reused += 1
                     continue
                 task = _Task(digest, piece, width, None, None, None)
-                if xor_base is not None and not full_base:
-                    index = offset // config.chunk_size
-                    base_digest = xor_base[1][index]
+                index = offset // config.chunk_size
+                base_digests = xor_base[1] if xor_base is not None else stored_base
+                if base_digests is not None and not full_base and index < len(base_digests):
+                    base_digest = base_digests[index]
                     base_recipe = parent_chunks.get(base_digest)
                     if (
                         base_recipe is not None
                         and base_recipe["depth"] < config.max_chain
                         and base_recipe["size"] == piece.size
                     ):
-                        task.base = xor_base[0][offset : offset + config.chunk_size]
+                        if xor_base is not None:
+                            task.base = xor_base[0][offset : offset + config.chunk_size]
+                        else:
+                            task.fetch = fetch
                         task.base_digest, task.base_recipe = base_digest, base_recipe
                 scheduled.add(digest)
                 window.append(
@@ -291,6 +318,28 @@ def encode(
         pack.abandon()
         raise
     return out
+
+
+class BaseReader:
+    """A parent checkpoint's chunks, decoded from storage on demand (as XOR bases when the
+    parent's bytes are not in memory). A chunk that cannot be read or fails its hash is no base:
+    the chunk it would have been the base of is stored standalone instead."""
+
+    def __init__(self, storage: Storage, manifest: dict[str, Any], chunks: dict[str, Any]) -> None:
+        self.storage, self.manifest, self.chunks = storage, manifest, chunks
+
+    def read(self, digest: str) -> np.ndarray | None:
+        if digest not in self.chunks:
+            return None
+        reader = ObjectReader(self.storage, self.manifest, f"step {self.manifest.get('step')}")
+        out = np.empty(self.chunks[digest]["size"], dtype=np.uint8)
+        try:
+            for plan in reader.plan(set(closure(digest, self.chunks))):
+                reader.read(plan)
+            decode_chunk(digest, self.chunks, reader.blobs, out, reader.where)
+        except (CorruptCheckpointError, OSError):
+            return None
+        return out
 
 
 def next_parent(

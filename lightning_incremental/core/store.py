@@ -11,6 +11,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -34,7 +35,8 @@ from lightning_incremental.core.errors import (
     StepError,
 )
 from lightning_incremental.core.maintenance import sweep, verify_manifest
-from lightning_incremental.core.materialise import MapLocation, allocate, materialise
+from lightning_incremental.core.materialise import MapLocation, materialise
+from lightning_incremental.core.restore import check_keys, finish_inplace, plan, prune
 from lightning_incremental.core.results import (
     GcReport,
     SaveHandle,
@@ -388,7 +390,14 @@ class CheckpointStore:
             return self._generation
 
     def load(
-        self, step: int | None = None, *, map_location: MapLocation = None, strict: bool = False
+        self,
+        step: int | None = None,
+        *,
+        map_location: MapLocation = None,
+        strict: bool = False,
+        into: Any = None,
+        keys: str | Iterable[str] | None = None,
+        strict_into: bool = True,
     ) -> dict[str, Any]:
         """Restore a checkpoint: bit-identical tensors (dtype, shape, bytes), same structure.
 
@@ -401,6 +410,17 @@ class CheckpointStore:
                 device (see :func:`~lightning_incremental.core.materialise.place`).
             strict: with ``step=None``, raise on the newest checkpoint's corruption instead of
                 falling back.
+            into: a state (nested dicts/lists, e.g. ``{"model": model.state_dict()}``) whose
+                tensors receive the checkpoint's values in place, matched by key path: decoded
+                straight into their memory, without a second copy of the state. The returned
+                state holds these very tensors (``map_location`` does not move them); tensors
+                ``into`` lacks are returned as new ones. Shapes and dtypes are checked before
+                anything is read.
+            strict_into: False restores an ``into`` tensor of another shape or dtype as a new
+                tensor instead of raising (for callers that report mismatches themselves, as
+                ``load_state_dict`` does).
+            keys: load only these top-level keys (e.g. ``"model"``): the objects of the others
+                are not read. The returned dict holds just these keys.
 
         Raises:
             CheckpointNotFoundError: no store at the URL, an empty store, or a missing step.
@@ -408,15 +428,25 @@ class CheckpointStore:
             CorruptCheckpointError: the checkpoint (or with ``step=None`` every one) is corrupt.
             FormatVersionError: written by a newer version of this library.
             PickleNotAllowedError: it holds pickles and ``allow_pickle`` is off.
+            ConfigError: a key of ``keys`` the checkpoint lacks; a tensor of ``into`` whose shape
+                or dtype differs from the checkpoint's (naming its key).
+            TypeError: ``keys`` is not a str or a list of str.
+
+        Memory: the restore holds a bounded window of the checkpoint's objects at a time
+        (``decoder.READ_AHEAD``), not the whole checkpoint; into ``into``'s host tensors it
+        allocates nothing of the state's size. Every chunk is verified against its hash either
+        way; a corrupt checkpoint may leave ``into``'s tensors partly overwritten (load another
+        step into them, or the fallback does).
 
         Saves to the same location that this process started before the call (through this
         store or any other instance) are waited for first: a load sees them once committed.
         """
         inflight.wait(self.url)
+        selection = Selection(check_keys(keys), into, strict_into)
         if step is not None:
             step = self._resolve_step(step)
             try:
-                return self._load_step(step, map_location)
+                return self._load_step(step, map_location, selection)
             except CorruptCheckpointError:
                 with self._lock:
                     self._quarantined.add(step)  # a new history may replace it
@@ -425,7 +455,7 @@ class CheckpointStore:
         problems = []
         for candidate in reversed([s for s in self.steps() if s <= newest]):
             try:
-                state = self._load_step(candidate, map_location)
+                state = self._load_step(candidate, map_location, selection)
             except CorruptCheckpointError as exc:
                 if strict:
                     raise
@@ -479,85 +509,55 @@ class CheckpointStore:
     def _read_manifest(self, step: int) -> dict[str, Any]:
         return read_manifest(self.storage, step)
 
-    def _load_step(self, step: int, map_location: MapLocation) -> dict[str, Any]:
+    def _load_step(
+        self, step: int, map_location: MapLocation, selection: Selection | None = None
+    ) -> dict[str, Any]:
+        selection = selection or Selection(None, None, True)
         doc = self._read_manifest(step)
         where = f"step {step} of {self.url}"
+        skeleton, wanted = prune(doc["tree"], selection.keys, where)
         if doc["pickled"] and not self.config.allow_pickle:
             raise PickleNotAllowedError(
                 f"checkpoint {where} holds pickled objects at {', '.join(doc['pickled'][:5])}; "
                 "loading them executes code — open the store with allow_pickle=True only if "
                 "you trust this checkpoint"
             )
-        holders: list[Any] = []
-
-        def alloc(entry: dict[str, Any]) -> np.ndarray:
-            holder, raw = allocate(entry)
-            holders.append(holder)
-            return raw
-
-        mirrors = self._base_mirrors(step, doc)
-        try:
-            restore_arrays(
-                self.storage,
-                doc,
-                self._pool,
-                where,
-                alloc,
-                [m.numpy() for m in mirrors] if mirrors is not None else None,
-            )
-        except BaseException:
-            if mirrors is not None:
-                self._buffers.give(mirrors)
-            raise
+        destinations, targets = plan(doc, wanted, selection.into, where, strict=selection.strict)
+        # No copy of the state is kept for the next save: it reads its XOR bases from storage
+        # (StoreConfig.xor_base_from_storage), so a restore needs no memory beyond the state.
+        restore_arrays(self.storage, doc, self._pool, where, targets)
+        finish_inplace(destinations)
         values = [
-            materialise(holder, entry, map_location)
-            for holder, entry in zip(holders, doc["tensors"])
+            holder if mine or holder is None else materialise(holder, entry, map_location)
+            for holder, mine, entry in zip(
+                destinations.holders, destinations.inplace, doc["tensors"]
+            )
         ]
         try:
-            state = unflatten(doc["tree"], values, allow_pickle=self.config.allow_pickle)
+            state = unflatten(skeleton, values, allow_pickle=self.config.allow_pickle)
         except PickleNotAllowedError as exc:
             raise PickleNotAllowedError(f"checkpoint {where}: {exc}") from exc
         except ManifestError as exc:
             raise ManifestError(f"manifest {where}: {exc}") from exc
         if not isinstance(state, dict):
             raise ManifestError(f"manifest {where}: the state is not a dict")
-        if mirrors is not None:
-            self._adopt_loaded(step, doc, mirrors)
+        if wanted is None:  # every chunk verified: a parent to build on
+            self._adopt_loaded(step, doc)
         self.loaded_step = step
         return state
 
-    def _base_mirrors(self, step: int, doc: dict[str, Any]) -> list[torch.Tensor] | None:
-        """When ``step`` is what the next save builds on, buffers (within the XOR-base budget)
-        that the restore fills with a copy of each tensor's bytes — the next save's XOR base, so
-        a restarted job writes deltas from its first save on. None when it is not."""
-        with self._lock:
-            if not self.config.uses_xor or any(not h.done() for h in self._handles):
-                return None
-            self._initialise()
-            if self._committed_last() != step:
-                return None
-        mirrors, used, budget = [], 0, self.config.xor_base_memory
-        for entry in doc["tensors"]:
-            if budget is not None and used + entry["nbytes"] > budget:
-                break
-            mirrors.append(self._buffers.take(torch.Size([entry["nbytes"]]), torch.uint8))
-            used += entry["nbytes"]
-        return mirrors
-
-    def _adopt_loaded(self, step: int, doc: dict[str, Any], mirrors: list[torch.Tensor]) -> None:
-        """Make the loaded checkpoint (whose bytes ``mirrors`` hold) the next save's parent."""
-        leaves = [
-            Leaf(
-                path=entry["path"], data=data, dtype="uint8", shape=[entry["nbytes"]], device="cpu"
-            )
-            for entry, data in zip(doc["tensors"], mirrors)
-        ]
+    def _adopt_loaded(self, step: int, doc: dict[str, Any]) -> None:
+        """When ``step`` is what the next save builds on, make it the parent (unless it is
+        already, with its bytes in memory): a resumed job writes deltas from its first save on,
+        their bases read from storage (``xor_base_from_storage``), not kept in memory."""
         with self._lock:
             if any(not h.done() for h in self._handles):
-                self._buffers.give(mirrors)
                 return
-            tensors = doc["tensors"][: len(leaves)]
-            self._set_parent(*next_parent(step, doc, leaves, tensors, self.config))
+            self._initialise()
+            if self._committed_last() != step:
+                return
+            if self._parent is None or self._parent.step != step:
+                self._set_parent(Parent(step, doc), [])
             self._committed = step
 
     # ------------------------------------------------------------------ maintenance
@@ -596,9 +596,8 @@ class CheckpointStore:
             if all(r["depth"] == 0 for r in doc["chunks"].values()):
                 return None
             where = f"step {step} of {self.url}"
-            buffers = restore_arrays(
-                self.storage, doc, self._pool, where, lambda t: np.empty(t["nbytes"], np.uint8)
-            )
+            buffers = [np.empty(t["nbytes"], np.uint8) for t in doc["tensors"]]
+            restore_arrays(self.storage, doc, self._pool, where, list(buffers))
             leaves = [
                 Leaf(
                     path=t["path"],
@@ -916,6 +915,15 @@ class CheckpointStore:
                 f"no {mf.MARKER} and no manifests); pass the location checkpoints were saved to"
             )
         raise CheckpointNotFoundError(f"there is no checkpoint store at {self.url}")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a ``load`` restores: top-level ``keys`` (None: all), ``into`` the caller's tensors."""
+
+    keys: tuple[str, ...] | None
+    into: Any
+    strict: bool
 
 
 def read_manifest(storage: Storage, step: int) -> dict[str, Any]:

@@ -1,0 +1,219 @@
+"""What a restore decodes, and into what: a whole checkpoint, a part of it (``keys``), into new
+tensors or into the caller's own (``into``).
+
+Loading into existing tensors is how a training job restores without a second copy of its state:
+each chunk is decoded straight into the memory of the model's parameters and buffers (host
+tensors), or through one chunk of scratch memory into a device tensor. Shapes and dtypes are
+checked for every tensor before anything is read, so a checkpoint of another model fails with an
+error naming the key and leaves the caller's tensors untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_incremental.core.decoder import Staged, Target
+from lightning_incremental.core.errors import ConfigError
+from lightning_incremental.core.materialise import allocate
+from lightning_incremental.core.tree import (
+    T_DICT,
+    T_FROZENSET,
+    T_LIST,
+    T_ODICT,
+    T_ODICT_META,
+    T_SET,
+    T_TENSOR,
+    T_TUPLE,
+    key_path,
+    torch_dtype,
+)
+
+
+def check_keys(keys: Any) -> tuple[str, ...] | None:
+    """``keys`` as a tuple of top-level keys (None: everything).
+
+    Raises:
+        TypeError: not a str or an iterable of str.
+    """
+    if keys is None:
+        return None
+    if isinstance(keys, str):
+        return (keys,)
+    if isinstance(keys, Iterable) and not isinstance(keys, (bytes, Mapping)):
+        out = tuple(keys)
+        if out and all(isinstance(k, str) for k in out):
+            return out
+    raise TypeError(f"keys must be a top-level key or a list of them (str), got {keys!r:.80}")
+
+
+def prune(skeleton: Any, keys: tuple[str, ...] | None, where: str) -> tuple[Any, set[int] | None]:
+    """The skeleton of the top-level ``keys`` only, and the indices of the tensors it uses (None:
+    all of them).
+
+    Raises:
+        ConfigError: a key the checkpoint does not have (naming the ones it has).
+    """
+    if keys is None:
+        return skeleton, None
+    tag, items = skeleton
+    if tag not in (T_DICT, T_ODICT):
+        raise ConfigError(f"checkpoint {where} is not a dict of keys; load it whole")
+    present = [k for k, _ in items if isinstance(k, str)]
+    missing = [k for k in keys if k not in present]
+    if missing:
+        raise ConfigError(
+            f"checkpoint {where} has no top-level key {', '.join(map(repr, missing))}; its keys "
+            f"are {', '.join(map(repr, present))}"
+        )
+    kept = [[k, v] for k, v in items if k in keys]
+    wanted: set[int] = set()
+    for _, value in kept:
+        _tensor_indices(value, wanted)
+    return [tag, kept], wanted
+
+
+def _tensor_indices(node: Any, found: set[int]) -> None:
+    """Every tensor index a (validated) skeleton node refers to."""
+    if not isinstance(node, list) or len(node) != 2 or not isinstance(node[0], str):
+        return
+    tag, payload = node
+    if tag == T_TENSOR:
+        found.add(int(payload))
+    elif tag in (T_LIST, T_TUPLE, T_SET, T_FROZENSET):
+        for child in payload:
+            _tensor_indices(child, found)
+    elif tag in (T_DICT, T_ODICT):
+        for key, value in payload:
+            _tensor_indices(key, found)
+            _tensor_indices(value, found)
+    elif tag == T_ODICT_META:
+        items, meta = payload
+        _tensor_indices([T_DICT, items], found)
+        _tensor_indices(meta, found)
+
+
+def tensors_of(state: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a nested state by the key path a checkpoint records for them."""
+    found: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(key_path(path), value)
+        elif isinstance(value, Mapping):
+            for key, child in value.items():
+                walk(child, (*path, key))
+        elif isinstance(value, (list, tuple)):
+            for index, child in enumerate(value):
+                walk(child, (*path, index))
+
+    walk(state, ())
+    return found
+
+
+@dataclass
+class Destinations:
+    """Where each tensor of a manifest is decoded: ``holders[i]`` is what ``load`` returns for
+    tensor ``i`` once decoded (None: not restored), ``inplace[i]`` whether it is the caller's
+    own tensor (returned as it is), ``after`` copies to run once decoding is over."""
+
+    holders: list[Any]
+    inplace: list[bool]
+    after: list[tuple[np.ndarray, torch.Tensor]]
+
+
+def plan(
+    manifest: dict[str, Any],
+    wanted: set[int] | None,
+    into: Any,
+    where: str,
+    *,
+    strict: bool = True,
+) -> tuple[Destinations, list[Target]]:
+    """Decide every tensor's destination (checking ``into``'s tensors first) and allocate what
+    is not the caller's.
+
+    Raises:
+        ConfigError: with ``strict``, an ``into`` tensor whose shape or dtype differs from the
+            checkpoint's (or a numpy array in the checkpoint where ``into`` has a tensor),
+            naming its key. Without ``strict`` such a tensor is restored as a new one (for a
+            caller that reports mismatches its own way, e.g. ``load_state_dict``).
+    """
+    entries = manifest["tensors"]
+    mine = tensors_of(into) if into is not None else {}
+    chosen: list[torch.Tensor | None] = []
+    for index, entry in enumerate(entries):
+        target = mine.get(entry["path"]) if (wanted is None or index in wanted) else None
+        if target is not None:
+            try:
+                _check_target(target, entry, where)
+            except ConfigError:
+                if strict:
+                    raise
+                target = None
+        chosen.append(target)
+    holders: list[Any] = []
+    inplace: list[bool] = []
+    after: list[tuple[np.ndarray, torch.Tensor]] = []
+    targets: list[Target] = []
+    for index, (entry, target) in enumerate(zip(entries, chosen)):
+        if wanted is not None and index not in wanted:
+            holders.append(None)
+            inplace.append(False)
+            targets.append(None)
+        elif target is None:
+            holder, raw = allocate(entry)
+            holders.append(holder)
+            inplace.append(False)
+            targets.append(raw)
+        else:
+            holders.append(target)
+            inplace.append(True)
+            targets.append(_into(target, entry, after))
+    return Destinations(holders, inplace, after), targets
+
+
+def _check_target(target: torch.Tensor, entry: dict[str, Any], where: str) -> None:
+    path = entry["path"]
+    if entry["numpy"]:
+        raise ConfigError(
+            f"{path} is a numpy array in checkpoint {where} but a tensor in `into`; leave it out "
+            "of `into`"
+        )
+    dtype = torch_dtype(entry["dtype"])
+    if target.dtype != dtype or list(target.shape) != list(entry["shape"]):
+        raise ConfigError(
+            f"{path} is {dtype} {list(entry['shape'])} in checkpoint {where} but "
+            f"{target.dtype} {list(target.shape)} in `into`: this checkpoint is not for this "
+            "model (or load it without `into`)"
+        )
+
+
+def _into(target: torch.Tensor, entry: dict[str, Any], after: list[Any]) -> Target:
+    """The decoding destination inside ``target``'s own memory."""
+    data = target.detach()
+    if entry["nbytes"] == 0:
+        return np.empty(0, dtype=np.uint8)
+    if data.is_contiguous() and not data.is_conj() and not data.is_neg():
+        flat = data.reshape(-1).view(torch.uint8)
+        if flat.device.type == "cpu":
+            return flat.numpy()
+
+        def put(offset: int, chunk: np.ndarray) -> None:
+            flat[offset : offset + chunk.size].copy_(torch.from_numpy(chunk))
+
+        return Staged(entry["nbytes"], put)
+    scratch = np.empty(entry["nbytes"], dtype=np.uint8)  # non-contiguous: one tensor's scratch
+    after.append((scratch, data))
+    return scratch
+
+
+def finish_inplace(destinations: Destinations) -> None:
+    """The copies into non-contiguous ``into`` tensors, once their bytes are decoded."""
+    for scratch, data in destinations.after:
+        decoded = torch.from_numpy(scratch).view(data.dtype).reshape(data.shape)
+        data.copy_(decoded)

@@ -1,0 +1,189 @@
+"""Restore: into the caller's tensors, a part of a checkpoint, within bounded memory."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_incremental.core import CheckpointStore, ConfigError
+from lightning_incremental.core import decoder as dec
+from lightning_incremental.core.storage import LocalStorage
+from tests.conftest import assert_state_equal, small_store
+
+
+def model_state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.Linear(128, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": seed}
+
+
+def saved_store(url: str, steps: int = 3) -> tuple[CheckpointStore, list[dict]]:
+    store = small_store(url)
+    states = []
+    for step in range(1, steps + 1):
+        state = model_state(step)
+        states.append({k: v for k, v in state.items()})
+        store.save(state, step).wait()
+    return store, states
+
+
+def test_into_decodes_into_the_callers_tensors(tmp_path: Path) -> None:
+    store, states = saved_store(str(tmp_path / "s"))
+    fresh = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.Linear(128, 8))
+    live = fresh.state_dict()
+    pointers = {k: v.data_ptr() for k, v in live.items()}
+    loaded = store.load(into={"model": live})
+    assert_state_equal(loaded, states[-1])
+    for key, tensor in loaded["model"].items():  # the very same tensors, filled in place
+        assert tensor is live[key] and tensor.data_ptr() == pointers[key]
+    assert_state_equal(fresh.state_dict(), states[-1]["model"])
+    store.close()
+
+
+def test_into_a_non_contiguous_tensor_and_a_subset(tmp_path: Path) -> None:
+    store = small_store(str(tmp_path / "s"))
+    weight = torch.randn(40, 30)
+    store.save({"w": weight, "b": torch.arange(7)}, 1).wait()
+    target = torch.zeros(30, 40).t()  # same shape, transposed memory
+    assert not target.is_contiguous()
+    loaded = store.load(into={"w": target})
+    assert loaded["w"] is target and torch.equal(target, weight)
+    assert torch.equal(loaded["b"], torch.arange(7))  # not in `into`: a new tensor
+    store.close()
+
+
+def test_into_checks_every_shape_and_dtype_before_reading(tmp_path: Path) -> None:
+    store, _ = saved_store(str(tmp_path / "s"), steps=1)
+    wrong = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.Linear(128, 9)).state_dict()
+    before = OrderedDict((k, v.clone()) for k, v in wrong.items())
+    with pytest.raises(ConfigError, match=r"\['model'\]\['2.weight'\].*\[8, 128\].*\[9, 128\]"):
+        store.load(into={"model": wrong})
+    assert_state_equal(wrong, before)  # untouched: nothing was decoded
+    half = {k: v.half() for k, v in before.items()}
+    with pytest.raises(ConfigError, match=r"torch.float32.*torch.float16"):
+        store.load(into={"model": half})
+    store.close()
+
+
+def test_keys_reads_only_the_objects_of_those_keys(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    store, states = saved_store(url, steps=1)
+    reads: list[str] = []
+    original = LocalStorage.get_view
+
+    def counting(self, path, start=0, end=None):  # type: ignore[no-untyped-def]
+        reads.append(path)
+        return original(self, path, start, end)
+
+    doc = store.manifest()
+    model_packs = {
+        doc["chunks"][d]["pack"]
+        for t in doc["tensors"]
+        if t["path"].startswith("state['model']")
+        for d in t["chunks"]
+    }
+    other_packs = {
+        doc["chunks"][d]["pack"]
+        for t in doc["tensors"]
+        if not t["path"].startswith("state['model']")
+        for d in t["chunks"]
+    }
+    assert other_packs - model_packs, "the test needs optimizer-only packs"
+    LocalStorage.get_view = counting  # type: ignore[method-assign]
+    try:
+        loaded = store.load(keys="model")
+    finally:
+        LocalStorage.get_view = original  # type: ignore[method-assign]
+    assert list(loaded) == ["model"]
+    assert_state_equal(loaded["model"], states[0]["model"])
+    assert set(reads) <= model_packs
+    assert list(store.load(keys=["step", "model"])) == ["model", "step"]
+    with pytest.raises(ConfigError, match=r"no top-level key 'weights'.*'model'"):
+        store.load(keys=["weights"])
+    with pytest.raises(TypeError, match="keys must be"):
+        store.load(keys=[1])
+    store.close()
+
+
+def test_restore_holds_a_bounded_window_of_objects(tmp_path: Path) -> None:
+    """With a tiny read-ahead, a many-pack checkpoint still restores exactly, and never holds
+    more than the window (plus one read) of objects at a time."""
+    url = str(tmp_path / "s")
+    store = small_store(url, xor_delta=True)
+    g = torch.Generator().manual_seed(0)
+    base = {f"t{i}": torch.randn(3000, generator=g) for i in range(12)}
+    store.save(base, 1).wait()
+    changed = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    store.save(changed, 2).wait()
+    doc = store.manifest(2)
+    assert any(r["kind"] == "x" for r in doc["chunks"].values()), "needs delta chains"
+    peak = 0
+    original = dec._Schedule._release
+
+    def watch(self, link):  # type: ignore[no-untyped-def]
+        nonlocal peak
+        peak = max(peak, self.held)
+        original(self, link)
+
+    dec._Schedule._release = watch  # type: ignore[method-assign]
+    try:
+        targets = [np.empty(t["nbytes"], np.uint8) for t in doc["tensors"]]
+        dec.restore_arrays(store.storage, doc, store._pool, "test", targets, read_ahead=20000)
+    finally:
+        dec._Schedule._release = original  # type: ignore[method-assign]
+    largest = max(
+        end - start
+        for _, start, end, _ in dec.ObjectReader(store.storage, doc, "t").plan(set(doc["chunks"]))
+    )
+    assert 0 < peak <= 20000 + 2 * largest
+    for entry, raw in zip(doc["tensors"], targets):
+        key = entry["path"][len("state['") : -2]
+        assert raw.tobytes() == changed[key].numpy().tobytes()
+    store.close()
+
+
+def test_first_save_after_a_restore_writes_deltas_with_bases_read_from_storage(
+    tmp_path: Path,
+) -> None:
+    """No copy of the state is kept after a restore: the next save decodes its XOR bases from
+    the stored checkpoint, chunk by chunk — and writes as few bytes as an uninterrupted run."""
+    g = torch.Generator().manual_seed(1)
+    first = {"w": torch.randn(64, 1024, generator=g)}
+    second = {"w": first["w"] + 1e-4 * torch.randn(64, 1024, generator=g)}
+
+    def two_saves(url: str, reopen: bool) -> int:
+        store = small_store(url, chunk_size=16384, pack_size=1 << 20)
+        store.save(first, 1).wait()
+        if reopen:
+            store.close()
+            store = small_store(url, chunk_size=16384, pack_size=1 << 20)
+            assert_state_equal(store.load(), first)
+        written = store.save(second, 2).wait().bytes_written
+        assert_state_equal(store.load(2), second)
+        doc = store.manifest(2)
+        store.close()
+        assert all(doc["chunks"][d]["kind"] == "x" for d in doc["tensors"][0]["chunks"])
+        return written
+
+    uninterrupted = two_saves(str(tmp_path / "a"), reopen=False)
+    restored = two_saves(str(tmp_path / "b"), reopen=True)
+    assert restored == uninterrupted
+    plain = small_store(
+        str(tmp_path / "c"), chunk_size=16384, pack_size=1 << 20, xor_base_from_storage=False
+    )
+    plain.save(first, 1).wait()
+    plain.close()
+    plain = small_store(
+        str(tmp_path / "c"), chunk_size=16384, pack_size=1 << 20, xor_base_from_storage=False
+    )
+    plain.load()
+    assert plain.save(second, 2).wait().bytes_written > 1.1 * restored  # standalone chunks
+    plain.close()

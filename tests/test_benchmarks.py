@@ -71,3 +71,20 @@ def test_replica_check_benchmark_runs_over_two_ranks(tmp_path: Path) -> None:
     assert result["ranks"] == 2 and result["tensors"] > 10
     assert result["state_bytes"] > 1_000_000
     assert "check / training step" in out.stdout
+
+
+@pytest.mark.slow
+def test_restore_benchmark_runs_every_system(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.restore", "--quick", "--repeats", "1", "--chains",
+         "1", "2", "--dir", str(tmp_path / "r"), "--json", str(tmp_path / "r.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    systems = {(r["system"], r["chain"], r["cold"]) for r in rows}
+    for cold in (False, True):
+        assert {("torch", None, cold), ("torch_mmap", None, cold), ("dcp", None, cold)} <= systems
+        for chain in (1, 2):
+            assert {("ours", chain, cold), ("ours_into", chain, cold)} <= systems
+    assert all(r["seconds"] > 0 for r in rows)

@@ -24,8 +24,8 @@ from lightning_incremental.core.manifest import closure
 from lightning_incremental.core.storage import Storage
 
 COALESCE_GAP = 1 << 20
-MAX_READ = 16 << 20
-READ_AHEAD = 64 << 20  # bytes of objects a restore holds at a time (see restore_arrays)
+MAX_READ = 4 << 20
+READ_AHEAD = 32 << 20  # bytes of objects a restore holds at a time (see restore_arrays)
 
 
 Read = tuple[str, int, int, list[tuple[int, int, str]]]  # path, start, end, members

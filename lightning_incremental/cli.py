@@ -1,6 +1,6 @@
 """The ``lightning-incremental`` command: list, inspect, verify, diff, export, compact and clean.
 
-Exit codes: 0 success; 1 a checkpoint failed verification; 2 bad usage or arguments;
+Exit codes: 0 success; 1 a checkpoint failed verification (or is corrupt); 2 bad usage;
 3 no store, or no such checkpoint; 4 another checkpoint or storage error.
 Output is rich tables on a terminal, plain text otherwise; ``--json`` prints one JSON document.
 Storage options (``--storage-option key=value``) are used to open the store and never printed.
@@ -25,6 +25,7 @@ from lightning_incremental.core import (
     CheckpointNotFoundError,
     CheckpointStore,
     ConfigError,
+    CorruptCheckpointError,
     StepError,
 )
 from lightning_incremental.core.export import FORMATS, export_state
@@ -50,6 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, StepError) as exc:
         errors.print(f"[red]error:[/] {exc}", markup=True, soft_wrap=True)
         return EXIT_USAGE
+    except CorruptCheckpointError as exc:
+        errors.print(f"[red]error:[/] {exc}", markup=True, soft_wrap=True)
+        return EXIT_CORRUPT
     except (CheckpointError, OSError) as exc:
         errors.print(f"[red]error:[/] {exc}", markup=True, soft_wrap=True)
         return EXIT_ERROR
@@ -266,9 +270,11 @@ def _inspect(store: CheckpointStore, args: argparse.Namespace, console: Console)
 def _verify(store: CheckpointStore, args: argparse.Namespace, console: Console) -> int:
     if args.all and args.step is not None:
         raise ConfigError("give a STEP or --all, not both")
-    steps = store.steps() if args.all else [store.manifest(args.step)["step"]]
+    steps = store.steps() if args.all or args.step is None else [args.step]
     if not steps:
         store.manifest()  # raises the precise "empty / not a store" error
+    if not args.all and args.step is None:
+        steps = steps[-1:]  # a damaged manifest is verify's finding, not an error
     reports = []
     with _progress(console, args, len(steps), "verifying") as advance:
         for step in steps:

@@ -17,6 +17,7 @@ from lightning_incremental.core.errors import (
     StepError,
     StorageError,
     UnsupportedValueError,
+    WriterLeaseError,
 )
 from lightning_incremental.core.results import GcReport, SaveHandle, SaveResult, VerifyReport
 from lightning_incremental.core.storage import Storage
@@ -43,6 +44,7 @@ __all__ = [
     "StoreConfig",
     "UnsupportedValueError",
     "VerifyReport",
+    "WriterLeaseError",
     "Failure",
     "Watchdog",
     "WatchdogConfig",

@@ -9,6 +9,7 @@ from typing import Any
 from lightning_incremental.core.errors import ConfigError
 
 MiB = 1 << 20
+MAX_CHUNK_SIZE = 1 << 30  # manifests naming larger chunks are rejected (manifest.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +42,10 @@ class StoreConfig:
             standalone chunks. A restore then never keeps a second copy of the state for the next
             save. Default True.
         keep_last: after each commit, delete checkpoints older than the newest ``keep_last``
-            (never an object that a kept checkpoint still needs). ``None`` keeps all. Default None.
+            (never an object that a kept checkpoint still needs, never the newest intact
+            checkpoint). ``None`` keeps all. It also caps ``full_every`` (a full base at least
+            every ``keep_last`` checkpoints), so that disk use stays about ``keep_last``
+            checkpoints: the price is a full base more often. Default None.
         max_in_flight: saves that may be queued or running in the background; ``save`` blocks
             (back-pressure) while this many are pending. Each holds one snapshot of the state in
             host memory. Default 1.
@@ -54,6 +58,10 @@ class StoreConfig:
         allow_pickle: save values the JSON skeleton cannot express by pickling them, and accept
             loading checkpoints that hold pickles. Loading a pickle executes code: only for
             checkpoints you trust. Default False.
+        lease_ttl_s: the writer lease (see :mod:`~lightning_incremental.core.lease`) is renewed
+            every ``lease_ttl_s / 4`` seconds and counts as abandoned when not renewed for
+            ``lease_ttl_s``: how long a writer that died on another host blocks a new one
+            (on the same host a dead writer's lease is taken over at once). Default 60.
         generation: the writer's fencing generation, recorded in every manifest (see
             :mod:`~lightning_incremental.core.fencing`). Default None: the newest generation
             claimed in the store (0 when none was), taken at the first save;
@@ -75,9 +83,12 @@ class StoreConfig:
     fsync: bool = True
     allow_pickle: bool = False
     generation: int | None = None
+    lease_ttl_s: float = 60.0
 
     def __post_init__(self) -> None:
         _int("chunk_size", self.chunk_size, minimum=16)
+        if self.chunk_size > MAX_CHUNK_SIZE:
+            raise ConfigError(f"chunk_size must be <= 1 GiB, got {self.chunk_size}")
         if self.chunk_size % 16:
             raise ConfigError(f"chunk_size must be a multiple of 16 bytes, got {self.chunk_size}")
         _int("full_every", self.full_every, minimum=1)
@@ -106,10 +117,26 @@ class StoreConfig:
         _bool("allow_pickle", self.allow_pickle)
         if self.generation is not None:
             _int("generation", self.generation, minimum=0)
+        if (
+            isinstance(self.lease_ttl_s, bool)
+            or not isinstance(self.lease_ttl_s, (int, float))
+            or not self.lease_ttl_s > 0
+        ):
+            raise ConfigError(f"lease_ttl_s must be a number > 0, got {self.lease_ttl_s!r}")
+
+    @property
+    def base_every(self) -> int:
+        """How often a full base is written: ``full_every``, or ``keep_last`` when smaller. A kept
+        delta needs every object of its chain back to its base, so with longer chains than
+        ``keep_last`` retention would keep deleted checkpoints' objects alive and disk use would
+        grow to ``full_every`` checkpoints instead of about ``keep_last``."""
+        if self.keep_last is None:
+            return self.full_every
+        return min(self.full_every, self.keep_last)
 
     @property
     def uses_xor(self) -> bool:
-        return self.xor_delta and self.full_every > 1 and self.xor_base_memory != 0
+        return self.xor_delta and self.base_every > 1 and self.xor_base_memory != 0
 
     def replace(self, **changes: Any) -> StoreConfig:
         """A copy with ``changes`` applied (validated)."""

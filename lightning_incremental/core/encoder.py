@@ -155,15 +155,12 @@ class _PackWriter:
     def _write(self, path: str, data: bytes) -> float:
         start = time.perf_counter()
         if not self.storage.put(path, data):
-            # Same content, same name: normally a no-op. But a checkpoint must not build on an
-            # object that rotted or was left truncated, so the existing one is checked first.
-            try:
-                existing = self.storage.get(path)
-            except FileNotFoundError:
-                existing = b""
-            if len(existing) != len(data) or codec.chunk_hash(existing) != codec.chunk_hash(data):
-                log.warning("replacing damaged object %s with a good copy", path)
-                self.storage.put(path, data, overwrite=True)
+            # Same content, same name: an earlier checkpoint's object, or one left behind by a
+            # deleted checkpoint or a crashed save. It is written again all the same: it may
+            # have rotted or been truncated, and an old object that no manifest names yet may
+            # be collected by a concurrent gc at any moment — a fresh one is protected by its
+            # grace period, like every other object this save writes.
+            self.storage.put(path, data, overwrite=True)
         return time.perf_counter() - start
 
     def finish(self) -> None:
@@ -188,10 +185,19 @@ def encode(
     config: StoreConfig,
     storage: Storage,
     pool: Executor,
+    avoid: set[str] | frozenset[str] = frozenset(),
 ) -> Encoded:
     """Encode and write the data of one checkpoint; returns its manifest tables once every object
-    it wrote is durable. Writes nothing visible: the caller commits the manifest."""
+    it wrote is durable. Writes nothing visible: the caller commits the manifest. Chunks whose
+    chain touches an object in ``avoid`` (found damaged) are neither reused nor delta bases."""
     parent_chunks: dict[str, Any] = parent.manifest["chunks"] if parent else {}
+    if avoid:
+        whole = parent_chunks
+        parent_chunks = {
+            digest: recipe
+            for digest, recipe in whole.items()
+            if not any(whole[link]["pack"] in avoid for link in closure(digest, whole))
+        }
     out = Encoded(tensors=[], chunks={}, packs={})
     pack = _PackWriter(storage, pool, config.pack_size, out)
     fetch = None

@@ -56,3 +56,8 @@ class StorageError(CheckpointError, OSError):
 class FencedError(CheckpointError):
     """This writer's fencing generation was superseded: a restarted job took over the store, so
     this process must stop writing (what it commits is not visible)."""
+
+
+class WriterLeaseError(CheckpointError, PermissionError):
+    """Another process holds the store's writer lease (one writer per store), or this process
+    lost it to another writer and must stop writing."""

@@ -61,25 +61,51 @@ def verify_manifest(
     return report
 
 
+def damaged_objects(storage: Storage, packs: dict[str, dict[str, Any]]) -> set[str]:
+    """Of ``packs`` (path -> manifest entry), those missing, of the wrong size, or whose content
+    hash does not match their name: each is read whole."""
+    bad = set()
+    for path, info in packs.items():
+        try:
+            data = storage.get(path)
+        except FileNotFoundError:
+            bad.add(path)
+            continue
+        if len(data) != info["size"] or mf.pack_path(chunk_hash(data)) != path:
+            bad.add(path)
+    return bad
+
+
+# Where temporary files of interrupted writes can be left: beside the objects they were for.
+TMP_DIRS = (mf.PACK_DIR, mf.MANIFEST_DIR, mf.QUARANTINE_DIR, "fences", "lease")
+
+
 def sweep(storage: Storage, live: set[str], grace_s: float, dry_run: bool) -> tuple[list[str], int]:
     """Delete every pack object not in ``live`` and older than ``grace_s`` seconds, and stale
-    temporary files; returns the paths removed (or that would be, with ``dry_run``) and bytes."""
+    temporary files; returns the paths removed (or that would be, with ``dry_run``) and bytes.
+    An object that vanishes meanwhile (another process collecting) is skipped."""
     removed: list[str] = []
     freed = 0
     now = time.time()
-    for path in storage.list(mf.PACK_DIR):
-        name = path.rsplit("/", 1)[-1]
-        stale_tmp = name.startswith(TMP_PREFIX)
-        if not stale_tmp and (path in live or not mf.is_pack_path(path)):
-            continue
-        min_age = max(grace_s, STALE_TMP_S) if stale_tmp else grace_s
-        if min_age > 0:
-            mtime = storage.mtime(path)
-            if mtime is None or now - mtime < min_age:
+    for directory in TMP_DIRS:
+        for path in storage.list(directory):
+            name = path.rsplit("/", 1)[-1]
+            stale_tmp = name.startswith(TMP_PREFIX)
+            if directory != mf.PACK_DIR and not stale_tmp:
                 continue
-        size = storage.size(path)
-        if not dry_run:
-            storage.delete(path)
-        removed.append(path)
-        freed += size
+            if not stale_tmp and (path in live or not mf.is_pack_path(path)):
+                continue
+            min_age = max(grace_s, STALE_TMP_S) if stale_tmp else grace_s
+            try:
+                if min_age > 0:
+                    mtime = storage.mtime(path)
+                    if mtime is None or now - mtime < min_age:
+                        continue
+                size = storage.size(path)
+                if not dry_run:
+                    storage.delete(path)
+            except FileNotFoundError:
+                continue  # gone already
+            removed.append(path)
+            freed += size
     return removed, freed

@@ -43,6 +43,8 @@ MANIFEST_DIR = "manifests"
 PACK_DIR = "packs"
 QUARANTINE_DIR = "quarantine"
 MARKER = "store.json"
+MAX_STEP = 10**20 - 1  # manifest names hold 20 digits
+MAX_CHUNK_SIZE = 1 << 30  # as StoreConfig's bound: no larger chunk is ever written
 
 _HASH = re.compile(rf"^[0-9a-f]{{{HASH_LEN}}}$")
 _PACK = re.compile(rf"^{PACK_DIR}/[0-9a-f]{{2}}/[0-9a-f]{{{HASH_LEN}}}\.pack$")
@@ -126,6 +128,8 @@ def loads(data: bytes, where: str) -> dict[str, Any]:
         doc = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ManifestError(f"manifest {where} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ManifestError(f"manifest {where} is nested too deeply to be a manifest") from exc
     if not isinstance(doc, dict):
         raise ManifestError(f"manifest {where} is not a JSON object")
     if doc.get("format") != FORMAT:
@@ -161,6 +165,8 @@ def validate(doc: dict[str, Any], where: str) -> None:
             raise ManifestError(f"manifest {where}: field {key!r} missing or not a {kind.__name__}")
     if doc["step"] < 0 or doc["chunk_size"] <= 0:
         raise ManifestError(f"manifest {where}: negative step or chunk size")
+    if doc["step"] > MAX_STEP or doc["chunk_size"] > MAX_CHUNK_SIZE:
+        raise ManifestError(f"manifest {where}: step or chunk size out of range")
     packs: dict[str, Any] = doc["packs"]
     for path, info in packs.items():
         _check_path(path, where)
@@ -203,6 +209,11 @@ def _check_recipe(
     for key in ("offset", "length", "size", "depth", "chain"):
         if not _nonneg_int(recipe.get(key)):
             raise ManifestError(f"manifest {where}: chunk {digest} has a bad {key!r}")
+    if recipe["size"] > MAX_CHUNK_SIZE:
+        raise ManifestError(
+            f"manifest {where}: chunk {digest} claims {recipe['size']} bytes, more than any "
+            f"chunk holds ({MAX_CHUNK_SIZE})"
+        )
     if recipe.get("width") not in (1, 2, 4, 8):
         raise ManifestError(f"manifest {where}: chunk {digest} has a bad byte-group width")
     if recipe["offset"] + recipe["length"] > packs[recipe["pack"]]["size"]:

@@ -10,7 +10,7 @@ error naming the key and leaves the caller's tensors untouched.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from lightning_incremental.core.decoder import Staged, Target
-from lightning_incremental.core.errors import ConfigError
+from lightning_incremental.core.errors import ConfigError, CorruptCheckpointError
 from lightning_incremental.core.materialise import allocate
 from lightning_incremental.core.tree import (
     T_DICT,
@@ -166,7 +166,7 @@ def plan(
             inplace.append(False)
             targets.append(None)
         elif target is None:
-            holder, raw = allocate(entry)
+            holder, raw = allocating(entry, where, allocate)
             holders.append(holder)
             inplace.append(False)
             targets.append(raw)
@@ -175,6 +175,26 @@ def plan(
             inplace.append(True)
             targets.append(_into(target, entry, after))
     return Destinations(holders, inplace, after), targets
+
+
+def allocating(
+    entry: dict[str, Any], where: str, allocate: Callable[[dict[str, Any]], tuple[Any, Any]]
+) -> tuple[Any, Any]:
+    """``allocate(entry)``, with an allocation failure as the checkpoint's error (a load then
+    falls back) rather than the allocator's.
+
+    Raises:
+        CorruptCheckpointError: the tensor cannot be allocated.
+    """
+    try:
+        return allocate(entry)
+    except (MemoryError, RuntimeError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"checkpoint {where}: tensor {entry['path']} of shape {entry['shape']} needs "
+            f"{entry['nbytes']} bytes, which cannot be allocated ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); the manifest is damaged or hostile, or this machine has too "
+            "little memory for it"
+        ) from exc
 
 
 def _check_target(target: torch.Tensor, entry: dict[str, Any], where: str) -> None:

@@ -27,6 +27,8 @@ class SaveResult:
         chunks_total / chunks_reused / chunks_delta / chunks_full: chunks in the state; of them,
             referenced from earlier checkpoints, written as XOR deltas, written standalone.
         objects_written: pack objects written (the manifest not included).
+        warnings: what went wrong after the commit (retention), each a sentence; the
+            checkpoint is committed regardless.
     """
 
     step: int
@@ -43,6 +45,7 @@ class SaveResult:
     chunks_delta: int
     chunks_full: int
     objects_written: int
+    warnings: tuple[str, ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -158,3 +161,5 @@ class GcReport:
     removed_objects: list[str]
     bytes_freed: int
     dry_run: bool = False
+    # A checkpoint kept beyond keep_last because no other kept one is intact, if any.
+    kept_intact: int | None = None

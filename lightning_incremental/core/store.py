@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import logging
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_incremental.core import fencing, inflight
+from lightning_incremental.core import fencing, inflight, retention
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.config import StoreConfig
@@ -29,14 +30,22 @@ from lightning_incremental.core.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    FencedError,
     ManifestError,
     NotAStoreError,
     PickleNotAllowedError,
     StepError,
 )
-from lightning_incremental.core.maintenance import sweep, verify_manifest
+from lightning_incremental.core.lease import Lease
+from lightning_incremental.core.maintenance import damaged_objects, verify_manifest
 from lightning_incremental.core.materialise import MapLocation, materialise
-from lightning_incremental.core.restore import check_keys, finish_inplace, plan, prune
+from lightning_incremental.core.restore import (
+    allocating,
+    check_keys,
+    finish_inplace,
+    plan,
+    prune,
+)
 from lightning_incremental.core.results import (
     GcReport,
     SaveHandle,
@@ -125,6 +134,13 @@ class CheckpointStore:
         self._fencing = fencing.Fencing(
             self.storage, functools.partial(read_manifest, self.storage)
         )
+        # One writing process per store (lease.py); released on close, or when this store is
+        # dropped without close (the finalizer holds the lease, not the store).
+        self._lease = Lease(self.storage, self.config.lease_ttl_s)
+        weakref.finalize(self, self._lease.release)
+        # Objects this store wrote, or read back whole and found intact, since it last saw
+        # damage: what a save may reuse by hash without reading it first.
+        self._trusted: set[str] = set()
         _OPEN_STORES.add(self)
 
     # ------------------------------------------------------------------ saving
@@ -230,12 +246,16 @@ class CheckpointStore:
                     handle.step, skeleton, leaves, pickled, meta, started, snapshot_s, waited
                 )
         except BaseException as exc:  # delivered through the handle, the next save and close
-            self._buffers.give([leaf.data for leaf in leaves if not leaf.is_numpy])
+            with self._lock:
+                # Buffers that became the next save's XOR base are not free, whatever failed.
+                based = self._parent is not None and self._parent.step == handle.step
+            if not based:
+                self._buffers.give([leaf.data for leaf in leaves if not leaf.is_numpy])
             self._rewind_last_step(handle.step)
             log.error("checkpoint step %d failed: %s", handle.step, exc)
             handle._finish(None, exc)
         else:
-            handle._finish(result, None)
+            handle._finish(self._retain(result), None)
         finally:
             self._slots.release()
 
@@ -250,6 +270,7 @@ class CheckpointStore:
         snapshot_s: float,
         waited: float,
     ) -> SaveResult:
+        self._lease.acquire(self.generation)  # one writer per store
         self._write_marker()
         parent, full_base, enc = self._encode(step, leaves)
         body = {
@@ -281,6 +302,7 @@ class CheckpointStore:
         data = mf.dumps(body)
         write_start = time.perf_counter()
         self._fencing.check(step, self.generation, "not committed")  # before touching others'
+        self._lease.check()
         self._unquarantine(step)
         if not self.storage.put(mf.manifest_path(step), data):
             self._fencing.check(step, self.generation, "not committed")  # a newer one holds it
@@ -291,14 +313,27 @@ class CheckpointStore:
                     "checkpoints are create-only — use a newer step"
                 )
         # A claim that landed between the check above and the write makes this commit invisible
-        # (the fence decides on every read); tell the writer.
-        self._fencing.check(
-            step, self.generation, "committed after it was fenced off, so it is not visible"
-        )
+        # (the fence decides on every read); tell the writer. If the check itself cannot be
+        # made, the step is committed all the same: that is a warning, not the save's error.
+        unconfirmed: tuple[str, ...] = ()
+        try:
+            self._fencing.check(
+                step, self.generation, "committed after it was fenced off, so it is not visible"
+            )
+        except FencedError:
+            raise
+        except Exception as exc:
+            unconfirmed = (
+                f"step {step} is committed, but whether a newer generation fenced this writer "
+                f"off meanwhile could not be checked: {type(exc).__name__}: {exc}",
+            )
+            warnings.warn(unconfirmed[0], stacklevel=1)
+            log.warning(unconfirmed[0])
         write_s = enc.write_s + time.perf_counter() - write_start
         with self._lock:
             self._set_parent(*next_parent(step, body, leaves, enc.tensors, self.config))
             self._committed = step
+            self._trusted.update(enc.packs)  # written now, or read back and checked
         total_s = time.perf_counter() - started
         result = SaveResult(
             step=step,
@@ -317,6 +352,7 @@ class CheckpointStore:
             objects_written=sum(
                 1 for p in enc.packs if p not in (parent.manifest["packs"] if parent else {})
             ),
+            warnings=unconfirmed,
         )
         log.info(
             "checkpoint step %d committed: %d of %d bytes written (%.1fx), %.3fs blocked",
@@ -326,16 +362,25 @@ class CheckpointStore:
             result.ratio,
             snapshot_s,
         )
-        if self.config.keep_last is not None:
-            try:
-                self._gc(self.config.keep_last, (), 0.0, False)
-            except CheckpointError as exc:
-                warnings.warn(
-                    f"retention after step {step} failed, nothing was deleted past the failure "
-                    f"and the checkpoint is committed: {exc}",
-                    stacklevel=1,
-                )
-                log.warning("retention after step %d failed: %s", step, exc)
+        return result
+
+    def _retain(self, result: SaveResult) -> SaveResult:
+        """``keep_last`` retention after a commit. The checkpoint is committed whatever happens
+        here: a failure is a warning (also in ``result.warnings``), never the save's error, and
+        it leaves the next save's XOR base alone."""
+        if self.config.keep_last is None:
+            return result
+        try:
+            with self._write_lock, self._lock:
+                self._gc(self.config.keep_last, (), 0.0, False, thorough=False)
+        except Exception as exc:
+            message = (
+                f"retention after step {result.step} failed, nothing was deleted past the "
+                f"failure and the checkpoint is committed: {type(exc).__name__}: {exc}"
+            )
+            warnings.warn(message, stacklevel=1)
+            log.warning(message)
+            return dataclasses.replace(result, warnings=(*result.warnings, message))
         return result
 
     # ------------------------------------------------------------------ loading
@@ -385,8 +430,10 @@ class CheckpointStore:
         self._check_open()
         self.wait()
         with self._write_lock, self._lock:
+            self._lease.acquire(self.generation, claiming=True)
             self._write_marker()
             self._generation = self._fencing.claim(minimum, self.steps)
+            self._lease.acquire(self._generation)  # the record names the new generation
             return self._generation
 
     def load(
@@ -448,8 +495,7 @@ class CheckpointStore:
             try:
                 return self._load_step(step, map_location, selection)
             except CorruptCheckpointError:
-                with self._lock:
-                    self._quarantined.add(step)  # a new history may replace it
+                self._saw_damage(step)  # a new history may replace it
                 raise
         newest = self._resolve_step(None)
         problems = []
@@ -458,10 +504,10 @@ class CheckpointStore:
                 state = self._load_step(candidate, map_location, selection)
             except CorruptCheckpointError as exc:
                 if strict:
+                    self._saw_damage(candidate)
                     raise
                 problems.append(str(exc))
-                with self._lock:
-                    self._quarantined.add(candidate)
+                self._saw_damage(candidate)
                 message = f"checkpoint step {candidate} in {self.url} is unusable: {exc}"
                 log.warning(message)
                 warnings.warn(message + " — falling back to an older checkpoint", stacklevel=2)
@@ -541,7 +587,9 @@ class CheckpointStore:
             raise ManifestError(f"manifest {where}: {exc}") from exc
         if not isinstance(state, dict):
             raise ManifestError(f"manifest {where}: the state is not a dict")
-        if wanted is None:  # every chunk verified: a parent to build on
+        if wanted is None:  # every chunk verified: trusted, and a parent to build on
+            with self._lock:
+                self._trusted.update(doc["packs"])
             self._adopt_loaded(step, doc)
         self.loaded_step = step
         return state
@@ -575,8 +623,11 @@ class CheckpointStore:
             doc = self._read_manifest(step)
         except CheckpointError as exc:
             report.errors.append(str(exc))
-            return report
-        return verify_manifest(self.storage, doc, report, f"step {step} of {self.url}")
+        else:
+            verify_manifest(self.storage, doc, report, f"step {step} of {self.url}")
+        if not report.ok:
+            self._saw_damage(step)
+        return report
 
     def compact(self) -> SaveResult | None:
         """Rewrite the newest checkpoint as a full base (no chunk depends on a delta), so the
@@ -590,14 +641,19 @@ class CheckpointStore:
             steps = self.steps()
             if not steps:
                 self._raise_empty()
+            self._lease.acquire(self.generation)
             step = steps[-1]
             started = time.perf_counter()
             doc = self._read_manifest(step)
             if all(r["depth"] == 0 for r in doc["chunks"].values()):
                 return None
             where = f"step {step} of {self.url}"
-            buffers = [np.empty(t["nbytes"], np.uint8) for t in doc["tensors"]]
-            restore_arrays(self.storage, doc, self._pool, where, list(buffers))
+            try:
+                buffers = [allocating(t, where, _flat_buffer)[1] for t in doc["tensors"]]
+                restore_arrays(self.storage, doc, self._pool, where, list(buffers))
+            except CorruptCheckpointError:
+                self._saw_damage(step)
+                raise
             leaves = [
                 Leaf(
                     path=t["path"],
@@ -620,13 +676,22 @@ class CheckpointStore:
                 storage=self.storage,
                 pool=self._pool,
             )
-            body = dict(doc, tensors=enc.tensors, chunks=enc.chunks, packs=enc.packs, since_base=0)
+            body = dict(
+                doc,
+                tensors=enc.tensors,
+                chunks=enc.chunks,
+                packs=enc.packs,
+                since_base=0,
+                chunk_size=self.config.chunk_size,  # what the chunks were cut with now
+            )
             body["audit"] = dict(
                 doc["audit"], compacted=datetime.datetime.now(datetime.timezone.utc).isoformat()
             )
             data = mf.dumps(body)
+            self._lease.check()
             self.storage.put(mf.manifest_path(step), data, overwrite=True)
             self._set_parent(*next_parent(step, body, leaves, enc.tensors, self.config))
+            self._trusted.update(enc.packs)
             elapsed = time.perf_counter() - started
             return SaveResult(
                 step=step,
@@ -678,7 +743,11 @@ class CheckpointStore:
             raise ConfigError(f"grace_s must be a number >= 0, got {grace_s!r}")
         self.wait()
         with self._write_lock, self._lock:
-            return self._gc(keep_last, keep, float(grace_s), dry_run)
+            if grace_s == 0 and not dry_run:
+                # Without a grace period gc may remove what a running save is about to
+                # reference: only the writer may do that.
+                self._lease.acquire(self.generation)
+            return self._gc(keep_last, keep, float(grace_s), dry_run, thorough=True)
 
     def delete(self, step: int) -> GcReport:
         """Delete one committed checkpoint, then every object no remaining checkpoint needs.
@@ -690,7 +759,9 @@ class CheckpointStore:
         _check_step_type(step)
         self.wait()
         with self._write_lock, self._lock:
-            return self._gc(None, (), 0.0, False, drop=(self._resolve_step(step),))
+            target = self._resolve_step(step)
+            self._lease.acquire(self.generation)
+            return self._gc(None, (), 0.0, False, drop=(target,), thorough=False)
 
     def _gc(
         self,
@@ -699,38 +770,56 @@ class CheckpointStore:
         grace_s: float,
         dry_run: bool,
         drop: tuple[int, ...] = (),
+        *,
+        thorough: bool,
     ) -> GcReport:
-        # One listing for both: a checkpoint committed while gc runs is in neither list, so it
-        # is neither removed as fenced off nor counted against keep_last.
-        steps, fenced = self._fencing.partition(self._written_steps())
-        kept = set(steps if keep_last is None else steps[-keep_last:]) | (set(keep) & set(steps))
-        kept -= set(drop)
-        removed = [s for s in steps if s not in kept]
         # What the next save builds on stays, even if its checkpoint goes.
-        live: set[str] = set(self._parent.manifest["packs"]) if self._parent else set()
-        for step in sorted(kept):
-            try:
-                live.update(self._read_manifest(step)["packs"])
-            except CheckpointError as exc:
-                raise CorruptCheckpointError(
-                    f"gc stopped before deleting anything: kept checkpoint step {step} cannot be "
-                    f"read, so the objects it needs are unknown ({exc})"
-                ) from exc
-        # Manifests a fenced-off generation wrote are invisible: they go too.
-        report = GcReport(sorted(kept), sorted(removed + fenced), [], 0, dry_run)
-        for step in removed + fenced:
-            if not dry_run:
-                self.storage.delete(mf.manifest_path(step))
-                self._fencing.forget(step)
-        report.removed_objects, report.bytes_freed = sweep(self.storage, live, grace_s, dry_run)
-        if removed:
-            log.info(
-                "gc removed steps %s and %d objects (%d bytes)",
-                _summary(removed),
-                len(report.removed_objects),
-                report.bytes_freed,
-            )
+        pinned = set(self._parent.manifest["packs"]) if self._parent else set()
+        report = retention.collect(
+            retention.Plan(keep_last, keep, drop, grace_s, dry_run, thorough),
+            storage=self.storage,
+            fence=self._fencing,
+            written=self._written_steps(),
+            read=self._read_manifest,
+            intact=self._intact,
+            pinned=pinned,
+        )
+        parent = self._parent
+        if not dry_run and parent is not None and parent.step in report.removed_steps:
+            # Its objects are pinned by this call only: another process's gc may collect them at
+            # any time, so the next save must not name them. It writes a full base.
+            self._set_parent(None, [])
         return report
+
+    def _intact(self, step: int, doc: dict[str, Any], thorough: bool) -> bool:
+        """Whether checkpoint ``step`` (manifest ``doc``) restores, for retention. Thorough:
+        read and check everything (``verify``). Otherwise: not known damaged, and every object
+        it names was written or checked by this store (objects it does not know are read back
+        whole and checked now)."""
+        if thorough:
+            report = verify_manifest(self.storage, doc, VerifyReport(step=step), f"step {step}")
+            if not report.ok:
+                self._saw_damage(step)
+            return report.ok
+        with self._lock:
+            if step in self._quarantined:
+                return False
+            unknown = set(doc["packs"]) - self._trusted
+        bad = damaged_objects(self.storage, {p: doc["packs"][p] for p in unknown})
+        if bad:
+            self._saw_damage(step)
+            return False
+        with self._lock:
+            self._trusted.update(unknown)
+        return True
+
+    def _saw_damage(self, step: int | None = None) -> None:
+        """Corruption was found: stop trusting objects unread since (the next save reads back
+        what it reuses), and let a new history replace ``step``."""
+        with self._lock:
+            self._trusted.clear()
+            if step is not None:
+                self._quarantined.add(step)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -747,6 +836,7 @@ class CheckpointStore:
             self._pool.shutdown(wait=True)
             self._parent = None
             self._buffers.clear()
+            self._lease.release()
 
     def __enter__(self) -> CheckpointStore:
         return self
@@ -804,10 +894,17 @@ class CheckpointStore:
 
     def _encode(self, step: int, leaves: list[Leaf]) -> tuple[Parent | None, bool, Encoded]:
         """Encode and write a save's data on top of the parent; returns the parent used, whether
-        this is a full base, and the encoding, once everything it names is durable."""
+        this is a full base, and the encoding, once everything it names is durable.
+
+        Chunks are reused by hash from the parent only while their objects are known intact:
+        an object this store neither wrote nor checked since it last saw damage is read back
+        whole and checked first; the chunks of a damaged one are encoded again from the state.
+        """
         parent = self._parent
-        full_base = parent is None or parent.manifest["since_base"] + 1 >= self.config.full_every
-        for attempt in (1, 2):
+        full_base = parent is None or parent.manifest["since_base"] + 1 >= self.config.base_every
+        avoid: set[str] = set()
+        reloaded = False
+        while True:
             enc = encode(
                 leaves,
                 parent,
@@ -815,32 +912,45 @@ class CheckpointStore:
                 config=self.config,
                 storage=self.storage,
                 pool=self._pool,
+                avoid=avoid,
             )
-            vanished = self._vanished(enc)
-            if not vanished:
-                return parent, full_base, enc
-            if attempt == 2:
-                raise CorruptCheckpointError(
-                    f"step {step} not committed: objects it would reuse are missing from "
-                    f"{self.url} ({', '.join(vanished[:3])}); another process is deleting "
-                    "objects of this store — give gc a grace period (grace_s) while training runs"
+            adopted = {p: enc.packs[p] for p in set(enc.packs) - enc.written}
+            vanished = sorted(p for p in adopted if not self.storage.exists(p))
+            if vanished:
+                if reloaded:
+                    raise CorruptCheckpointError(
+                        f"step {step} not committed: objects it would reuse are missing from "
+                        f"{self.url} ({', '.join(vanished[:3])}); another process is deleting "
+                        "objects of this store — give gc a grace period (grace_s) while "
+                        "training runs"
+                    )
+                # Another process compacted and collected this store since our parent was
+                # read: build on what is committed now, as a full base, not on what is gone.
+                log.warning(
+                    "objects of checkpoint step %s vanished (%s): another process ran gc or "
+                    "compact on %s; writing step %d as a full base",
+                    parent.step if parent else None,
+                    ", ".join(vanished[:3]),
+                    self.url,
+                    step,
                 )
-            # Another process compacted and collected this store since our parent was read:
-            # build on what is committed now, as a full base, rather than on what is gone.
+                parent, full_base, avoid, reloaded = self._reload_parent(), True, set(), True
+                continue
+            with self._lock:
+                unknown = {p: info for p, info in adopted.items() if p not in self._trusted}
+            damaged = damaged_objects(self.storage, unknown)
+            if not damaged:
+                with self._lock:
+                    self._trusted.update(unknown)
+                return parent, full_base, enc
             log.warning(
-                "objects of checkpoint step %s vanished (%s): another process ran gc or compact "
-                "on %s; writing step %d as a full base",
-                parent.step if parent else None,
-                ", ".join(vanished[:3]),
-                self.url,
+                "step %d: objects it would reuse are damaged (%s); encoding their chunks again "
+                "from the state being saved",
                 step,
+                ", ".join(sorted(damaged)[:3]),
             )
-            parent, full_base = self._reload_parent(), True
-        raise AssertionError("unreachable")
-
-    def _vanished(self, enc: Encoded) -> list[str]:
-        """Objects a save reuses from earlier checkpoints that are no longer in the store."""
-        return sorted(p for p in set(enc.packs) - enc.written if not self.storage.exists(p))
+            self._saw_damage()
+            avoid |= damaged
 
     def _reload_parent(self) -> Parent | None:
         """The newest committed checkpoint, read afresh from storage (no XOR base)."""
@@ -948,6 +1058,15 @@ def _check_step_type(step: Any) -> None:
         raise StepError(f"step must be an int, got {type(step).__name__} {step!r}")
     if step < 0:
         raise StepError(f"step must be >= 0, got {step}")
+    if step > mf.MAX_STEP:
+        raise StepError(
+            f"step must be < 10**20 (manifest names hold 20 digits), got {step}; count steps "
+            "from 0 (the global step, a sample count)"
+        )
+
+
+def _flat_buffer(entry: dict[str, Any]) -> tuple[None, np.ndarray]:
+    return None, np.empty(entry["nbytes"], np.uint8)
 
 
 def _summary(steps: list[int]) -> str:

@@ -44,6 +44,10 @@ T_SET, T_FROZENSET, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE = (
 )
 T_TENSOR, T_NPSCALAR, T_PICKLE, T_BIGINT, T_ODICT_META = "T", "npv", "pkl", "i", "odm"
 
+# Deepest nesting of containers a state may have. Each level is a few levels of JSON in the
+# manifest, and JSON (like the walk itself) is recursive: this keeps far from Python's limit.
+MAX_DEPTH = 100
+
 
 @dataclass
 class Leaf:
@@ -68,6 +72,9 @@ class Leaf:
         if self.nbytes == 0:
             return np.empty(0, dtype=np.uint8)
         return self.data.reshape(-1).view(torch.uint8).numpy()
+
+
+_CONTAINERS = (list, tuple, dict, OrderedDict, set, frozenset)
 
 
 def key_path(path: tuple[Any, ...]) -> str:
@@ -110,6 +117,13 @@ class _Flattener:
         kind = type(value)
         if value is None or kind is bool or kind is str:
             return value
+        if len(path) >= MAX_DEPTH and kind in _CONTAINERS:
+            shown = key_path(path[:6]) + "..." + "".join(f"[{k!r}]" for k in path[-3:])
+            raise UnsupportedValueError(
+                f"{shown} is nested {len(path)} levels deep; a checkpoint holds at most "
+                f"{MAX_DEPTH} levels of dict/list/tuple (is the state a linked structure or "
+                "does it contain itself?) — flatten it"
+            )
         if kind is int:
             # JSON numbers past 64 bits are not portable (and Python caps int<->str at 4300
             # digits): those go as hex text, which has no such limit.
@@ -266,7 +280,10 @@ def unflatten(skeleton: Any, tensors: list[Any], *, allow_pickle: bool = False) 
         ManifestError: a malformed skeleton.
         PickleNotAllowedError: a pickled value and ``allow_pickle`` is False.
     """
-    return _Unflattener(tensors, allow_pickle).node(skeleton, ())
+    try:
+        return _Unflattener(tensors, allow_pickle).node(skeleton, ())
+    except RecursionError as exc:
+        raise ManifestError("the state's skeleton is nested too deeply") from exc
 
 
 class _Unflattener:
@@ -305,7 +322,7 @@ class _Unflattener:
             raise ManifestError(f"unknown skeleton tag {node[0]!r} at {key_path(path)}")
         try:
             return handler(node[1], path)
-        except CheckpointError:
+        except (CheckpointError, RecursionError):
             raise
         except Exception as exc:  # hostile payloads: any parse failure is a bad manifest
             raise ManifestError(f"malformed skeleton node at {key_path(path)}: {exc}") from exc

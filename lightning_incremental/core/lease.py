@@ -1,0 +1,380 @@
+"""The writer lease: one writing process per store, enforced.
+
+A process that writes to a store (saves, compacts, deletes, collects without a grace period,
+claims a generation) first takes the store's lease: a small JSON record under ``lease/``,
+written create-only, naming the holder::
+
+    lease/<sequence:010d>.json  {"format", "owner", "host", "pid", "pidns", "job", "generation",
+                                 "acquired", "heartbeat", "ttl_s", "released"}
+
+The record with the highest sequence number is the lease. The holder renews ``heartbeat``
+(seconds since the epoch) every ``ttl_s / 4`` seconds from a daemon thread and checks, before
+every commit, that its record is still the newest. Another process may take the lease over
+only by writing the *next* sequence number, create-only (so of two processes racing for it,
+one wins), and only when the current record:
+
+- was released (its holder closed the store);
+- is stale: its heartbeat is older than its ``ttl_s``, or its holder runs on this host (same
+  host name and pid namespace) and that process no longer exists;
+- belongs to an older fencing generation of the same job: a restarted job (it claimed a newer
+  generation, see :mod:`~lightning_incremental.core.fencing`) takes over from its own previous
+  incarnation at once. The job is the elastic launcher's run id when it has one; two jobs with
+  different known run ids never take over from each other by generation.
+
+Otherwise the second writer gets :class:`~lightning_incremental.core.errors.WriterLeaseError`
+naming the holder. A holder that finds its record superseded stops committing (the same error).
+
+Every store object of one process on one location shares the process's lease: a maintenance
+store beside the training store in the same process is the same writer. Readers (``load``,
+``verify``, ``steps``), and ``gc`` with a grace period, take no lease.
+
+Staleness compares the holder's wall clock with the reader's: hosts whose clocks disagree by
+more than ``ttl_s`` see each other's leases as stale. On a backend without an atomic
+create-only write the sequence race narrows but does not close (as for fencing).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.errors import WriterLeaseError
+from lightning_incremental.core.storage import Storage
+
+log = logging.getLogger("lightning_incremental")
+
+LEASE_DIR = "lease"
+_NAME = re.compile(r"^(\d{10,})\.json$")
+_MAX_RECORD = 1 << 16
+
+
+def lease_path(sequence: int) -> str:
+    return f"{LEASE_DIR}/{sequence:010d}.json"
+
+
+def job_id() -> str | None:
+    """The launcher's id of this job, the same across its restarts; None when unknown."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return None if run in ("", "none") else run
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class Record:
+    """One lease record, parsed."""
+
+    sequence: int
+    doc: dict[str, Any]
+
+    @property
+    def owner(self) -> str:
+        return str(self.doc.get("owner"))
+
+    def describe(self) -> str:
+        d = self.doc
+        beat = d.get("heartbeat")
+        age = f"{time.time() - beat:.0f}s ago" if isinstance(beat, (int, float)) else "never"
+        return (
+            f"host {d.get('host')} pid {d.get('pid')} (generation {d.get('generation')}, "
+            f"job {d.get('job') or 'unknown'}, acquired {d.get('acquired')}, last heartbeat {age})"
+        )
+
+
+def newest(storage: Storage) -> Record | None:
+    """The current lease record (highest sequence); None when there is none. A record that
+    cannot be parsed (torn by a crash) counts as released: it names no live holder."""
+    found = []
+    for path in storage.list(LEASE_DIR):
+        match = _NAME.match(path.rsplit("/", 1)[-1])
+        if match and path.count("/") == 1:
+            found.append(int(match.group(1)))
+    if not found:
+        return None
+    sequence = max(found)
+    try:
+        data = storage.get(lease_path(sequence))
+    except FileNotFoundError:
+        return Record(sequence, {"released": True, "note": "vanished"})
+    try:
+        if len(data) > _MAX_RECORD:
+            raise ValueError("too large")
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("format") != mf.FORMAT:
+            raise ValueError("not a lease record")
+    except ValueError:
+        log.warning(
+            "lease record %s of %s is unreadable; treating it as released",
+            lease_path(sequence),
+            storage.url,
+        )
+        return Record(sequence, {"released": True, "note": "unreadable"})
+    return Record(sequence, doc)
+
+
+class _Held:
+    """This process's lease on one location, shared by every store object there."""
+
+    def __init__(self, storage: Storage, ttl_s: float, clock: Callable[[], float]) -> None:
+        self.storage, self.ttl_s, self.clock = storage, ttl_s, clock
+        self.owner = uuid.uuid4().hex
+        self.pid = os.getpid()
+        self.sequence: int | None = None
+        self.generation = 0
+        self.users = 0
+        self.acquired = ""
+        self.lost: str | None = None  # why the lease was lost, once it was
+        self.lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def body(self, released: bool = False) -> bytes:
+        doc = {
+            "format": mf.FORMAT,
+            "owner": self.owner,
+            "host": socket.gethostname(),
+            "pid": self.pid,
+            "pidns": _pid_namespace(),
+            "job": job_id(),
+            "generation": self.generation,
+            "acquired": self.acquired,
+            "heartbeat": self.clock(),
+            "ttl_s": self.ttl_s,
+            "released": released,
+        }
+        return json.dumps(doc, sort_keys=True).encode()
+
+    # -------------------------------------------------------------- taking
+
+    def acquire(self, generation: int, claiming: bool) -> None:
+        with self.lock:
+            if self.sequence is not None and self.lost is None:
+                if generation > self.generation or claiming:
+                    self.check()  # before recording the newer generation in our record
+                    self.generation = max(self.generation, generation)
+                    self._write(overwrite=True)
+                return  # held: the heartbeat and the check before each commit watch it
+            if self.lost is not None and not claiming:
+                self.check()
+            self.generation = max(self.generation, generation)
+            while True:
+                current = newest(self.storage)
+                if current is not None:
+                    self._may_take(current, generation, claiming)
+                sequence = 0 if current is None else current.sequence + 1
+                self.sequence, self.lost = sequence, None
+                self.acquired = datetime.datetime.now(datetime.timezone.utc).isoformat()
+                data = self.body()
+                if self.storage.put(lease_path(sequence), data) and (
+                    self.storage.get(lease_path(sequence)) == data
+                ):
+                    break
+                self.sequence = None  # another process took this number first: look again
+            if current is not None and not current.doc.get("released"):
+                log.warning(
+                    "took over the writer lease of %s from %s", self.storage.url, current.describe()
+                )
+            for old in range(max(0, sequence - 8), sequence):
+                self.storage.delete(lease_path(old))  # keep the directory small
+            self._start()
+
+    def _may_take(self, current: Record, generation: int, claiming: bool) -> None:
+        doc = current.doc
+        if doc.get("released") or current.owner == self.owner:
+            return
+        now = self.clock()
+        beat, ttl = doc.get("heartbeat"), doc.get("ttl_s")
+        if not isinstance(beat, (int, float)) or not isinstance(ttl, (int, float)):
+            return  # malformed: names no live holder
+        if now - beat > ttl:
+            return
+        if doc.get("host") == socket.gethostname() and doc.get("pidns") == _pid_namespace():
+            pid = doc.get("pid")
+            if pid == os.getpid() and not _live_here(current.owner):
+                return  # this process wrote it, but none of its stores holds it any more
+            if isinstance(pid, int) and pid != os.getpid() and not _process_exists(pid):
+                return
+        theirs, mine = doc.get("job"), job_id()
+        same_job = theirs is None or mine is None or theirs == mine
+        held_generation = doc.get("generation")
+        if (
+            same_job
+            and isinstance(held_generation, int)
+            and (claiming or generation > held_generation)
+        ):
+            return
+        raise WriterLeaseError(
+            f"{self.storage.url} is being written by another process: {current.describe()}. "
+            "One writer per store: stop the other writer, or save to another location. If that "
+            f"writer is gone, its lease expires {ttl:.0f}s after its last heartbeat (or delete "
+            f"{lease_path(current.sequence)} once you are sure). Reading, verify and gc with a "
+            "grace period need no lease."
+        )
+
+    # -------------------------------------------------------------- holding
+
+    def check(self) -> None:
+        """Raise WriterLeaseError unless this process still holds the lease."""
+        with self.lock:
+            if self.lost is None:
+                current = newest(self.storage)
+                if current is None or current.owner != self.owner or current.doc.get("released"):
+                    self._lose(current)
+            if self.lost is not None:
+                raise WriterLeaseError(
+                    f"this process lost the writer lease of {self.storage.url}: {self.lost}; it "
+                    "must stop writing (what it would commit could interleave with the other "
+                    "writer's history)"
+                )
+
+    def _lose(self, current: Record | None) -> None:
+        self.lost = (
+            f"taken over by {current.describe()}"
+            if current is not None and current.owner != self.owner
+            else "its lease record was removed or released"
+        )
+        self.sequence = None
+        self._stop.set()
+        log.error("lost the writer lease of %s: %s", self.storage.url, self.lost)
+
+    def _write(self, *, overwrite: bool) -> None:
+        assert self.sequence is not None
+        self.storage.put(lease_path(self.sequence), self.body(), overwrite=overwrite)
+
+    def _start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=_heartbeat, args=(self, self._stop), name="li-lease", daemon=True
+        )
+        self._thread.start()
+
+    def beat(self) -> None:
+        """Renew the heartbeat, unless the lease was taken over (then stop)."""
+        with self.lock:
+            if self.sequence is None or self.lost is not None:
+                return
+            current = newest(self.storage)
+            if current is None or current.owner != self.owner:
+                self._lose(current)
+                return
+            self._write(overwrite=True)
+
+    def release(self) -> None:
+        self._release()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()  # the heartbeat ends with its lease: no thread outlives the store
+
+    def _release(self) -> None:
+        with self.lock:
+            self._stop.set()
+            if self.sequence is None or self.lost is not None or os.getpid() != self.pid:
+                return
+            try:
+                current = newest(self.storage)
+                if current is not None and current.owner == self.owner:
+                    self.storage.put(
+                        lease_path(self.sequence), self.body(released=True), overwrite=True
+                    )
+            except Exception as exc:  # the lease then expires by its heartbeat; say so
+                log.warning(
+                    "could not release the writer lease of %s (it expires after %.0fs): %s",
+                    self.storage.url,
+                    self.ttl_s,
+                    exc,
+                )
+            self.sequence = None
+
+
+def _heartbeat(held: _Held, stop: threading.Event) -> None:
+    while not stop.wait(held.ttl_s / 4):
+        try:
+            held.beat()
+        except Exception as exc:  # a full disk or an outage: retried at the next beat
+            log.warning("writer lease heartbeat of %s failed (retrying): %s", held.storage.url, exc)
+
+
+_REGISTRY: dict[str, _Held] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _live_here(owner: str) -> bool:
+    with _REGISTRY_LOCK:
+        return any(h.owner == owner and h.sequence is not None for h in _REGISTRY.values())
+
+
+class Lease:
+    """A store object's handle on its process's lease of the store's location."""
+
+    def __init__(
+        self, storage: Storage, ttl_s: float, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.storage, self.ttl_s, self.clock = storage, ttl_s, clock
+        self._held: _Held | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._held is not None
+
+    def acquire(self, generation: int, *, claiming: bool = False) -> None:
+        """Take (or confirm) the lease for a write.
+
+        Raises:
+            WriterLeaseError: another process holds it, or this one lost it.
+        """
+        held = self._held
+        if held is None:
+            with _REGISTRY_LOCK:
+                held = _REGISTRY.get(self.storage.url)
+                if held is None or held.pid != os.getpid():
+                    held = _REGISTRY[self.storage.url] = _Held(self.storage, self.ttl_s, self.clock)
+                held.users += 1
+            self._held = held
+        held.acquire(generation, claiming)
+
+    def check(self) -> None:
+        """Raise WriterLeaseError unless this process still holds the lease."""
+        if self._held is not None:
+            self._held.check()
+
+    def release(self) -> None:
+        """This store object is done writing; the lease goes when no store of this process
+        on the location still uses it."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        with _REGISTRY_LOCK:
+            held.users -= 1
+            last = held.users <= 0
+            if last and _REGISTRY.get(self.storage.url) is held:
+                del _REGISTRY[self.storage.url]
+        if last:
+            held.release()

@@ -1,0 +1,134 @@
+"""Retention: which checkpoints ``gc`` keeps, and removing the rest.
+
+Rules, in order:
+
+1. Keep the newest ``keep_last`` visible checkpoints (all when None), plus ``keep``, minus
+   ``drop`` (what ``delete`` names).
+2. Never leave the store without an intact checkpoint: when checkpoints are to be removed and no
+   kept one is intact, the newest intact one is kept as well; when none is intact at all, no
+   checkpoint is removed. ``thorough`` checks read every object (``verify``); otherwise the
+   store's knowledge is used (what it wrote or checked, what it found damaged).
+3. Delete the manifests first, then every object that no kept manifest (nor the next save's
+   parent) names and that is older than the grace period. Objects or manifests that vanish
+   while this runs (another process collecting the same store) are skipped, not errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
+from lightning_incremental.core.fencing import Fencing
+from lightning_incremental.core.maintenance import sweep
+from lightning_incremental.core.results import GcReport
+from lightning_incremental.core.storage import Storage
+
+log = logging.getLogger("lightning_incremental")
+
+
+@dataclass(frozen=True)
+class Plan:
+    keep_last: int | None
+    keep: tuple[int, ...]
+    drop: tuple[int, ...]
+    grace_s: float
+    dry_run: bool
+    thorough: bool
+
+
+def collect(
+    plan: Plan,
+    *,
+    storage: Storage,
+    fence: Fencing,
+    written: list[int],
+    read: Callable[[int], dict[str, Any]],
+    intact: Callable[[int, dict[str, Any], bool], bool],
+    pinned: set[str],
+) -> GcReport:
+    """Apply ``plan`` to the store; see the module docstring.
+
+    Raises:
+        CorruptCheckpointError: a kept manifest cannot be read, so the objects it needs are
+            unknown (nothing is deleted then).
+    """
+    # One listing for both: a checkpoint committed while gc runs is in neither list, so it is
+    # neither removed as fenced off nor counted against keep_last.
+    steps, fenced = fence.partition(written)
+    newest = steps if plan.keep_last is None else steps[-plan.keep_last :]
+    kept = (set(newest) | (set(plan.keep) & set(steps))) - set(plan.drop)
+    docs: dict[int, dict[str, Any] | None] = {}
+
+    def doc_of(step: int) -> dict[str, Any] | None:
+        """The manifest, None when it vanished (another gc removed it); errors propagate."""
+        if step not in docs:
+            try:
+                docs[step] = read(step)
+            except CheckpointNotFoundError:
+                docs[step] = None
+        return docs[step]
+
+    def restores(step: int) -> bool:
+        try:
+            doc = doc_of(step)
+        except CheckpointError:
+            return False
+        return doc is not None and intact(step, doc, plan.thorough)
+
+    doomed = [s for s in steps if s not in kept]
+    spared: list[int] = []
+    if doomed and not plan.drop and not any(restores(s) for s in sorted(kept, reverse=True)):
+        rescue = next((s for s in reversed(doomed) if restores(s)), None)
+        if rescue is not None:
+            spared = [rescue]
+            log.warning(
+                "gc keeps checkpoint step %d as well: no checkpoint it would keep is intact, "
+                "and it is the newest one that is",
+                rescue,
+            )
+        else:
+            spared = doomed
+            log.warning(
+                "gc removes no checkpoint from %s: none is intact, so none is known to be "
+                "worth less than another",
+                storage.url,
+            )
+        kept |= set(spared)
+        doomed = [s for s in doomed if s not in spared]
+    live = set(pinned)
+    for step in sorted(kept):
+        try:
+            doc = doc_of(step)
+        except CheckpointError as exc:
+            raise CorruptCheckpointError(
+                f"gc stopped before deleting anything: kept checkpoint step {step} cannot be "
+                f"read, so the objects it needs are unknown ({exc})"
+            ) from exc
+        if doc is None:
+            kept.discard(step)  # removed meanwhile by another process
+            continue
+        live.update(doc["packs"])
+    # Manifests a fenced-off generation wrote are invisible: they go too.
+    report = GcReport(sorted(kept), sorted(doomed + fenced), [], 0, plan.dry_run)
+    report.kept_intact = spared[0] if len(spared) == 1 else None
+    for step in doomed + fenced:
+        if not plan.dry_run:
+            storage.delete(mf.manifest_path(step))
+            fence.forget(step)
+    report.removed_objects, report.bytes_freed = sweep(storage, live, plan.grace_s, plan.dry_run)
+    if doomed:
+        log.info(
+            "gc removed steps %s and %d objects (%d bytes)",
+            ", ".join(map(str, doomed[:8])) + (", ..." if len(doomed) > 8 else ""),
+            len(report.removed_objects),
+            report.bytes_freed,
+        )
+    return report

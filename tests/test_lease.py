@@ -1,0 +1,226 @@
+"""The writer lease: one writing process per store; a second gets an error naming the first;
+a dead, stale or superseded writer's lease is taken over; readers need none."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_incremental.core import CheckpointStore, WriterLeaseError, fencing
+from lightning_incremental.core import lease as lease_mod
+from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.storage import LocalStorage
+from tests.conftest import assert_state_equal, small_store
+
+
+def records(url: str) -> dict[int, dict]:
+    out = {}
+    for path in sorted(Path(url, "lease").glob("*.json")):
+        out[int(path.stem)] = json.loads(path.read_bytes())
+    return out
+
+
+def plant(url: str, sequence: int, **fields) -> None:
+    """A lease record as another process would have written it."""
+    doc = {
+        "format": mf.FORMAT,
+        "owner": "other-owner",
+        "host": "another-host",
+        "pid": 4242,
+        "pidns": None,
+        "job": None,
+        "generation": 0,
+        "acquired": "2024-01-01T00:00:00+00:00",
+        "heartbeat": time.time(),
+        "ttl_s": 60.0,
+        "released": False,
+    }
+    doc.update(fields)
+    path = Path(url, *lease_mod.lease_path(sequence).split("/"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+
+
+def seeded(url: str) -> dict:
+    state = {"w": torch.arange(64, dtype=torch.float32)}
+    with small_store(url) as store:
+        store.save(state, 1).wait()
+    return state
+
+
+def test_a_save_takes_the_lease_and_close_releases_it(local_url: str) -> None:
+    with small_store(local_url) as store:
+        store.save({"w": torch.ones(4)}, 1).wait()
+        (record,) = records(local_url).values()
+        assert record["host"] == socket.gethostname() and record["pid"] == os.getpid()
+        assert not record["released"] and record["generation"] == 0
+        assert record["ttl_s"] == 60.0 and record["heartbeat"] <= time.time()
+    (record,) = records(local_url).values()
+    assert record["released"]
+
+
+def test_a_live_writer_elsewhere_blocks_writes_but_not_reads(local_url: str) -> None:
+    state = seeded(local_url)
+    plant(local_url, 5)
+    with small_store(local_url) as store:
+        handle = store.save({"w": torch.zeros(64)}, 2)
+        with pytest.raises(WriterLeaseError, match="host another-host pid 4242") as raised:
+            handle.wait()
+        assert isinstance(raised.value, PermissionError)
+        assert "lease/0000000005.json" in str(raised.value)
+        assert store.steps() == [1]
+        assert_state_equal(store.load(), state)
+        assert store.verify().ok
+        assert store.gc(keep_last=1, grace_s=60).removed_steps == []
+        with pytest.raises(WriterLeaseError):
+            store.gc(keep_last=1)  # no grace period: only the writer may
+        with pytest.raises(WriterLeaseError):
+            store.compact()
+        with pytest.raises(WriterLeaseError):
+            store.delete(1)
+    after = records(local_url)
+    assert sorted(after) == [0, 5], "a refused writer writes no lease record"
+    assert after[0]["released"]  # the earlier writer's, closed
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"heartbeat": time.time() - 3600},  # stale
+        {"released": True},
+        {"host": socket.gethostname(), "pidns": lease_mod._pid_namespace(), "pid": 2**22 + 7},
+    ],
+    ids=["stale", "released", "dead-process-on-this-host"],
+)
+def test_an_abandoned_lease_is_taken_over(local_url: str, fields: dict) -> None:
+    seeded(local_url)
+    plant(local_url, 3, **fields)
+    with small_store(local_url) as store:
+        store.save({"w": torch.zeros(64)}, 2).wait()
+        current = records(local_url)
+        assert max(current) == 4 and current[4]["pid"] == os.getpid()
+        assert_state_equal(store.load(), {"w": torch.zeros(64)})
+
+
+def test_a_newer_generation_of_the_same_job_takes_over(local_url: str, monkeypatch) -> None:
+    seeded(local_url)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    plant(local_url, 0, job="job-a", generation=0)
+    with small_store(local_url) as store:
+        assert store.claim_generation(1) == 1
+        store.save({"w": torch.zeros(64)}, 2).wait()
+        newest = records(local_url)[max(records(local_url))]
+        assert newest["generation"] == 1 and newest["job"] == "job-a"
+
+
+def test_another_job_cannot_take_over_by_claiming(local_url: str, monkeypatch) -> None:
+    seeded(local_url)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    plant(local_url, 0, job="job-a", generation=0)
+    with small_store(local_url) as store:
+        with pytest.raises(WriterLeaseError, match="job job-a"):
+            store.claim_generation(1)
+    assert fencing.generations(LocalStorage(local_url)) == [], "no fence written"
+
+
+def test_a_writer_that_lost_its_lease_stops_committing(local_url: str) -> None:
+    with small_store(local_url) as store:
+        store.save({"w": torch.ones(8)}, 1).wait()
+        (sequence,) = records(local_url)
+        plant(local_url, sequence + 1, heartbeat=time.time())  # taken over (e.g. it froze)
+        with pytest.raises(WriterLeaseError, match=r"lost the writer lease.*another-host"):
+            store.save({"w": torch.ones(8)}, 2).wait()
+        assert store.steps() == [1]
+    assert records(local_url)[sequence + 1]["host"] == "another-host", "not released by us"
+
+
+def test_the_heartbeat_renews_the_record(local_url: str) -> None:
+    now = [1000.0]
+    store = small_store(local_url)
+    try:
+        store._lease.clock = lambda: now[0]
+        store.save({"w": torch.ones(8)}, 1).wait()
+        held = store._lease._held
+        assert held is not None
+        held.clock = lambda: now[0]
+        (record,) = records(local_url).values()
+        now[0] += 30
+        held.beat()
+        (renewed,) = records(local_url).values()
+        assert renewed["heartbeat"] == record["heartbeat"] + 30
+    finally:
+        store.close()
+
+
+def test_stores_of_one_process_share_its_lease(local_url: str) -> None:
+    """A maintenance store beside the training store in one process is the same writer."""
+    with small_store(local_url) as job, small_store(local_url) as maintenance:
+        job.save({"w": torch.ones(8)}, 1).wait()
+        maintenance.delete(1)
+        job.save({"w": torch.ones(8)}, 2).wait()
+        assert len(records(local_url)) == 1
+        maintenance.close()
+        assert not records(local_url)[max(records(local_url))]["released"], "job still writes"
+    assert records(local_url)[max(records(local_url))]["released"]
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    from lightning_incremental.core import CheckpointStore
+    store = CheckpointStore(sys.argv[1], fsync=False)
+    store.save({"w": torch.ones(16)}, 1).wait()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    store.save({"w": torch.ones(16) * 2}, 3).wait()
+    store.close()
+    print("done", flush=True)
+    """
+)
+
+
+def test_two_processes_writing_one_store(local_url: str) -> None:
+    """The second process's save fails naming the first; once the first closes, or dies, the
+    second writes."""
+    for ending in ("close", "kill"):
+        url = f"{local_url}-{ending}"
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            assert child.stdout.readline().strip() == "ready"
+            with CheckpointStore(url, fsync=False) as store:
+                with pytest.raises(WriterLeaseError, match=f"pid {child.pid}"):
+                    store.save({"w": torch.zeros(16)}, 2).wait()
+                assert store.steps() == [1]
+                if ending == "close":
+                    child.stdin.write("go\n")
+                    child.stdin.flush()
+                    assert child.stdout.readline().strip() == "done"
+                    expected = [1, 3]
+                else:
+                    child.send_signal(signal.SIGKILL)
+                    expected = [1]
+                child.wait(60)
+                assert store.steps() == expected
+                store.save({"w": torch.zeros(16)}, 4).wait()
+                assert store.steps() == [*expected, 4]
+                assert_state_equal(store.load(), {"w": torch.zeros(16)})
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(60)

@@ -1,0 +1,451 @@
+"""A stateful property test of the store under damage, crashes and a concurrent gc.
+
+Hypothesis drives one writer through random sequences of: save, load, gc, compact, delete,
+restart; damages objects behind its back (bit rot, truncation, removal); crashes an operation
+between any two of its storage calls (the storage raises, then the process "restarts": the
+store object is dropped and a new one opened); and runs a gc from another process (with a grace
+period, as the README prescribes) between any two storage calls of a save.
+
+Invariants, checked after every step with a fresh reader:
+
+- every committed step either restores its exact bytes or load raises and verify reports it
+  damaged (never wrong bytes; verify may also flag damage in a shared object's bytes that
+  the step does not use); every visible step was reported committed;
+- ``load()`` returns the newest intact step's exact bytes (or raises when none is intact);
+- no operation but an explicit ``delete`` of it removes the last intact checkpoint;
+- a save reported committed after the writer has seen all damage done so far (it loaded or
+  verified since) verifies;
+- a save that raised committed nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from lightning_incremental.core import (
+    CheckpointError,
+    CheckpointStore,
+    CorruptCheckpointError,
+)
+from lightning_incremental.core.storage import LocalStorage
+from tests.conftest import assert_state_equal
+
+OPTIONS = {
+    "chunk_size": 256,
+    "pack_size": 1024,
+    "full_every": 3,
+    "fsync": False,
+    "workers": 1,
+    "lease_ttl_s": 3600.0,  # no heartbeat write lands inside an example
+}
+
+
+class Crash(OSError):
+    """The process died here (raised by the storage in place of the call)."""
+
+
+class HookStorage(LocalStorage):
+    """A local store whose N-th call from now runs an action first (raise: a crash before the
+    call; anything else: another process acting between two calls)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root, fsync=False)
+        self.countdown: int | None = None
+        self.action: Any = None
+
+    def arm(self, nth: int, action: Any) -> None:
+        self.countdown, self.action = nth, action
+
+    def disarm(self) -> None:
+        self.countdown, self.action = None, None
+
+    def _tick(self) -> None:
+        if self.countdown is None:
+            return
+        self.countdown -= 1
+        if self.countdown == 0:
+            action, self.countdown, self.action = self.action, None, None
+            action()
+
+    def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
+        self._tick()
+        return super().put(path, data, overwrite=overwrite)
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        self._tick()
+        return super().get(path, start, end)
+
+    def get_view(self, path: str, start: int, end: int) -> memoryview:
+        self._tick()
+        return super().get_view(path, start, end)
+
+    def exists(self, path: str) -> bool:
+        self._tick()
+        return super().exists(path)
+
+    def list(self, prefix: str) -> list[str]:
+        self._tick()
+        return super().list(prefix)
+
+    def delete(self, path: str) -> None:
+        self._tick()
+        super().delete(path)
+
+    def size(self, path: str) -> int:
+        self._tick()
+        return super().size(path)
+
+    def mtime(self, path: str) -> float | None:
+        self._tick()
+        return super().mtime(path)
+
+
+def other_process(root: str) -> CheckpointStore:
+    """A store object standing for another process: its own location key, hence its own
+    lease and locks."""
+    storage = LocalStorage(root, fsync=False)
+    storage.url = f"{root} (another process)"
+    return CheckpointStore(storage, **OPTIONS)
+
+
+def crash(bare: bool) -> Any:
+    def fire() -> None:
+        if bare:  # what a third-party Storage might raise
+            raise Crash(errno.EIO, "injected crash")
+        raise Crash(errno.EIO, "injected crash (storage error)")
+
+    return fire
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = ""
+
+    @initialize(
+        keep_last=st.sampled_from([None, 1, 2, 3]),
+        history=st.lists(st.sampled_from(["none", "dense", "sparse", "both"]), max_size=3),
+    )
+    def start(self, keep_last: int | None, history: list[str]) -> None:
+        """A writer with ``keep_last`` retention, and a short history already saved (so that
+        short examples reach damage, fallback and retention)."""
+        import tempfile
+
+        self.root = tempfile.mkdtemp(prefix="li-stateful-")
+        self.keep_last = keep_last
+        self.storage = HookStorage(self.root)
+        self.writer = CheckpointStore(self.storage, keep_last=keep_last, **OPTIONS)
+        g = torch.Generator().manual_seed(0)
+        self.frozen = torch.randn(256, generator=g)
+        self.dense = torch.randn(128, generator=g)
+        self.sparse = torch.zeros(256)
+        self.expected: dict[int, dict[str, Any]] = {}
+        self.next_step = 0
+        self.unseen_damage = False  # damage done since the writer last read everything
+        for change in history:
+            self.save(change)
+
+    def teardown(self) -> None:
+        if not self.root:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                self.writer.close()
+            except Exception:
+                pass
+        import shutil
+
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # ------------------------------------------------------------ helpers
+
+    def state(self, step: int, change: str) -> dict[str, Any]:
+        if change in ("dense", "both"):
+            self.dense = self.dense + 0.01 * torch.sin(torch.arange(128.0) + step)
+        if change in ("sparse", "both"):
+            self.sparse = self.sparse.clone()
+            self.sparse[(step * 37) % 256] += 1.0
+        return {
+            "model": {
+                "frozen": self.frozen.clone(),
+                "dense": self.dense.clone(),
+                "sparse": self.sparse.clone(),
+            },
+            "step": step,
+        }
+
+    def age(self) -> None:
+        """Time passes between operations: every object is older than any grace period."""
+        then = time.time() - 10_000
+        for path in Path(self.root, "packs").rglob("*"):
+            if path.is_file():
+                os.utime(path, (then, then))
+
+    def reader(self) -> CheckpointStore:
+        return CheckpointStore(self.root, **OPTIONS)
+
+    def intact(self) -> set[int]:
+        """Steps that restore (exactly: the invariant checks the bytes)."""
+        found = set()
+        with self.reader() as reader:
+            for step in reader.steps():
+                try:
+                    reader.load(step)
+                except CorruptCheckpointError:
+                    continue
+                found.add(step)
+        return found
+
+    def restart(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                self.writer.close()
+            except Exception:
+                pass
+        self.storage.disarm()
+        self.writer = CheckpointStore(self.storage, keep_last=self.keep_last, **OPTIONS)
+
+    def save(self, change: str, arm: Any = None) -> None:
+        step = self.next_step
+        self.next_step += 1
+        state = self.state(step, change)
+        before = self.intact()
+        if arm is not None:
+            self.storage.arm(*arm)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.writer.save(state, step).wait()
+        except (CheckpointError, Crash):
+            ok = False
+        else:
+            ok = True
+        finally:
+            self.storage.disarm()
+        with self.reader() as reader:
+            visible = step in reader.steps()
+        if not ok:
+            assert not visible, f"the save of step {step} raised, yet it is committed"
+            self.restart()  # the process died (or gave up) here
+            return
+        assert visible, f"step {step} was reported committed but is not visible"
+        self.expected[step] = state
+        if not self.unseen_damage:
+            with self.reader() as reader:
+                try:
+                    reader.load(step)
+                except CorruptCheckpointError as exc:
+                    raise AssertionError(f"step {step} was reported committed: {exc}") from exc
+        if before and not self.unseen_damage:
+            assert self.intact(), "a save's retention removed the last intact checkpoint"
+
+    # ------------------------------------------------------------ rules
+
+    @rule(
+        change=st.sampled_from(["none", "dense", "sparse", "both"]),
+        disturb=st.sampled_from(["nothing", "crash", "concurrent gc"]),
+        nth=st.integers(1, 40),
+        bare=st.booleans(),
+        keep=st.integers(1, 2),
+    )
+    def save_step(self, change: str, disturb: str, nth: int, bare: bool, keep: int) -> None:
+        """A save; at its ``nth`` storage call the process may crash (the storage raises a
+        StorageError, or a bare OSError as a third-party backend might), or another process
+        may run ``gc(keep_last=keep, grace_s=60)``."""
+        self.age()
+        root = self.root
+
+        def collect() -> None:
+            with other_process(root) as collector:
+                collector.gc(keep_last=keep, grace_s=60)
+
+        arm = {"nothing": None, "crash": (nth, crash(bare)), "concurrent gc": (nth, collect)}
+        self.save(change, arm[disturb])
+
+    @rule()
+    def load_newest(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                self.writer.load()
+            except CorruptCheckpointError:
+                pass  # nothing intact: the invariants check that this is so
+            except CheckpointError:
+                return  # nothing to read: nothing was seen
+        self.unseen_damage = False  # it read the newest checkpoints down to an intact one
+
+    @rule(
+        keep=st.integers(1, 2),
+        by=st.sampled_from(["writer", "another process", "writer, crashing"]),
+        nth=st.integers(1, 30),
+        bare=st.booleans(),
+    )
+    def gc(self, keep: int, by: str, nth: int, bare: bool) -> None:
+        self.age()
+        before = self.intact()
+        if by == "another process":
+            with other_process(self.root) as collector:
+                collector.gc(keep_last=keep, grace_s=60)
+        else:
+            if by == "writer, crashing":
+                self.storage.arm(nth, crash(bare))
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    self.writer.gc(keep_last=keep)
+            except (Crash, CheckpointError):
+                self.restart()
+            finally:
+                self.storage.disarm()
+        if before:
+            assert self.intact(), "gc removed the last intact checkpoint"
+
+    @rule(nth=st.integers(0, 30), bare=st.booleans())
+    def compact(self, nth: int, bare: bool) -> None:
+        before = self.intact()
+        if nth:
+            self.storage.arm(nth, crash(bare))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.writer.compact()
+        except (Crash, CheckpointError):
+            self.restart()
+        finally:
+            self.storage.disarm()
+        if before:
+            assert self.intact(), "compact removed the last intact checkpoint"
+
+    @precondition(lambda self: bool(self.expected))
+    @rule(data=st.data())
+    def delete(self, data: st.DataObject) -> None:
+        with self.reader() as reader:
+            steps = reader.steps()
+        if not steps:
+            return
+        step = data.draw(st.sampled_from(steps), label="delete")
+        before = self.intact() - {step}
+        try:
+            self.writer.delete(step)
+        except CheckpointError:
+            return
+        if before:
+            assert self.intact(), f"deleting step {step} removed every other intact checkpoint"
+
+    @rule()
+    def restart_writer(self) -> None:
+        self.restart()
+
+    @precondition(lambda self: bool(self.expected))
+    @rule(
+        data=st.data(),
+        how=st.sampled_from(["rot", "truncate", "remove"]),
+        which=st.sampled_from(["newest-own", "shared", "any"]),
+    )
+    def damage(self, data: st.DataObject, how: str, which: str) -> None:
+        """Damage an object: one only the newest checkpoint uses (its fallback and retention
+        matter), one the unchanged tensor's chunks live in (every later save reuses it), or
+        any object of any checkpoint."""
+        with self.reader() as reader:
+            steps = reader.steps()
+            if not steps:
+                return
+            step = steps[-1] if which != "any" else data.draw(st.sampled_from(steps))
+            try:
+                doc = reader.manifest(step)
+                older = reader.manifest(steps[-2])["packs"] if len(steps) > 1 else {}
+            except CheckpointError:
+                return
+        recipes = []
+        for tensor in doc["tensors"]:
+            for digest in tensor["chunks"]:
+                recipe = doc["chunks"][digest]
+                if which == "shared" and "frozen" not in tensor["path"]:
+                    continue
+                if which == "newest-own" and recipe["pack"] in older:
+                    continue
+                recipes.append(recipe)
+        if not recipes:
+            return
+        recipe = data.draw(st.sampled_from(recipes), label="chunk")
+        path = Path(self.root, *recipe["pack"].split("/"))
+        if not path.exists():
+            return
+        blob = bytearray(path.read_bytes())
+        if recipe["offset"] + recipe["length"] > len(blob):
+            return  # truncated already
+        if how == "rot":
+            blob[recipe["offset"] + recipe["length"] // 2] ^= 0x10
+            path.write_bytes(bytes(blob))
+        elif how == "truncate":
+            path.write_bytes(bytes(blob[: recipe["offset"] + recipe["length"] // 2]))
+        else:
+            path.unlink()
+        self.unseen_damage = True
+
+    # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def committed_steps_restore_exactly_or_are_reported(self) -> None:
+        if not self.root:
+            return
+        with self.reader() as reader, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            steps = reader.steps()
+            intact = []
+            for step in steps:
+                assert step in self.expected, f"step {step} is visible but never reported"
+                verified = reader.verify(step).ok
+                try:
+                    restored = reader.load(step)
+                except CorruptCheckpointError:
+                    assert not verified, f"step {step} verifies but does not load"
+                    continue
+                # verify may also flag damage in bytes of a shared object this step does not
+                # use; what load returns is exact either way
+                assert_state_equal(restored, self.expected[step])
+                intact.append(step)
+            if intact:
+                assert_state_equal(reader.load(), self.expected[intact[-1]])
+            elif steps:
+                with pytest.raises(CorruptCheckpointError):
+                    reader.load()
+
+
+QUICK = settings(
+    max_examples=250,
+    stateful_step_count=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+LONG = settings(QUICK, max_examples=1000, stateful_step_count=40)
+
+
+def test_store_state_machine() -> None:
+    StoreMachine.TestCase.settings = QUICK
+    StoreMachine.TestCase().runTest()
+
+
+@pytest.mark.slow
+def test_store_state_machine_long() -> None:
+    StoreMachine.TestCase.settings = LONG
+    StoreMachine.TestCase().runTest()

@@ -38,14 +38,14 @@ import lightning.pytorch as L
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 if __package__ in (None, ""):  # run as a script: make `lightning_incremental` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_incremental import IncrementalCheckpoint
+from tests.lightning_job import FEATURES, NoisyData
 
-FEATURES = 6
 SAMPLERS = ("shuffle_generator", "shuffle_global", "sequential", "distributed")
 SCHEDULERS = ("none", "step", "epoch", "plateau_val", "plateau_train")
 CADENCES = ("steps", "epochs", "time")
@@ -131,63 +131,18 @@ def _draw(rng: random.Random, index: int) -> Case | None:
         total = epochs
     extension = rng.random() < 0.2
     total_steps = total if limit == "max_steps" else total * steps_per_epoch
+    common = (samples, batch_size, sampler, cadence, every, limit, total, val_check)
     if extension:
         first = rng.randint(1, total - 1)  # steps or epochs, as the limit
-        return Case(
-            samples,
-            batch_size,
-            sampler,
-            cadence,
-            every,
-            limit,
-            total,
-            val_check,
-            accumulate,
-            scheduler,
-            None,
-            False,
-            first,
-            index,
-        )
+        return Case(*common, accumulate, scheduler, None, False, first, index)
     if total_steps < 3:
         return None
     crash_at = rng.randint(2, total_steps - 1)
     wait = rng.random() < 0.6
-    return Case(
-        samples,
-        batch_size,
-        sampler,
-        cadence,
-        every,
-        limit,
-        total,
-        val_check,
-        accumulate,
-        scheduler,
-        crash_at,
-        wait,
-        None,
-        index,
-    )
+    return Case(*common, accumulate, scheduler, crash_at, wait, None, index)
 
 
 # ---------------------------------------------------------------------------- the job
-
-
-class NoisyData(Dataset):
-    """Fixed samples plus noise drawn at every read from torch, numpy and Python's ``random``."""
-
-    def __init__(self, samples: int) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(samples, FEATURES, generator=g)
-        self.y = torch.randn(samples, 1, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        noise = 0.01 * torch.randn(FEATURES) + 0.001 * float(np.random.randn())
-        return self.x[i] + noise + 0.001 * random.random(), self.y[i]
 
 
 class MatrixModel(L.LightningModule):

@@ -539,10 +539,7 @@ class IncrementalCheckpointIO(CheckpointIO):
             self.close()
         except BaseException as exc:
             errors.append(exc)
-        for extra in errors[1:]:
-            log.error("another checkpoint error during teardown: %r", extra)
-        if errors:
-            raise errors[0]
+        _raise_first(errors, "during teardown")
 
     def close(self) -> None:
         """Wait for every pending save to commit, close the stores and end the plug-in's
@@ -569,10 +566,7 @@ class IncrementalCheckpointIO(CheckpointIO):
                 entry.store.close()
             except BaseException as exc:
                 errors.append(exc)
-        for extra in errors[1:]:
-            log.error("another checkpoint error while closing: %r", extra)
-        if errors:
-            raise errors[0]
+        _raise_first(errors, "while closing")
 
     # ------------------------------------------------------------------ public helpers
 
@@ -1041,3 +1035,11 @@ def _materialize_option(value: Any) -> tuple[str, ...]:
             f"materialize must be True, False, 'best', 'last' or a list of them, got {value!r}"
         )
     return tuple(k for k in MATERIALIZE if k in kinds)
+
+
+def _raise_first(errors: list[BaseException], when: str) -> None:
+    """Raise the first of ``errors`` (if any); log the others, which would be lost."""
+    for extra in errors[1:]:
+        log.error("another checkpoint error %s: %r", when, extra)
+    if errors:
+        raise errors[0]

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import accelerate_incremental
 from accelerate_incremental import _launch, _tracking
 from lightning_incremental.core import CheckpointStore
+from tests.accelerate_results import assert_identical
 from tests.test_accelerate_launch import _free_port, _why
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,16 +201,6 @@ def interrupted_then_resumed(
     assert killed.returncode != 0, "the interrupted run should have died"
     assert not out.exists()
     return finished(store, out, processes, *script_args)
-
-
-def assert_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["step"] == b["step"]
-    assert a["weights"].keys() == b["weights"].keys()
-    for key in a["weights"]:
-        assert torch.equal(a["weights"][key], b["weights"][key]), key
-    for pid, entry in a["optimizer"]["state"].items():
-        for name, value in entry.items():
-            assert torch.equal(value, b["optimizer"]["state"][pid][name]), (pid, name)
 
 
 @pytest.fixture(scope="module")

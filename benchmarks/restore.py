@@ -1,7 +1,8 @@
 """Restore: time and peak extra memory against ``torch.load`` and DCP ``load``, in one run.
 
-``python -m benchmarks.restore [--quick] [--chains 1 4 8] [--json FILE]``: trains the
-``dense_fp32`` workload (a 210 MB fp32 + AdamW state; ``--quick``: 6 MB) and saves it to this
+``python -m benchmarks.restore [--quick] [--scenario S] [--chains 1 4 8] [--json FILE]``: trains
+the ``dense_fp32`` workload (a 210 MB fp32 + AdamW state; ``--quick``: 6 MB; ``--scenario
+frozen90``: 90 % frozen, where delta chains reach their full depth) and saves it to this
 engine's store (a full base, then deltas every ``--interval`` training steps), ``torch.save`` and
 DCP ``save`` on local disk. Then every restore runs in a fresh process (its memory figures are its
 own), best of ``--repeats``, with the files warm in the page cache and cold (evicted with
@@ -36,9 +37,9 @@ from benchmarks.scenarios import SCENARIOS, Params
 from benchmarks.state import tensor_bytes
 
 
-def _workload(quick: bool) -> Any:
+def _workload(quick: bool, scenario: str = "dense_fp32") -> Any:
     torch.manual_seed(0)
-    work = SCENARIOS["dense_fp32"].build(Params(model=QUICK if quick else FULL))
+    work = SCENARIOS[scenario].build(Params(model=QUICK if quick else FULL))
     work.train(1)  # AdamW state exists
     return work
 
@@ -47,14 +48,16 @@ def _state(work: Any) -> dict[str, Any]:
     return {"model": work.model.state_dict(), "optimizer": work.optimizer.state_dict()}
 
 
-def prepare(root: Path, quick: bool, interval: int, chains: list[int]) -> dict[str, Any]:
+def prepare(
+    root: Path, quick: bool, interval: int, chains: list[int], scenario: str
+) -> dict[str, Any]:
     """Write the checkpoints every restore reads; returns what the children need to know."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
     from lightning_incremental.core import CheckpointStore
 
-    work = _workload(quick)
+    work = _workload(quick, scenario)
     steps: dict[int, int] = {}
     with CheckpointStore(str(root / "store"), full_every=max(chains) + 1) as store:
         for index in range(1, max(chains) + 1):
@@ -93,7 +96,7 @@ def child(args: argparse.Namespace) -> None:
     root = Path(args.root)
     target: dict[str, Any] | None = None
     if args.child in ("dcp", "ours_into"):
-        target = _state(_workload(args.quick))  # the live state a resuming job already has
+        target = _state(_workload(args.quick, args.scenario))  # what a resuming job has
     files = {
         "torch": [root / "state.pt"],
         "torch_mmap": [root / "state.pt"],
@@ -138,11 +141,14 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _run_child(root: Path, system: str, cold: bool, quick: bool, step: int | None) -> dict:
+def _run_child(
+    root: Path, system: str, cold: bool, quick: bool, step: int | None, scenario: str
+) -> dict:
     command = [sys.executable, "-m", "benchmarks.restore", "--child", system, "--root", str(root)]
     command += ["--cold"] if cold else []
     command += ["--quick"] if quick else []
     command += ["--step", str(step)] if step is not None else []
+    command += ["--scenario", scenario]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{system} restore failed:\n{done.stderr[-3000:]}")
@@ -152,6 +158,12 @@ def _run_child(root: Path, system: str, cold: bool, quick: bool, step: int | Non
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--scenario",
+        default="dense_fp32",
+        choices=sorted(SCENARIOS),
+        help="the workload (frozen90: deltas stay small, so chains reach their full depth)",
+    )
     parser.add_argument("--chains", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--interval", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
@@ -171,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
 
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    info = prepare(root, args.quick, args.interval, sorted(set(args.chains)))
+    info = prepare(root, args.quick, args.interval, sorted(set(args.chains)), args.scenario)
     nbytes = info["nbytes"]
     rows = []
     for cold in (False, True):
@@ -180,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         for system, step in runs:
             best = None
             for _ in range(args.repeats):
-                got = _run_child(root, system, cold, args.quick, step)
+                got = _run_child(root, system, cold, args.quick, step, args.scenario)
                 if best is None or got["seconds"] < best["seconds"]:
                     best = got
             assert best is not None

@@ -165,17 +165,22 @@ class StoreMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not self.root:
             return
+        self.close_writer()
+        import shutil
+
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # ------------------------------------------------------------ helpers
+
+    def close_writer(self) -> None:
+        """Close the writer whatever state the rules left it in (its errors are not checked
+        here: the invariants judge what it committed)."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
                 self.writer.close()
             except Exception:
                 pass
-        import shutil
-
-        shutil.rmtree(self.root, ignore_errors=True)
-
-    # ------------------------------------------------------------ helpers
 
     def state(self, step: int, change: str) -> dict[str, Any]:
         if change in ("dense", "both"):
@@ -215,12 +220,7 @@ class StoreMachine(RuleBasedStateMachine):
         return found
 
     def restart(self) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                self.writer.close()
-            except Exception:
-                pass
+        self.close_writer()
         self.storage.disarm()
         self.writer = CheckpointStore(self.storage, keep_last=self.keep_last, **OPTIONS)
 

@@ -165,14 +165,12 @@ def restore_arrays(
     pool: Executor,
     where: str,
     targets: list[Target],
-    mirrors: list[np.ndarray] | None = None,
     *,
     read_ahead: int = READ_AHEAD,
 ) -> list[Target]:
     """Decode every tensor of ``manifest`` into its target (``targets[i]`` for tensor ``i``): a
     flat uint8 array of ``nbytes`` (decoded into directly), a :class:`Staged` destination, or
-    None (not restored: a partial load reads none of its objects). The first ``len(mirrors)``
-    tensors are also copied into ``mirrors[i]``, chunk by chunk while the chunk is hot in cache.
+    None (not restored: a partial load reads none of its objects).
 
     Memory stays bounded whatever the checkpoint's size: objects are read in the order the
     tensors need them, at most ``read_ahead`` bytes of them held at a time (more only while
@@ -184,13 +182,11 @@ def restore_arrays(
     """
     chunks = manifest["chunks"]
     reader = ObjectReader(storage, manifest, where)
-    mirrors = mirrors or []
     jobs: list[_Job] = []
     users: dict[str, int] = defaultdict(int)  # link -> jobs not yet decoded that need it
-    for index, (tensor, target) in enumerate(zip(manifest["tensors"], targets)):
+    for tensor, target in zip(manifest["tensors"], targets):
         if target is None:
             continue
-        mirror = mirrors[index] if index < len(mirrors) else None
         offset = 0
         for digest in tensor["chunks"]:
             size = chunks[digest]["size"]
@@ -198,8 +194,7 @@ def restore_arrays(
             for link in links:
                 users[link] += 1
             out = target[offset : offset + size] if isinstance(target, np.ndarray) else None
-            copy = mirror[offset : offset + size] if mirror is not None else None
-            jobs.append(_Job(digest, links, out, target, offset, size, copy))
+            jobs.append(_Job(digest, links, out, target, offset, size))
             offset += size
     _Schedule(reader, pool, jobs, users, read_ahead, chunks, where).run()
     return targets
@@ -213,7 +208,6 @@ class _Job:
     target: Target  # ... into scratch handed to a Staged target
     offset: int
     size: int
-    copy: np.ndarray | None
 
 
 class _Schedule:
@@ -300,8 +294,6 @@ class _Schedule:
     def _decode(self, job: _Job) -> None:
         out = job.out if job.out is not None else np.empty(job.size, dtype=np.uint8)
         decode_chunk(job.digest, self.chunks, self.reader.blobs, out, self.where)
-        if job.copy is not None:
-            job.copy[:] = out
         if isinstance(job.target, Staged):
             job.target.put(job.offset, out)
 

@@ -735,8 +735,8 @@ class IncrementalCheckpointIO(CheckpointIO):
             raise _rewrap(exc, f"cannot load {display} (step {step} of {url}): {exc}") from exc
         if ident is None:
             return
-        audit = manifest.get("audit", {})
-        metadata = audit.get("metadata") if isinstance(audit, dict) else None
+        audit = manifest.audit
+        metadata = audit.get("metadata")
         recorded = metadata.get("checkpoint_id") if isinstance(metadata, dict) else None
         if recorded != ident:
             raise PointerError(

@@ -350,10 +350,7 @@ def test_disk_full_on_a_real_local_disk(
         assert raised.value.errno == errno.ENOSPC
         assert "disk full" in str(raised.value)
         leftovers = [
-            name
-            for _, _, files in os.walk(local_url)
-            for name in files
-            if name.startswith(".tmp-")
+            name for _, _, files in os.walk(local_url) for name in files if name.startswith(".tmp-")
         ]
         assert leftovers == []
         _assert_visible(local_url, [1])

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from lightning_incremental.core import manifest as mf
@@ -27,11 +27,12 @@ from lightning_incremental.core.delta_base import DeltaBase
 from lightning_incremental.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointError,
 )
 from lightning_incremental.core.fencing import Fencing
 from lightning_incremental.core.format import Manifest
-from lightning_incremental.core.history import History
+from lightning_incremental.core.history import History, check_step_type
 from lightning_incremental.core.maintenance import damaged_objects, sweep, verify_manifest
 from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
 from lightning_incremental.core.storage import Storage
@@ -47,6 +48,26 @@ class Plan:
     grace_s: float
     dry_run: bool
     thorough: bool
+
+    @classmethod
+    def for_gc(
+        cls, keep_last: int | None, keep: Iterable[int], grace_s: float, dry_run: bool
+    ) -> Plan:
+        """The plan of a ``gc`` call, its arguments checked.
+
+        Raises:
+            ConfigError: a bad argument. StepError: a bad step in ``keep``.
+        """
+        if keep_last is not None and (
+            isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+        ):
+            raise ConfigError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        kept = tuple(keep)
+        for step in kept:
+            check_step_type(step)
+        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s < 0:
+            raise ConfigError(f"grace_s must be a number >= 0, got {grace_s!r}")
+        return cls(keep_last, kept, (), float(grace_s), dry_run, thorough=True)
 
 
 def collect(

@@ -431,22 +431,13 @@ class CheckpointStore:
             ConfigError: bad arguments. CorruptCheckpointError: a kept manifest is unreadable
                 (nothing is deleted then: the live set is unknown).
         """
-        if keep_last is not None and (
-            isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
-        ):
-            raise ConfigError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
-        keep = tuple(keep)
-        for step in keep:
-            check_step_type(step)
-        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s < 0:
-            raise ConfigError(f"grace_s must be a number >= 0, got {grace_s!r}")
+        plan = Plan.for_gc(keep_last, keep, grace_s, dry_run)
         self.wait()
         with self._write_lock, self._history.lock:
-            if grace_s == 0 and not dry_run:
+            if plan.grace_s == 0 and not dry_run:
                 # Without a grace period gc may remove what a running save is about to
                 # reference: only the writer may do that.
                 self._lease.acquire(self.generation)
-            plan = Plan(keep_last, keep, (), float(grace_s), dry_run, thorough=True)
             return self._collector.run(plan)
 
     def delete(self, step: int) -> GcReport:

@@ -155,7 +155,7 @@ def replace_resume_start(
         def resume_start(checkpoint_path: Any = None) -> None:
             replacement(checkpoint_path, original)
 
-    connector.resume_start = resume_start  # type: ignore[method-assign]
+    connector.resume_start = resume_start  # type: ignore[method-assign,assignment]
 
     def undo() -> None:
         if connector.__dict__.get("resume_start") is resume_start:

@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import Logger
 
-from lightning_incremental import _loops
+from lightning_incremental import _compat
 from lightning_incremental._failures import DEFAULT_MAX_CONSECUTIVE_FAILURES, FailurePolicy, Report
 from lightning_incremental._failures import text_of as _text_of
 from lightning_incremental._resume import FORMAT, KEY, _describe
@@ -78,9 +78,9 @@ class Saver:
         started = time.perf_counter()
         self.collect(block=False)  # errors of earlier saves surface here
         states = _gather(trainer, rank_state)
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = _compat.dump_checkpoint(trainer)
         if boundary:  # taken once Lightning finished the epoch: a state between two epochs
-            _loops.between_epochs(checkpoint)
+            _compat.between_epochs(checkpoint)
         error: BaseException | None = None
         handle = None
         if trainer.is_global_zero:

@@ -14,7 +14,9 @@ from lightning_incremental.core.storage.local import TMP_PREFIX, LocalStorage
 from lightning_incremental.core.storage.redaction import redact, secret_strings
 from lightning_incremental.core.storage.registry import (
     ENTRY_POINT_GROUP,
+    Backend,
     StorageFactory,
+    backend_for,
     open_storage,
     register_scheme,
     registered_schemes,
@@ -23,11 +25,13 @@ from lightning_incremental.core.storage.registry import (
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "Backend",
     "FsspecStorage",
     "LocalStorage",
     "Storage",
     "StorageFactory",
     "TMP_PREFIX",
+    "backend_for",
     "filesystem",
     "open_storage",
     "redact",

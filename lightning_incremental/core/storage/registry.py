@@ -52,6 +52,14 @@ class Backend:
     plugin: str | None = None  # "name = module:attr (distribution)" of a plug-in
     rival: str | None = None  # another plug-in claiming the same scheme
 
+    @property
+    def source(self) -> str:
+        """Where the factory is: ``module:attribute``."""
+        if isinstance(self.target, metadata.EntryPoint):
+            return self.target.value
+        module = getattr(self.target, "__module__", "?")
+        return f"{module}:{getattr(self.target, '__qualname__', repr(self.target))}"
+
     def factory(self) -> StorageFactory:
         """The factory, imported now if it is given as ``module:attribute``.
 
@@ -101,9 +109,7 @@ class Backend:
         return storage
 
     def _broken(self, what: str) -> ConfigError:
-        origin = self.plugin or (
-            self.target.value if isinstance(self.target, metadata.EntryPoint) else "its factory"
-        )
+        origin = self.plugin or self.source
         return ConfigError(
             f"the storage backend for {self.scheme}:// ({origin}, entry-point group "
             f"{ENTRY_POINT_GROUP!r}) is broken: {what}; fix or uninstall that package"
@@ -172,7 +178,7 @@ def registered_schemes() -> list[str]:
         return sorted(_backends)
 
 
-def backend(scheme: str) -> Backend | None:
+def backend_for(scheme: str) -> Backend | None:
     """The backend registered for ``scheme``, or None (fsspec's backend then, if any)."""
     scheme = scheme.lower()
     with _lock:
@@ -209,7 +215,7 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
             raise ConfigError("storage_options were given for a local path; they apply to URLs")
         return LocalStorage(os.path.abspath(os.path.expanduser(url)))
     scheme = match.group(1).lower()
-    found = backend(scheme)
+    found = backend_for(scheme)
     if found is not None:
         return found.open(url, options)
     if scheme not in fsspec.available_protocols():

@@ -11,7 +11,6 @@ from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.storage import register_scheme, registered_schemes
 from tests.s3_server import s3_bucket, s3_defaults, s3_endpoint, s3_faults  # noqa: F401
 
-
 STORE_BACKENDS = ("local", "memory", "s3")
 
 

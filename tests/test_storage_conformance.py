@@ -52,6 +52,7 @@ def test_every_registered_backend_is_in_the_suite() -> None:
             "suite does not open it: add it to store_url's params"
         )
 
+
 # ---------------------------------------------------------------------------- Storage interface
 
 
@@ -98,8 +99,16 @@ def test_put_overwrite_replaces(storage: Storage) -> None:
 
 @pytest.mark.parametrize(
     ("start", "end"),
-    [(0, 10), (5, 9), (100, 1028), (None, 7), (1000, None), (0, None), (3, 3),
-     (len(DATA) - 4, None)],
+    [
+        (0, 10),
+        (5, 9),
+        (100, 1028),
+        (None, 7),
+        (1000, None),
+        (0, None),
+        (3, 3),
+        (len(DATA) - 4, None),
+    ],
 )
 def test_get_range(storage: Storage, start: int | None, end: int | None) -> None:
     storage.put("packs/cd/obj", DATA)
@@ -212,14 +221,16 @@ def _states(n: int) -> list[dict[str, Any]]:
         emb = emb.clone()
         emb[step % 96] -= 0.5
         counts = counts + (torch.arange(700) % (step + 2) == 0)
-        out.append({
-            "model": {"w": w.clone(), "emb": emb.clone(), "frozen": frozen.clone()},
-            "counts": counts.clone(),
-            "flags": torch.tensor([True, False, step % 2 == 0]),
-            "scalar": torch.tensor(float(step)),
-            "empty": torch.empty(0, 3),
-            "meta": {"step": step, "loss": 1.0 / (step + 1), "name": "run", "ids": (1, 2)},
-        })
+        out.append(
+            {
+                "model": {"w": w.clone(), "emb": emb.clone(), "frozen": frozen.clone()},
+                "counts": counts.clone(),
+                "flags": torch.tensor([True, False, step % 2 == 0]),
+                "scalar": torch.tensor(float(step)),
+                "empty": torch.empty(0, 3),
+                "meta": {"step": step, "loss": 1.0 / (step + 1), "name": "run", "ids": (1, 2)},
+            }
+        )
     return out
 
 

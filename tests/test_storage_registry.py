@@ -225,6 +225,8 @@ BROKEN = {
             return None
         def fails(url, storage_options):
             raise OSError("cannot reach " + storage_options["endpoint"])
+        def refuses(url, storage_options):
+            raise ValueError("no such region")
     """,
 }
 
@@ -239,6 +241,7 @@ def test_broken_plugins_are_named(tmp_path: Path) -> None:
             "notcallable": "li_odd:NOT_CALLABLE",
             "wrongtype": "li_odd:returns_none",
             "fails": "li_odd:fails",
+            "refuses": "li_odd:refuses",
             "twice": "li_odd:returns_none",
             "s3": "li_odd:returns_none",
             "bad/name": "li_odd:returns_none",
@@ -256,7 +259,8 @@ def test_broken_plugins_are_named(tmp_path: Path) -> None:
                 records.append(record.getMessage())
         logging.getLogger("lightning_incremental").addHandler(Keep())
         errors = {}
-        for scheme in ("raises", "missing", "notcallable", "wrongtype", "fails", "twice"):
+        for scheme in ("raises", "missing", "notcallable", "wrongtype", "fails", "refuses",
+                       "twice"):
             try:
                 open_storage(scheme + "://x/y", {"endpoint": "https://secret.example"})
             except Exception as exc:
@@ -268,18 +272,30 @@ def test_broken_plugins_are_named(tmp_path: Path) -> None:
         path=[tmp_path, tmp_path / "other"],
     )
     errors = out["errors"]
-    assert set(errors) == {"raises", "missing", "notcallable", "wrongtype", "fails", "twice"}
+    assert set(errors) == {
+        "raises",
+        "missing",
+        "notcallable",
+        "wrongtype",
+        "fails",
+        "refuses",
+        "twice",
+    }
     for scheme, text in errors.items():
-        assert text.startswith("ConfigError: "), text
+        kind = "StorageError" if scheme == "fails" else "ConfigError"  # an OSError: unreachable
+        assert text.startswith(f"{kind}: "), text
         assert "secret.example" not in text
         if scheme != "twice":
             assert f"the storage backend for {scheme}:// ({scheme} = li_" in text, text
-            assert "(li-broken 1.0)" in text and "fix or uninstall" in text, text
+            assert "(li-broken 1.0)" in text, text
+        if scheme not in ("twice", "fails"):
+            assert "fix or uninstall" in text, text
     assert "RuntimeError: this plug-in is broken" in errors["raises"]
     assert "No module named 'li_not_there'" in errors["missing"]
     assert "li_odd:NOT_CALLABLE is a int, not callable" in errors["notcallable"]
     assert "it returned a NoneType, not a Storage" in errors["wrongtype"]
     assert "OSError: cannot reach <storage_options.endpoint>" in errors["fails"]
+    assert "could not open 'refuses://x/y': ValueError: no such region" in errors["refuses"]
     assert "two installed packages provide a storage backend for twice://" in errors["twice"]
     assert "(li-broken 1.0)" in errors["twice"] and "(li-rival 1.0)" in errors["twice"]
     assert out["s3"] == "S3Storage", "a plug-in does not replace a built-in backend"

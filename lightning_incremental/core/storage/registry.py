@@ -23,7 +23,7 @@ from typing import Any
 
 import fsspec
 
-from lightning_incremental.core.errors import ConfigError
+from lightning_incremental.core.errors import CheckpointError, ConfigError, StorageError
 from lightning_incremental.core.storage.base import Storage
 from lightning_incremental.core.storage.filesystem import open_fsspec
 from lightning_incremental.core.storage.local import LocalStorage
@@ -92,18 +92,27 @@ class Backend:
 
         Raises:
             ConfigError: see :meth:`factory`; a plug-in that fails or returns no Storage.
+            StorageError: a plug-in's OSError (the location cannot be reached).
         """
         factory = self.factory()
         if self.plugin is None:
             return factory(url, options)
         try:
             storage = factory(url, options)
-        except ConfigError:
+        except CheckpointError:  # ConfigError, StorageError: the plug-in's own words
             raise
         except Exception as exc:  # its message may quote an option's value
             secrets = secret_strings(options)
-            text = redact(f"{type(exc).__name__}: {exc}", secrets)
-            raise self._broken(f"opening {url!r} failed: {text}") from (None if secrets else exc)
+            message = (
+                f"the storage backend for {self.scheme}:// ({self.plugin}) could not open "
+                f"{url!r}: {redact(f'{type(exc).__name__}: {exc}', secrets)}"
+            )
+            error: CheckpointError = (
+                StorageError(exc.errno, message)
+                if isinstance(exc, OSError)
+                else ConfigError(f"{message}; fix or uninstall that package")
+            )
+            raise error from (None if secrets else exc)
         if not isinstance(storage, Storage):
             raise self._broken(f"it returned a {type(storage).__name__}, not a Storage")
         return storage

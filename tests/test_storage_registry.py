@@ -294,7 +294,10 @@ def test_broken_plugins_are_named(tmp_path: Path) -> None:
     assert "No module named 'li_not_there'" in errors["missing"]
     assert "li_odd:NOT_CALLABLE is a int, not callable" in errors["notcallable"]
     assert "it returned a NoneType, not a Storage" in errors["wrongtype"]
-    assert "OSError: cannot reach <storage_options.endpoint>" in errors["fails"]
+    assert errors["fails"] == (
+        "StorageError: the storage backend for fails:// (fails = li_odd:fails (li-broken 1.0)) "
+        "could not open 'fails://x/y': OSError: cannot reach <storage_options.endpoint>"
+    )
     assert "could not open 'refuses://x/y': ValueError: no such region" in errors["refuses"]
     assert "two installed packages provide a storage backend for twice://" in errors["twice"]
     assert "(li-broken 1.0)" in errors["twice"] and "(li-rival 1.0)" in errors["twice"]

@@ -107,11 +107,13 @@ class Backend:
                 f"the storage backend for {self.scheme}:// ({self.plugin}) could not open "
                 f"{url!r}: {redact(f'{type(exc).__name__}: {exc}', secrets)}"
             )
-            error: CheckpointError = (
-                StorageError(exc.errno, message)
-                if isinstance(exc, OSError)
-                else ConfigError(f"{message}; fix or uninstall that package")
-            )
+            error: CheckpointError
+            if not isinstance(exc, OSError):
+                error = ConfigError(f"{message}; fix or uninstall that package")
+            elif exc.errno is None:
+                error = StorageError(message)
+            else:
+                error = StorageError(exc.errno, message)
             raise error from (None if secrets else exc)
         if not isinstance(storage, Storage):
             raise self._broken(f"it returned a {type(storage).__name__}, not a Storage")

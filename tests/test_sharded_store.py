@@ -236,3 +236,24 @@ def test_piece_arrays_are_keyed_for_the_next_delta(tmp_path, world_of_one):
     assert [a.nbytes for a in arrays] == [32, 64]
     assert math.prod(doc.tensors[0].shape) * 4 == doc.tensors[0].nbytes
     assert doc.to_dict()["format"] == mf.FORMAT
+
+
+def test_dcp_export_of_a_non_sharded_checkpoint(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lightning_incremental import cli
+
+    state = {
+        "model": {"w": torch.randn(5, 3), "n": torch.arange(4, dtype=torch.int16)},
+        "optim": {"step": torch.tensor(7.0), "lr": 0.5, "betas": [0.9, 0.99]},
+    }
+    with CheckpointStore(tmp_path / "store") as store:
+        store.save(state, 3).wait()
+    out = tmp_path / "dcp"
+    assert cli.main(["export", str(tmp_path / "store"), "--format", "dcp", "--to", str(out)]) == 0
+    dcp_to_torch_save(out, tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=False)
+    assert back["optim"]["lr"] == 0.5 and back["optim"]["betas"] == [0.9, 0.99]
+    for key in ("w", "n"):
+        assert torch.equal(back["model"][key], state["model"][key])
+    assert torch.equal(back["optim"]["step"], state["optim"]["step"])

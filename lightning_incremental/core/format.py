@@ -532,11 +532,6 @@ def _tensor(
         if not isinstance(raw.get(key), bool):
             raise ManifestError(f"manifest {where}: tensor {index} has no boolean {key!r}")
     itemsize = _itemsize(raw.get("dtype"), raw.get("numpy"), where)
-    if math.prod(shape) * itemsize != raw["nbytes"]:
-        raise ManifestError(
-            f"manifest {where}: tensor {raw['path']} has the wrong size: shape {shape} of "
-            f"{raw['dtype']} does not hold {raw['nbytes']} bytes"
-        )
     pieces = None
     if "pieces" in raw:
         if version < PIECES_VERSION or "chunks" in raw or raw.get("numpy") is not False:
@@ -550,10 +545,17 @@ def _tensor(
         hashes = raw.get("chunks")  # type: ignore[assignment]
         if not isinstance(hashes, list):
             raise ManifestError(f"manifest {where}: tensor {index} has no chunk list")
-        if _chunk_bytes(index, hashes, chunks, where) != raw["nbytes"]:
+        total = _chunk_bytes(index, hashes, chunks, where)
+        if total != raw["nbytes"]:
             raise ManifestError(
-                f"manifest {where}: tensor {index} chunks do not hold its {raw['nbytes']} bytes"
+                f"manifest {where}: tensor {index} chunks hold {total} bytes, expected "
+                f"{raw['nbytes']}"
             )
+    if math.prod(shape) * itemsize != raw["nbytes"]:
+        raise ManifestError(
+            f"manifest {where}: tensor {raw['path']} has the wrong size: shape {shape} of "
+            f"{raw['dtype']} does not hold {raw['nbytes']} bytes"
+        )
     return TensorEntry(
         path=raw["path"],
         dtype=raw["dtype"],

@@ -29,6 +29,7 @@ from lightning_incremental.core import (
     StepError,
 )
 from lightning_incremental.core.export import FORMATS, export_state
+from lightning_incremental.core.export_dcp import export_dcp
 from lightning_incremental.core.format import Manifest
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_ERROR = 0, 1, 2, 3, 4
@@ -98,8 +99,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("b", type=int)
     p = command("export", _export, "write a checkpoint as a plain file that needs no library")
     p.add_argument("step", nargs="?", type=int, help="step (default: the newest)")
-    p.add_argument("--to", required=True, type=Path, help="file to write")
-    p.add_argument("--format", choices=FORMATS, default="torch")
+    p.add_argument("--to", required=True, type=Path, help="file (for dcp: directory) to write")
+    p.add_argument(
+        "--format",
+        choices=(*FORMATS, "dcp"),
+        default="torch",
+        help="dcp: a torch.distributed.checkpoint directory, written piece by piece (a sharded "
+        "checkpoint's tensors are never held whole); loads onto any layout with DCP",
+    )
     p.add_argument(
         "--keys",
         nargs="+",
@@ -348,12 +355,22 @@ def _diff(store: CheckpointStore, args: argparse.Namespace, console: Console) ->
 
 
 def _export(store: CheckpointStore, args: argparse.Namespace, console: Console) -> int:
-    step = store.manifest(args.step).step
-    state = store.load(step, map_location="cpu", keys=args.keys)
-    written = export_state(state, args.to, args.format)
-    doc = {"step": step, "to": str(args.to), "format": args.format, "bytes": written}
-    if args.keys:
-        doc["keys"] = list(state)
+    manifest = store.manifest(args.step)
+    step = manifest.step
+    if args.format == "dcp":
+        keys = tuple(args.keys) if args.keys else None
+        written = export_dcp(
+            store.storage, manifest, args.to, keys=keys, allow_pickle=store.config.allow_pickle
+        )
+        doc: dict[str, Any] = {"step": step, "to": str(args.to), "format": "dcp", "bytes": written}
+        if keys:
+            doc["keys"] = list(keys)
+    else:
+        state = store.load(step, map_location="cpu", keys=args.keys)
+        written = export_state(state, args.to, args.format)
+        doc = {"step": step, "to": str(args.to), "format": args.format, "bytes": written}
+        if args.keys:
+            doc["keys"] = list(state)
     if not args.json:
         console.print(f"exported step {step} to {args.to} ({args.format}, {_mb(written)} MB)")
     _emit(console, args, doc, None)

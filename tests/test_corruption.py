@@ -413,7 +413,9 @@ CASES: dict[str, Case] = {
     "forged-chunk-outside-pack": Case(_forge(_offset_outside), ManifestError, "outside its pack"),
     "forged-swapped-chunks": Case(_forge(_swap_chunks), CorruptCheckpointError, "chunk "),
     "forged-shape": Case(_forge(_shrink_shape), ManifestError, "wrong size"),
-    "newer-format-version": Case(_forge(_set_version), FormatVersionError, "version 2"),
+    "newer-format-version": Case(
+        _forge(_set_version), FormatVersionError, f"version {fmt.VERSION}"
+    ),
     "pickle-listed": Case(_forge(_pickle(True)), PickleNotAllowedError, r"state\['step'\]"),
     "pickle-hidden": Case(_forge(_pickle(False)), PickleNotAllowedError, r"state\['step'\]"),
     "malformed-json": Case(_raw(lambda h: b"{not json"), ManifestError, "not valid JSON"),

@@ -6,10 +6,11 @@
    that every object the parts wrote is there, and writes the manifest create-only, fenced by
    generation: the checkpoint becomes visible at once, whole, or not at all.
 
-Today one process writes the one part of a checkpoint. The interface is the one a per-rank
-writer needs: each rank calls ``write_part`` for its own tensors (with its own delta base) and
-sends the :class:`Part` to the coordinator, which calls ``commit`` with all of them. A part that
-is never committed leaves unreferenced objects only, which ``gc`` collects.
+A single process writes the one part of a checkpoint. In a distributed save each rank calls
+``write_part`` for its own arrays (with its own delta base) and sends the :class:`Part` to the
+coordinator, which calls ``commit`` with all of them and the merged tensor table
+(:mod:`~lightning_incremental.core.sharded`). A part that is never committed leaves
+unreferenced objects only, which ``gc`` collects.
 """
 
 from __future__ import annotations
@@ -90,9 +91,11 @@ def assemble(
     pickled: Sequence[str] = (),
     created: str | None = None,
     extra: Mapping[str, Any] | None = None,
+    tensors: Sequence[TensorEntry] | None = None,
 ) -> Manifest:
     """The manifest of ``step`` made of ``parts`` (their tensors in order: the tree's tensor
-    indices count across the parts), with its statistics.
+    indices count across the parts; or ``tensors``, a table merged from the parts' arrays), with
+    its statistics.
 
     Raises:
         ManifestError: no part, or parts of another step or built on different parents.
@@ -131,7 +134,7 @@ def assemble(
         },
         pickled=tuple(pickled),
         tree=tree,
-        tensors=tuple(t for p in parts for t in p.tensors),
+        tensors=tuple(t for p in parts for t in p.tensors) if tensors is None else tuple(tensors),
         chunks=chunks,
         packs=packs,
         extra=dict(extra or {}),
@@ -254,9 +257,11 @@ class Committer:
         audit: Mapping[str, Any],
         tree: Any,
         pickled: Sequence[str] = (),
+        tensors: Sequence[TensorEntry] | None = None,
     ) -> Committed:
         """Make ``step`` visible: one manifest naming every part, written create-only once every
-        object the parts wrote is present, fenced by ``generation``.
+        object the parts wrote is present, fenced by ``generation``. ``tensors``: the manifest's
+        tensor table when the parts' arrays are not it (pieces of sharded tensors).
 
         Raises:
             ManifestError: parts that do not make one valid checkpoint.
@@ -272,6 +277,7 @@ class Committer:
             audit=audit,
             tree=tree,
             pickled=pickled,
+            tensors=tensors,
         )
         fmt.validate(manifest, f"step {step} of {self.storage.url}")
         self._check_durable(step, parts)

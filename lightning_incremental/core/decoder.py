@@ -19,12 +19,15 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
+import torch
 
 from lightning_incremental.core import codecs
 from lightning_incremental.core.codecs import chunk_hash
 from lightning_incremental.core.errors import CorruptCheckpointError
 from lightning_incremental.core.format import ChunkRecipe, Manifest, closure
+from lightning_incremental.core.pieces import Box, whole
 from lightning_incremental.core.storage import Storage
+from lightning_incremental.core.tree import torch_dtype
 
 COALESCE_GAP = 1 << 20
 MAX_READ = 4 << 20
@@ -167,6 +170,18 @@ def _decode_links(
 
 
 @dataclass(frozen=True)
+class Regions:
+    """Destinations of a tensor that hold boxes of its global index space: each ``(view, box)``
+    is a tensor of ``box.sizes`` (any device, any strides) to fill with that box of the stored
+    tensor. A sharded tensor's local pieces, or one whole tensor when the checkpoint stored it
+    as pieces. Only the stored pieces that overlap a box are read, and of those only the chunks
+    holding overlapping elements; each chunk is decoded into scratch memory and its overlapping
+    part copied into place (:func:`~lightning_incremental.core.scatter.piece_targets`)."""
+
+    parts: tuple[tuple[torch.Tensor, Box], ...]
+
+
+@dataclass(frozen=True)
 class Staged:
     """A destination that is not one flat piece of host memory (a GPU tensor, a non-contiguous
     view): each chunk is decoded into scratch host memory and handed to ``put(offset, data)``
@@ -176,7 +191,17 @@ class Staged:
     put: Callable[[int, np.ndarray], None]
 
 
-Target = Union[np.ndarray, Staged, None]
+Target = Union[np.ndarray, Staged, Regions, None]
+
+
+@dataclass(frozen=True)
+class ChunkTarget:
+    """The chunks of one stored array and where they go; ``wanted``: the indices of the chunks
+    to decode (None: all)."""
+
+    chunks: tuple[str, ...]
+    target: np.ndarray | Staged
+    wanted: frozenset[int] | None = None
 
 
 def restore_arrays(
@@ -200,24 +225,57 @@ def restore_arrays(
     Raises:
         CorruptCheckpointError: naming the first bad object.
     """
+    from lightning_incremental.core.scatter import piece_targets  # it builds on this module
+
+    items: list[ChunkTarget] = []
+    for tensor, target in zip(manifest.tensors, targets):
+        if target is None:
+            continue
+        if isinstance(target, np.ndarray) and tensor.pieces is not None:
+            view = torch.from_numpy(target).view(torch_dtype(tensor.dtype)).reshape(tensor.shape)
+            target = Regions(((view, whole(tensor.shape)),))
+        if isinstance(target, Regions):
+            items += piece_targets(tensor, target, manifest.chunks)
+        else:
+            items.append(ChunkTarget(tensor.chunks, target))
+    restore_chunks(storage, manifest, pool, where, items, read_ahead=read_ahead)
+    return targets
+
+
+def restore_chunks(
+    storage: Storage,
+    manifest: Manifest,
+    pool: Executor,
+    where: str,
+    items: list[ChunkTarget],
+    *,
+    read_ahead: int = READ_AHEAD,
+) -> None:
+    """Decode the chunks of ``items`` into their targets, within the memory window of
+    :func:`restore_arrays`.
+
+    Raises:
+        CorruptCheckpointError: naming the first bad object.
+    """
     chunks = manifest.chunks
     reader = ObjectReader(storage, manifest, where)
     jobs: list[_Job] = []
     users: dict[str, int] = defaultdict(int)  # link -> jobs not yet decoded that need it
-    for tensor, target in zip(manifest.tensors, targets):
-        if target is None:
-            continue
-        offset = 0
-        for digest in tensor.chunks:
+    for item in items:
+        target, offset = item.target, 0
+        for index, digest in enumerate(item.chunks):
             size = chunks[digest].size
+            if item.wanted is not None and index not in item.wanted:
+                offset += size
+                continue
             links = tuple(dict.fromkeys(closure(digest, chunks)))
             for link in links:
                 users[link] += 1
             out = target[offset : offset + size] if isinstance(target, np.ndarray) else None
             jobs.append(_Job(digest, links, out, target, offset, size))
             offset += size
-    _Schedule(reader, pool, jobs, users, read_ahead, chunks, where).run()
-    return targets
+    if jobs:
+        _Schedule(reader, pool, jobs, users, read_ahead, chunks, where).run()
 
 
 @dataclass

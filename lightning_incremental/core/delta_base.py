@@ -62,10 +62,18 @@ class DeltaBase:
             old, self._parent = self._parent, parent
         self.pool.give(list(spare) + (old.buffers if old is not None else []))
 
-    def committed(self, manifest: Manifest, leaves: list[Leaf]) -> None:
+    def committed(
+        self,
+        manifest: Manifest,
+        leaves: list[Leaf],
+        tensors: Sequence[TensorEntry] | None = None,
+    ) -> None:
         """``manifest`` (written from ``leaves``) committed: it is the next save's base, its
-        bytes kept in memory within ``config.xor_base_memory``."""
-        self.set(*next_parent(manifest, leaves, manifest.tensors, self.config))
+        bytes kept in memory within ``config.xor_base_memory``. ``tensors``: the entries the
+        leaves were encoded as, when not the manifest's own (this rank's part of a sharded
+        checkpoint)."""
+        entries = manifest.tensors if tensors is None else tensors
+        self.set(*next_parent(manifest, leaves, entries, self.config))
 
     def adopt(self, step: int, manifest: Manifest) -> None:
         """A restore returned checkpoint ``step``, the newest committed one: build the next save
@@ -87,7 +95,7 @@ class DeltaBase:
 def next_parent(
     manifest: Manifest,
     leaves: list[Leaf],
-    tensors: tuple[TensorEntry, ...] | list[TensorEntry],
+    tensors: Sequence[TensorEntry],
     config: StoreConfig,
 ) -> tuple[Parent, list[torch.Tensor]]:
     """The parent of the next save after ``manifest`` committed: its XOR base is this snapshot's
@@ -101,7 +109,7 @@ def next_parent(
         if not config.uses_xor or (budget is not None and used + raw.size > budget):
             spare.append(leaf.data)
             continue
-        parent.base[leaf.path] = (raw, entry.chunks)
+        parent.base[leaf.key] = (raw, entry.chunks)
         parent.buffers.append(leaf.data)
         used += raw.size
     return parent, spare

@@ -196,7 +196,12 @@ def encode(
     stored: dict[str, TensorEntry] = {}
     same_chunking = parent is not None and parent.manifest.chunk_size == config.chunk_size
     if parent is not None and config.uses_xor and config.xor_base_from_storage:
-        stored = {t.path: t for t in parent.manifest.tensors if t.path not in parent.base}
+        stored = {
+            a.path: a
+            for t in parent.manifest.tensors
+            for a in t.arrays()
+            if a.path not in parent.base
+        }
         fetch = BaseReader(storage, parent.manifest, parent_chunks).read
     window: deque[tuple[Future[_Payload], _Task]] = deque()
     scheduled: set[str] = set()
@@ -246,14 +251,14 @@ def encode(
             raw = leaf.raw()
             width = leaf.width
             lossy = lossy_codec(leaf.path, config)
-            xor_base = parent.base.get(leaf.path) if (parent and config.uses_xor) else None
+            xor_base = parent.base.get(leaf.key) if (parent and config.uses_xor) else None
             if xor_base is not None and (xor_base[0].size != raw.size or not same_chunking):
                 xor_base = None  # different size or chunking: chunk i is not chunk i any more
             # Not in memory (a parent read from storage, e.g. after a restart or a restore):
             # the parent's chunks are decoded from storage one by one on the workers.
             stored_base = None
             if xor_base is None and fetch is not None:
-                before = stored.get(leaf.path)
+                before = stored.get(leaf.key)
                 if before is not None and before.nbytes == raw.size and same_chunking:
                     stored_base = before.chunks
             digests = []
@@ -304,7 +309,7 @@ def encode(
                 drain(2 * config.workers)
             out.tensors.append(
                 TensorEntry(
-                    path=leaf.path,
+                    path=leaf.key,
                     dtype=leaf.dtype,
                     shape=tuple(leaf.shape),
                     nbytes=int(raw.size),

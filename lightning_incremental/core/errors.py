@@ -61,3 +61,8 @@ class FencedError(CheckpointError):
 class WriterLeaseError(CheckpointError, PermissionError):
     """Another process holds the store's writer lease (one writer per store), or this process
     lost it to another writer and must stop writing."""
+
+
+class DistributedSaveError(CheckpointError):
+    """A distributed save did not commit because a rank failed, died or did not report within
+    the store's collective timeout (the checkpoint is not visible)."""

@@ -12,7 +12,17 @@ recipe (keyed by the XXH3-128 of the chunk's raw bytes)::
 
 The manifest carries an XXH3-128 checksum of its own canonical JSON, so a flipped bit in a shape
 or a plain value is detected like a flipped bit in tensor data. Format version 2 added lossy
-chunks; a manifest without one is written as version 1, which every reader reads.
+chunks; version 3 added sharded tensors, stored as *pieces*: a tensor entry with ``"pieces"``
+instead of ``"chunks"`` records its global shape and dtype, and for every stored piece (a dense
+box of the global tensor, written by the rank that held it) its offsets, sizes and the chunks of
+its row-major bytes::
+
+    {"path": ..., "dtype": ..., "shape": [global], "nbytes": global bytes, ...,
+     "pieces": [{"offsets": [int, ...], "sizes": [int, ...], "chunks": ["<32 hex>", ...]}]}
+
+The pieces must tile the tensor exactly (:func:`~lightning_incremental.core.pieces.check_tiling`).
+A manifest is written with the least version that holds it: 1 without lossy chunks or pieces,
+so every reader reads what an older writer wrote and what a non-sharded save writes.
 
 Parsing validates everything a reader relies on (types, object paths inside the store, recipe
 closure, sizes, known codecs) and rejects anything else with a :class:`ManifestError`.
@@ -20,6 +30,7 @@ closure, sizes, known codecs) and rejects anything else with a :class:`ManifestE
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -33,10 +44,13 @@ from lightning_incremental.core import codecs
 from lightning_incremental.core.codecs import HASH_LEN, chunk_hash
 from lightning_incremental.core.errors import FormatVersionError, ManifestError
 from lightning_incremental.core.manifest import FORMAT, MAX_CHUNK_SIZE, MAX_STEP, PACK_DIR
-from lightning_incremental.core.tree import torch_dtype
+from lightning_incremental.core.pieces import Box, check_tiling
+from lightning_incremental.core.tree import piece_key, torch_dtype
 
-VERSION = 2  # the newest format version this library reads and writes
-LOSSLESS_VERSION = 1  # what a manifest without lossy chunks is written as
+VERSION = 3  # the newest format version this library reads and writes
+LOSSLESS_VERSION = 1  # what a manifest without lossy chunks or pieces is written as
+LOSSY_VERSION = 2  # the first version with lossy chunks
+PIECES_VERSION = 3  # the first version with sharded tensors (pieces)
 
 _HASH = re.compile(rf"^[0-9a-f]{{{HASH_LEN}}}$")
 _PACK = re.compile(rf"^{PACK_DIR}/[0-9a-f]{{2}}/[0-9a-f]{{{HASH_LEN}}}\.pack$")
@@ -90,8 +104,34 @@ class ChunkRecipe:
 
 
 @dataclass(frozen=True)
+class PieceEntry:
+    """A stored piece of a sharded tensor: a dense box of the global tensor, and the chunks of
+    its row-major bytes."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    chunks: tuple[str, ...]
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offsets, self.sizes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "offsets": list(self.offsets),
+            "sizes": list(self.sizes),
+            "chunks": list(self.chunks),
+        }
+
+
+@dataclass(frozen=True)
 class TensorEntry:
-    """One tensor (or numpy array) of the state: its key path, type, and chunk hashes."""
+    """One tensor (or numpy array) of the state: its key path, type, and chunk hashes.
+
+    A sharded tensor has ``pieces`` (None otherwise): ``shape`` and ``nbytes`` are then the
+    global tensor's, and ``chunks`` is every piece's chunks in piece order (what the tensor
+    needs; the bytes of the global tensor are not their concatenation).
+    """
 
     path: str
     dtype: str
@@ -103,8 +143,45 @@ class TensorEntry:
     param: bool
     requires_grad: bool
     chunks: tuple[str, ...]
+    pieces: tuple[PieceEntry, ...] | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return self.nbytes // math.prod(self.shape) if math.prod(self.shape) else 0
+
+    def stored_pieces(self) -> list[tuple[Box, tuple[str, ...]]]:
+        """The stored boxes of the tensor and their chunks: its pieces, or the whole tensor."""
+        if self.pieces is None:
+            return [(Box(tuple(0 for _ in self.shape), self.shape), self.chunks)]
+        return [(p.box, p.chunks) for p in self.pieces]
+
+    def arrays(self) -> list[TensorEntry]:
+        """The entry as the flat arrays a writer encoded: itself, or one entry per piece keyed
+        by :func:`~lightning_incremental.core.tree.piece_key` (how a rank finds its own
+        piece's chunks as the delta base of its next save)."""
+        if self.pieces is None:
+            return [self]
+        size = self.nbytes // math.prod(self.shape) if math.prod(self.shape) else 0
+        return [
+            dataclasses.replace(
+                self,
+                path=piece_key(self.path, p.offsets),
+                shape=p.sizes,
+                nbytes=math.prod(p.sizes) * size,
+                chunks=p.chunks,
+                pieces=None,
+            )
+            for p in self.pieces
+        ]
 
     def to_dict(self) -> dict[str, Any]:
+        out = self._fields()
+        if self.pieces is not None:
+            del out["chunks"]
+            out["pieces"] = [p.to_dict() for p in self.pieces]
+        return out
+
+    def _fields(self) -> dict[str, Any]:
         return {
             "path": self.path,
             "dtype": self.dtype,
@@ -162,6 +239,11 @@ class Manifest:
         return all(r.lossless for r in self.chunks.values())
 
     @property
+    def sharded(self) -> bool:
+        """Whether a tensor is stored as pieces (format version 3)."""
+        return any(t.pieces is not None for t in self.tensors)
+
+    @property
     def lossy_tensors(self) -> list[str]:
         """Key paths of the tensors with a lossy chunk."""
         return [t.path for t in self.tensors if not all(self.chunks[d].lossless for d in t.chunks)]
@@ -171,7 +253,11 @@ class Manifest:
         return {
             **self.extra,
             "format": FORMAT,
-            "version": LOSSLESS_VERSION if self.lossless else VERSION,
+            "version": PIECES_VERSION
+            if self.sharded
+            else LOSSLESS_VERSION
+            if self.lossless
+            else LOSSY_VERSION,
             "step": self.step,
             "parent": self.parent,
             "generation": self.generation,
@@ -288,7 +374,7 @@ def parse(doc: Mapping[str, Any], where: str) -> Manifest:
     chunks = {d: _recipe(d, r, packs, version, where) for d, r in raw_chunks.items()}
     for digest, recipe in chunks.items():
         _check_base(digest, recipe, chunks, where)
-    tensors = tuple(_tensor(i, t, chunks, where) for i, t in enumerate(doc["tensors"]))
+    tensors = tuple(_tensor(i, t, chunks, version, where) for i, t in enumerate(doc["tensors"]))
     return Manifest(
         step=step,
         parent=parent,
@@ -387,7 +473,7 @@ def _recipe(
     if lossless:
         if decoded is not None:
             raise ManifestError(f"manifest {where}: lossless chunk {digest} has a decoded hash")
-    elif version < 2 or not isinstance(decoded, str) or not _HASH.match(decoded):
+    elif version < LOSSY_VERSION or not isinstance(decoded, str) or not _HASH.match(decoded):
         raise ManifestError(
             f"manifest {where}: lossy chunk {digest} lacks the hash of its decoded bytes"
         )
@@ -426,16 +512,18 @@ def _check_base(
         raise ManifestError(f"manifest {where}: delta chunk {digest} has an inconsistent base")
 
 
-def _tensor(index: int, raw: Any, chunks: Mapping[str, ChunkRecipe], where: str) -> TensorEntry:
+def _tensor(
+    index: int, raw: Any, chunks: Mapping[str, ChunkRecipe], version: int, where: str
+) -> TensorEntry:
     if not isinstance(raw, dict):
         raise ManifestError(f"manifest {where}: tensor {index} is not an object")
-    shape, hashes = raw.get("shape"), raw.get("chunks")
+    shape = raw.get("shape")
     if not isinstance(shape, list) or not all(_nonneg_int(d) for d in shape):
         raise ManifestError(f"manifest {where}: tensor {index} has a bad shape")
     if not isinstance(raw.get("dtype"), str) or not isinstance(raw.get("path"), str):
         raise ManifestError(f"manifest {where}: tensor {index} has no dtype or path")
-    if not _nonneg_int(raw.get("nbytes")) or not isinstance(hashes, list):
-        raise ManifestError(f"manifest {where}: tensor {index} has no size or chunk list")
+    if not _nonneg_int(raw.get("nbytes")):
+        raise ManifestError(f"manifest {where}: tensor {index} has no size")
     if raw.get("width") not in (1, 2, 4, 8) or isinstance(raw.get("width"), bool):
         raise ManifestError(f"manifest {where}: tensor {index} has a bad byte-group width")
     if not isinstance(raw.get("device"), str):
@@ -443,17 +531,26 @@ def _tensor(index: int, raw: Any, chunks: Mapping[str, ChunkRecipe], where: str)
     for key in ("param", "requires_grad"):
         if not isinstance(raw.get(key), bool):
             raise ManifestError(f"manifest {where}: tensor {index} has no boolean {key!r}")
-    total = 0
-    for digest in hashes:
-        recipe = chunks.get(digest) if isinstance(digest, str) else None
-        if recipe is None:
-            raise ManifestError(f"manifest {where}: tensor {index} names unknown chunk {digest!r}")
-        total += recipe.size
-    if total != raw["nbytes"]:
-        raise ManifestError(
-            f"manifest {where}: tensor {index} chunks hold {total} bytes, expected {raw['nbytes']}"
-        )
     itemsize = _itemsize(raw.get("dtype"), raw.get("numpy"), where)
+    pieces = None
+    if "pieces" in raw:
+        if version < PIECES_VERSION or "chunks" in raw or raw.get("numpy") is not False:
+            raise ManifestError(
+                f"manifest {where}: tensor {index} has pieces, which need format version "
+                f"{PIECES_VERSION}, no chunk list of its own, and a torch dtype"
+            )
+        pieces = _pieces(index, raw, chunks, itemsize, where)
+        hashes: list[Any] = [d for p in pieces for d in p.chunks]
+    else:
+        hashes = raw.get("chunks")  # type: ignore[assignment]
+        if not isinstance(hashes, list):
+            raise ManifestError(f"manifest {where}: tensor {index} has no chunk list")
+        total = _chunk_bytes(index, hashes, chunks, where)
+        if total != raw["nbytes"]:
+            raise ManifestError(
+                f"manifest {where}: tensor {index} chunks hold {total} bytes, expected "
+                f"{raw['nbytes']}"
+            )
     if math.prod(shape) * itemsize != raw["nbytes"]:
         raise ManifestError(
             f"manifest {where}: tensor {raw['path']} has the wrong size: shape {shape} of "
@@ -470,7 +567,61 @@ def _tensor(index: int, raw: Any, chunks: Mapping[str, ChunkRecipe], where: str)
         param=raw["param"],
         requires_grad=raw["requires_grad"],
         chunks=tuple(hashes),
+        pieces=pieces,
     )
+
+
+def _chunk_bytes(
+    index: int, hashes: list[Any], chunks: Mapping[str, ChunkRecipe], where: str
+) -> int:
+    total = 0
+    for digest in hashes:
+        recipe = chunks.get(digest) if isinstance(digest, str) else None
+        if recipe is None:
+            raise ManifestError(f"manifest {where}: tensor {index} names unknown chunk {digest!r}")
+        total += recipe.size
+    return total
+
+
+def _pieces(
+    index: int, raw: dict[str, Any], chunks: Mapping[str, ChunkRecipe], itemsize: int, where: str
+) -> tuple[PieceEntry, ...]:
+    """The pieces of a sharded tensor entry: well-typed, each one's chunks holding its bytes,
+    together tiling the global tensor exactly."""
+    shape, listed = raw["shape"], raw["pieces"]
+    if not isinstance(listed, list):
+        raise ManifestError(f"manifest {where}: tensor {index} has a malformed piece list")
+    pieces = []
+    for number, piece in enumerate(listed):
+        if not isinstance(piece, dict):
+            raise ManifestError(f"manifest {where}: piece {number} of tensor {index} is malformed")
+        offsets, sizes, hashes = piece.get("offsets"), piece.get("sizes"), piece.get("chunks")
+        if (
+            not isinstance(offsets, list)
+            or not isinstance(sizes, list)
+            or not isinstance(hashes, list)
+            or len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or not all(_nonneg_int(v) for v in offsets + sizes)
+        ):
+            raise ManifestError(
+                f"manifest {where}: piece {number} of tensor {index} needs {len(shape)} "
+                "offsets and sizes (ints >= 0) and a chunk list"
+            )
+        if _chunk_bytes(index, hashes, chunks, where) != math.prod(sizes) * itemsize:
+            raise ManifestError(
+                f"manifest {where}: piece {number} of tensor {index} ({sizes} at {offsets}) "
+                "has chunks of another size than its elements"
+            )
+        pieces.append(PieceEntry(tuple(offsets), tuple(sizes), tuple(hashes)))
+    try:
+        check_tiling(shape, [p.box for p in pieces])
+    except ValueError as exc:
+        raise ManifestError(
+            f"manifest {where}: the pieces of tensor {raw['path']} do not tile its shape "
+            f"{shape}: {exc}"
+        ) from exc
+    return tuple(pieces)
 
 
 def _itemsize(dtype: Any, is_numpy: Any, where: str) -> int:

@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_incremental.core.decoder import Staged, Target
+from lightning_incremental.core.decoder import Regions, Staged, Target
 from lightning_incremental.core.errors import ConfigError, CorruptCheckpointError
 from lightning_incremental.core.format import Manifest, TensorEntry
 from lightning_incremental.core.materialise import allocate
+from lightning_incremental.core.pieces import describe, global_shape, sharded_kind, whole
 from lightning_incremental.core.tree import (
     T_DICT,
     T_FROZENSET,
@@ -171,6 +172,10 @@ def plan(
             holders.append(holder)
             inplace.append(False)
             targets.append(raw)
+        elif sharded_kind(target) is not None or entry.pieces is not None:
+            holders.append(target)
+            inplace.append(True)
+            targets.append(_regions(target, entry))
         else:
             holders.append(target)
             inplace.append(True)
@@ -198,6 +203,14 @@ def allocating(
         ) from exc
 
 
+def _regions(target: torch.Tensor, entry: TensorEntry) -> Regions:
+    """The boxes of ``target`` to fill: a sharded tensor's local pieces (replicas included), or
+    the whole of a plain tensor."""
+    if sharded_kind(target) is not None:
+        return Regions(tuple((p.tensor, p.box) for p in describe(target)))
+    return Regions(((target.detach(), whole(entry.shape)),))
+
+
 def _check_target(target: torch.Tensor, entry: TensorEntry, where: str) -> None:
     path = entry.path
     if entry.numpy:
@@ -206,10 +219,11 @@ def _check_target(target: torch.Tensor, entry: TensorEntry, where: str) -> None:
             "of `into`"
         )
     dtype = torch_dtype(entry.dtype)
-    if target.dtype != dtype or list(target.shape) != list(entry.shape):
+    shape = global_shape(target)
+    if target.dtype != dtype or list(shape) != list(entry.shape):
         raise ConfigError(
             f"{path} is {dtype} {list(entry.shape)} in checkpoint {where} but "
-            f"{target.dtype} {list(target.shape)} in `into`: this checkpoint is not for this "
+            f"{target.dtype} {list(shape)} in `into`: this checkpoint is not for this "
             "model (or load it without `into`)"
         )
 

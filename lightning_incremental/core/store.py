@@ -23,6 +23,7 @@ from typing import Any
 
 from lightning_incremental.core import fencing, inflight
 from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.collective import Alone, GlooGroup, Group
 from lightning_incremental.core.commit import Committer, Part, rewrite_as_base, save_result
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.delta_base import DeltaBase, Parent
@@ -37,8 +38,9 @@ from lightning_incremental.core.restore import check_keys
 from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
 from lightning_incremental.core.retention import Collector, KeepLast, Plan
 from lightning_incremental.core.save_queue import SaveHandle, SaveQueue, drain_at_exit
+from lightning_incremental.core.sharded import commit_sharded, rank_result
 from lightning_incremental.core.storage import LocalStorage, Storage, open_storage
-from lightning_incremental.core.tree import Leaf, flatten
+from lightning_incremental.core.tree import Flat, Leaf, flatten_state
 from lightning_incremental.core.workers import WorkerPool
 
 log = logging.getLogger("lightning_incremental")
@@ -57,9 +59,20 @@ class CheckpointStore:
         storage_options: passed to the fsspec filesystem (credentials, endpoint, ...). They are
             never written to manifests or logs.
         config: a :class:`StoreConfig`; keyword ``options`` override its fields.
+        distributed: every rank of a ``torch.distributed`` job opens the store (at the same
+            time: it creates its own gloo group, a collective) and calls ``save`` with the same
+            state structure and step. Each rank snapshots, encodes and writes only the arrays it
+            holds (its pieces of DTensors and ``ShardedTensor`` objects, one of each set of
+            replicas; rank 0 also the plain tensors and values, identical on every rank), then
+            rank 0 commits one manifest once every rank's part is durable, and every rank's
+            handle returns or raises the same error. Rank 0 alone holds the writer lease and
+            runs retention. ``load`` needs no collective: each rank reads what it needs.
+        collective_timeout_s: with ``distributed``, how long a save waits for the other ranks
+            before it fails (a dead or hung rank). Default 600.
 
     Raises:
-        ConfigError: an invalid option, URL or protocol.
+        ConfigError: an invalid option, URL or protocol; ``distributed`` without an initialised
+            process group.
     """
 
     def __init__(
@@ -68,6 +81,8 @@ class CheckpointStore:
         *,
         storage_options: dict[str, Any] | None = None,
         config: StoreConfig | None = None,
+        distributed: bool = False,
+        collective_timeout_s: float = 600.0,
         **options: Any,
     ) -> None:
         if config is not None and not isinstance(config, StoreConfig):
@@ -78,6 +93,10 @@ class CheckpointStore:
         if isinstance(self.storage, LocalStorage):
             self.storage.fsync = self.config.fsync
         self.url = self.storage.url
+        if not isinstance(distributed, bool):
+            raise ConfigError(f"distributed must be True or False, got {distributed!r}")
+        self.distributed = distributed
+        self._group: Group = GlooGroup(collective_timeout_s) if distributed else Alone()
         # Held while a save writes and commits, and while gc or compact deletes or rewrites:
         # objects a save is about to reference are never swept from under it.
         self._write_lock = threading.RLock()
@@ -130,16 +149,28 @@ class CheckpointStore:
         is saved.
 
         Args:
-            state: a dict (any nesting of dict/list/tuple) of tensors and plain values.
+            state: a dict (any nesting of dict/list/tuple) of tensors and plain values. It may
+                hold DTensors (FSDP2, tensor parallel) and ``ShardedTensor`` objects, e.g. the
+                sharded state dicts of ``torch.distributed.checkpoint.state_dict``'s
+                ``get_model_state_dict`` / ``get_optimizer_state_dict``: they are stored as the
+                pieces the ranks hold, with their global shapes (a store opened with
+                ``distributed=True`` on every rank; a single process may save DTensors of a
+                one-process mesh).
             step: a non-negative int, greater than every step already saved in this store.
             metadata: plain JSON values recorded in the manifest's audit trail (e.g. loss).
-            world_size: processes of the job this state comes from, for the audit trail.
+            world_size: processes of the job this state comes from, for the audit trail
+                (with ``distributed``: the process group's size).
 
         Raises:
             TypeError: ``state`` is not a dict.
             StepError: ``step`` is not an int, or not greater than the newest saved step.
-            UnsupportedValueError: a value that needs pickling, naming its key path.
+            UnsupportedValueError: a value that needs pickling, naming its key path; a tensor
+                sharded over several processes in a store not opened with ``distributed``.
             Exception: the undelivered error of an earlier save (it is raised once).
+
+        With ``distributed``, the handle's error is the same on every rank: this rank's own, or
+        the one that stopped the commit (:class:`DistributedSaveError` when a rank died or did
+        not report within ``collective_timeout_s``).
         """
         started = time.perf_counter()
         self._check_open()
@@ -151,6 +182,8 @@ class CheckpointStore:
             )
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+        if self.distributed and world_size == 1:
+            world_size = self._group.world
         audit = mf.audit_record(mf.plain_json(metadata, "metadata"), world_size)
         with self._history.lock:
             self._initialise()
@@ -162,8 +195,11 @@ class CheckpointStore:
             reserved = True
             waited = time.perf_counter() - started
             self._queue.raise_undelivered()  # an earlier save may have failed while we waited
-            tree, leaves, pickled = flatten(
-                state, allow_pickle=self.config.allow_pickle, pool=self._base.pool
+            flat = flatten_state(
+                state,
+                allow_pickle=self.config.allow_pickle,
+                pool=self._base.pool,
+                rank=self._group.rank if self.distributed else None,
             )
         except BaseException:
             if reserved:
@@ -173,7 +209,11 @@ class CheckpointStore:
         snapshot_s = time.perf_counter() - started
 
         def run() -> SaveResult:
-            return self._run_save(step, leaves, tree, pickled, audit, started, snapshot_s, waited)
+            if self.distributed or flat.sharded:
+                return self._run_sharded_save(step, flat, audit, started, snapshot_s, waited)
+            return self._run_save(
+                step, flat.leaves, flat.skeleton, flat.pickled, audit, started, snapshot_s, waited
+            )
 
         handle = self._queue.submit(step, run)
         inflight.track(self.url, handle._done)  # loads in this process wait for it
@@ -233,6 +273,64 @@ class CheckpointStore:
             snapshot_s,
         )
         return self._retention.after_commit(result)
+
+    def _run_sharded_save(
+        self,
+        step: int,
+        flat: Flat,
+        audit: dict[str, Any],
+        started: float,
+        snapshot_s: float,
+        waited: float,
+    ) -> SaveResult:
+        """One rank's side of a sharded save (:mod:`~lightning_incremental.core.sharded`)."""
+        coordinator = self._group.rank == 0
+
+        def write() -> Part:
+            with self._write_lock:
+                if coordinator:
+                    self._lease.acquire(self.generation)  # one writer per store: rank 0
+                    self._history.write_marker()
+                return self._committer.write_part(step, flat.leaves)
+
+        try:
+            part, manifest, committed = commit_sharded(
+                self._group,
+                self._committer,
+                step,
+                flat,
+                write,
+                generation=self.generation,
+                audit=audit,
+            )
+            with self._history.lock:
+                self._history.committed = step
+                self._history.trust(manifest.packs)
+            self._base.committed(manifest, flat.leaves, part.tensors)  # this rank's next base
+        except BaseException as exc:
+            self._base.release(flat.leaves, step)
+            self._history.rewind(self._queue.pending(exclude=step))
+            # The ranks may have built on different parents: all start again from storage.
+            newest = self._history.newest_readable()
+            self._base.set(Parent(newest.step, newest) if newest is not None else None)
+            log.error("checkpoint step %d failed on rank %d: %s", step, self._group.rank, exc)
+            raise
+        result = rank_result(
+            part,
+            committed,
+            snapshot_s=snapshot_s,
+            wait_s=waited,
+            total_s=time.perf_counter() - started,
+        )
+        log.info(
+            "checkpoint step %d committed: rank %d wrote %d of its %d bytes, %.3fs blocked",
+            step,
+            self._group.rank,
+            result.bytes_written,
+            result.bytes_logical,
+            snapshot_s,
+        )
+        return self._retention.after_commit(result) if coordinator else result
 
     # ------------------------------------------------------------------ history
 
@@ -470,6 +568,8 @@ class CheckpointStore:
             self._pool.shutdown(wait=True)
             self._base.clear()
             self._lease.release()
+            if isinstance(self._group, GlooGroup):
+                self._group.close()
 
     def __enter__(self) -> CheckpointStore:
         return self

@@ -7,6 +7,12 @@ values it cannot express are an error naming their key path, unless pickling was
 
 Skeleton nodes: JSON ``null``/``true``/``false``/ints/strings stand for themselves; everything else
 is a ``[tag, payload]`` list (tags below).
+
+Sharded tensors (``DTensor``, ``ShardedTensor``) are one tensor of the skeleton each, snapshotted as
+the pieces this process holds and writes (:mod:`~lightning_incremental.core.pieces`): one leaf per
+piece, each naming the tensor's *slot* (its index in the skeleton). In a distributed save
+(``rank`` given) every process walks the same state and numbers the same slots; plain tensors are
+identical on every rank and snapshotted by rank 0 only.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from lightning_incremental.core.errors import (
     PickleNotAllowedError,
     UnsupportedValueError,
 )
+from lightning_incremental.core.pieces import describe, global_shape, sharded_kind, spans_processes
 
 # Tags of non-JSON nodes.
 T_FLOAT, T_BYTES, T_LIST, T_TUPLE, T_DICT, T_ODICT = "f", "b", "l", "t", "d", "od"
@@ -49,9 +56,29 @@ T_TENSOR, T_NPSCALAR, T_PICKLE, T_BIGINT, T_ODICT_META = "T", "npv", "pkl", "i",
 MAX_DEPTH = 100
 
 
+def piece_key(path: str, offsets: tuple[int, ...] | list[int]) -> str:
+    """The key of a piece of the tensor at ``path``: e.g. ``state['w']@0,512``. A key path always
+    ends with ``]``, so no tensor's path is a piece's key."""
+    return f"{path}@{','.join(map(str, offsets))}"
+
+
+@dataclass(frozen=True)
+class ShardedInfo:
+    """The global description of a sharded tensor of the state."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    width: int
+    parameter: bool
+    requires_grad: bool
+
+
 @dataclass
 class Leaf:
-    """One array of the state, snapshotted to contiguous host memory."""
+    """One array of the state, snapshotted to contiguous host memory: a whole tensor, or (with
+    ``offsets``) one piece of a sharded tensor, whose ``shape`` is then the piece's."""
 
     path: str  # key path of the leaf's first occurrence, e.g. "state['model']['w']"
     data: torch.Tensor  # contiguous CPU tensor owning its bytes (numpy arrays are wrapped)
@@ -62,6 +89,13 @@ class Leaf:
     is_numpy: bool = False
     parameter: bool = False
     requires_grad: bool = False
+    slot: int = -1  # the tensor's index in the skeleton
+    offsets: tuple[int, ...] | None = None  # a piece: where it starts in the global tensor
+
+    @property
+    def key(self) -> str:
+        """What identifies this array across saves: its path, or a piece's key."""
+        return self.path if self.offsets is None else piece_key(self.path, self.offsets)
 
     @property
     def nbytes(self) -> int:
@@ -104,11 +138,27 @@ def _float_from_hex(text: str) -> float:
     return float.fromhex(text)
 
 
+@dataclass
+class Flat:
+    """A snapshotted state: its skeleton, the arrays this process writes, the key paths of
+    pickled values, how many tensors the skeleton refers to (``slots``) and which of them are
+    sharded."""
+
+    skeleton: Any
+    leaves: list[Leaf]
+    pickled: list[str]
+    slots: int
+    sharded: dict[int, ShardedInfo]
+
+
 class _Flattener:
-    def __init__(self, allow_pickle: bool, pool: BufferPool | None) -> None:
+    def __init__(self, allow_pickle: bool, pool: BufferPool | None, rank: int | None) -> None:
         self.allow_pickle = allow_pickle
         self.pool = pool
+        self.rank = rank
         self.leaves: list[Leaf] = []
+        self.slots = 0
+        self.sharded: dict[int, ShardedInfo] = {}
         self.aliases: dict[tuple[Any, ...], int] = {}
         self.pickled: list[str] = []
         self.cuda = False
@@ -156,6 +206,8 @@ class _Flattener:
             return [T_SIZE, list(value)]
         if kind is torch.Tensor or kind is torch.nn.Parameter:
             return [T_TENSOR, self.tensor(value, path)]
+        if isinstance(value, torch.Tensor) and sharded_kind(value) is not None:
+            return [T_TENSOR, self.sharded_tensor(value, path)]
         if kind is np.ndarray and value.dtype.kind in "biufc" and not value.dtype.hasobject:
             return [T_TENSOR, self.ndarray(value, path)]
         if isinstance(value, np.generic) and value.dtype.kind in "biufc":
@@ -212,11 +264,20 @@ class _Flattener:
         )
         if alias[0] is not None and alias in self.aliases:
             return self.aliases[alias]
-        src = t.detach()
-        if src.is_conj():
-            src = src.resolve_conj()
-        if src.is_neg():
-            src = src.resolve_neg()
+        slot = self._slot(alias)
+        if self.rank not in (None, 0):
+            return slot  # identical on every rank: rank 0 writes it
+        self.leaves.append(self.snapshot(t, where, slot))
+        return slot
+
+    def _slot(self, alias: tuple[Any, ...] | None) -> int:
+        slot = self.slots
+        self.slots += 1
+        if alias is not None and alias[0] is not None:
+            self.aliases[alias] = slot
+        return slot
+
+    def _copy(self, src: torch.Tensor) -> torch.Tensor:
         on_cuda = src.device.type == "cuda"
         pin = on_cuda and torch.cuda.is_available()
         if self.pool is not None:
@@ -225,23 +286,78 @@ class _Flattener:
             data = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
         data.copy_(src, non_blocking=on_cuda)
         self.cuda = self.cuda or on_cuda
-        leaf = Leaf(
+        return data
+
+    def snapshot(self, t: torch.Tensor, where: str, slot: int) -> Leaf:
+        src = t.detach()
+        if src.is_conj():
+            src = src.resolve_conj()
+        if src.is_neg():
+            src = src.resolve_neg()
+        return Leaf(
             path=where,
-            data=data,
+            data=self._copy(src),
             dtype=dtype_name(t.dtype),
             shape=list(t.shape),
             device=str(t.device),
             width=group_width(t.element_size(), t.is_complex()),
             parameter=isinstance(t, torch.nn.Parameter),
             requires_grad=bool(t.requires_grad),
+            slot=slot,
         )
-        self.leaves.append(leaf)
-        index = len(self.leaves) - 1
-        if alias[0] is not None:
-            self.aliases[alias] = index
-        return index
+
+    def sharded_tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        """Snapshot the pieces of a DTensor / ShardedTensor this process writes (copies: the
+        local shard is a view of the live parameter)."""
+        where = key_path(path)
+        processes = spans_processes(t)
+        if self.rank is None and processes > 1:
+            raise UnsupportedValueError(
+                f"{where} is a {type(t).__name__} sharded over {processes} processes; this "
+                "process holds only its own shard. Open the store with distributed=True on "
+                "every rank and call save on every rank (or save t.full_tensor())"
+            )
+        try:
+            pieces = describe(t)
+        except ValueError as exc:
+            raise UnsupportedValueError(f"{where}: {exc}") from exc
+        slot = self._slot(None)
+        local = pieces[0].tensor if pieces else None
+        self.sharded[slot] = ShardedInfo(
+            path=where,
+            dtype=dtype_name(t.dtype),
+            shape=global_shape(t),
+            device=str(local.device if local is not None else t.device),
+            width=group_width(t.element_size(), t.is_complex()),
+            parameter=isinstance(t, torch.nn.Parameter),
+            requires_grad=bool(t.requires_grad),
+        )
+        for piece in pieces:
+            if not piece.write:
+                continue
+            src = piece.tensor.detach()
+            if src.is_conj():
+                src = src.resolve_conj()
+            if src.is_neg():
+                src = src.resolve_neg()
+            self.leaves.append(
+                Leaf(
+                    path=where,
+                    data=self._copy(src),
+                    dtype=dtype_name(t.dtype),
+                    shape=list(piece.box.sizes),
+                    device=str(src.device),
+                    width=group_width(t.element_size(), t.is_complex()),
+                    slot=slot,
+                    offsets=piece.box.offsets,
+                )
+            )
+        return slot
 
     def ndarray(self, a: np.ndarray, path: tuple[Any, ...]) -> int:
+        slot = self._slot(None)
+        if self.rank not in (None, 0):
+            return slot
         flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy()
         self.leaves.append(
             Leaf(
@@ -251,9 +367,10 @@ class _Flattener:
                 shape=list(a.shape),
                 device="cpu",
                 is_numpy=True,
+                slot=slot,
             )
         )
-        return len(self.leaves) - 1
+        return slot
 
 
 def flatten(
@@ -261,16 +378,39 @@ def flatten(
 ) -> tuple[Any, list[Leaf], list[str]]:
     """Snapshot ``state``: its JSON skeleton, its arrays copied to host memory, and the key paths
     of pickled values. Tensors that are the same view of the same storage become one leaf.
-    Snapshot buffers come from ``pool`` when given (recycled from earlier snapshots).
+    Snapshot buffers come from ``pool`` when given (recycled from earlier snapshots). A sharded
+    tensor becomes its pieces (see :func:`flatten_state`).
 
     Raises:
         UnsupportedValueError: a value the skeleton cannot express, naming its key path.
     """
-    flattener = _Flattener(allow_pickle, pool)
+    flat = flatten_state(state, allow_pickle=allow_pickle, pool=pool)
+    return flat.skeleton, flat.leaves, flat.pickled
+
+
+def flatten_state(
+    state: Any,
+    *,
+    allow_pickle: bool = False,
+    pool: BufferPool | None = None,
+    rank: int | None = None,
+) -> Flat:
+    """Snapshot ``state`` (see :func:`flatten`) with what a sharded save needs to know.
+
+    Args:
+        rank: None in a single process: every tensor is snapshotted, and a sharded tensor spread
+            over several processes is an error. In a distributed save, this process's global
+            rank: each rank snapshots the pieces of sharded tensors it writes (one of each set of
+            replicas), and rank 0 alone the plain tensors and arrays.
+
+    Raises:
+        UnsupportedValueError: a value the skeleton cannot express, naming its key path.
+    """
+    flattener = _Flattener(allow_pickle, pool, rank)
     skeleton = flattener.node(state, ())
     if flattener.cuda:
         torch.cuda.synchronize()
-    return skeleton, flattener.leaves, flattener.pickled
+    return Flat(skeleton, flattener.leaves, flattener.pickled, flattener.slots, flattener.sharded)
 
 
 def unflatten(skeleton: Any, tensors: list[Any], *, allow_pickle: bool = False) -> Any:

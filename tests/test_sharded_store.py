@@ -1,0 +1,259 @@
+"""Sharded tensors in one process: the piece reader (which chunks, where their elements go), the
+format's piece table and its validator, and a store round trip of DTensors on a one-process mesh.
+Several ranks: tests/test_sharded_torchrun.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+
+from lightning_incremental.core import CheckpointStore, ConfigError, ManifestError
+from lightning_incremental.core import format as fmt
+from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.codecs import chunk_hash
+from lightning_incremental.core.decoder import Regions
+from lightning_incremental.core.format import ChunkRecipe, PieceEntry, TensorEntry
+from lightning_incremental.core.pieces import Box, flat_runs, relative
+from lightning_incremental.core.scatter import piece_targets
+from tests.test_pieces import grid, guillotine, region
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64]
+
+
+@st.composite
+def stored_layout(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=0, max_size=3)))
+    tiling = draw(st.one_of(guillotine(shape), grid(shape))) if shape else [Box((), ())]
+    wanted = draw(st.lists(region(shape), min_size=1, max_size=3)) if shape else [Box((), ())]
+    return shape, tiling, wanted
+
+
+@settings(max_examples=300, deadline=None)
+@given(stored_layout(), st.sampled_from(DTYPES), st.integers(1, 4))
+def test_piece_reader_fills_wanted_boxes_from_only_the_needed_chunks(layout, dtype, per_chunk):
+    """Any tiling, any wanted boxes, chunks of any size: the boxes get exactly the stored values,
+    and the chunks read are exactly those holding a wanted element (flat_runs, brute force)."""
+    shape, tiling, wanted = layout
+    full = (torch.randn(shape) * 100).to(dtype)
+    itemsize = full.element_size()
+    chunk_bytes = 16 * per_chunk
+    blobs: dict[str, np.ndarray] = {}
+    recipes: dict[str, ChunkRecipe] = {}
+    pieces = []
+    for box in tiling:
+        raw = full[box.slices()].contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+        hashes = []
+        for offset in range(0, raw.size, chunk_bytes):
+            data = raw[offset : offset + chunk_bytes]
+            digest = chunk_hash(data)
+            blobs[digest] = data
+            recipes[digest] = ChunkRecipe("z", "p", 0, 0, data.size, 1)
+            hashes.append(digest)
+        pieces.append(PieceEntry(box.offsets, box.sizes, tuple(hashes)))
+    entry = TensorEntry(
+        path="state['w']",
+        dtype=str(dtype).removeprefix("torch."),
+        shape=shape,
+        nbytes=full.numel() * itemsize,
+        width=1,
+        device="cpu",
+        numpy=False,
+        param=False,
+        requires_grad=False,
+        chunks=tuple(d for p in pieces for d in p.chunks),
+        pieces=tuple(pieces),
+    )
+    outs = [torch.zeros(box.sizes, dtype=dtype) for box in wanted]
+    targets = piece_targets(entry, Regions(tuple(zip(outs, wanted))), recipes)
+    for item in targets:
+        index = next(i for i, p in enumerate(pieces) if p.chunks == item.chunks)
+        box = tiling[index]
+        needed = {
+            i
+            for i in range(len(item.chunks))
+            for w in wanted
+            if (common := _intersect(box, w)) is not None
+            for a, b in flat_runs(box.sizes, relative(common, box))
+            if a * itemsize < (i + 1) * chunk_bytes and b * itemsize > i * chunk_bytes
+        }
+        offset = 0
+        for i, digest in enumerate(item.chunks):
+            size = recipes[digest].size
+            if item.wanted is None or i in item.wanted:
+                if isinstance(item.target, np.ndarray):
+                    item.target[offset : offset + size] = blobs[digest]
+                else:
+                    item.target.put(offset, blobs[digest].copy())
+            offset += size
+        if item.wanted is not None:
+            assert set(item.wanted) == needed
+    for box, out in zip(wanted, outs):
+        expect = full[box.slices()].contiguous()
+        assert torch.equal(out.reshape(-1).view(torch.uint8), expect.reshape(-1).view(torch.uint8))
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    from lightning_incremental.core.pieces import intersect
+
+    return intersect(a, b) if b.numel else None
+
+
+# ------------------------------------------------------------------ one-process store
+
+
+def test_distributed_needs_a_process_group(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is up")
+    with pytest.raises(ConfigError, match="init_process_group"):
+        CheckpointStore(tmp_path, distributed=True)
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    if dist.is_initialized():
+        pytest.skip("a process group is already up")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _dtensor(full: torch.Tensor, placement: str = "shard"):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    return distribute_tensor(full, mesh, [Shard(0) if placement == "shard" else Replicate()])
+
+
+def test_dtensor_state_round_trip_in_one_process(tmp_path, world_of_one):
+    w, b = torch.randn(7, 5), torch.randn(3).to(torch.bfloat16)
+    state = {"w": _dtensor(w), "b": _dtensor(b, "replicate"), "step": torch.tensor(3.0), "lr": 0.1}
+    with CheckpointStore(tmp_path, chunk_size=32) as store:
+        store.save(state, 1).wait()
+        doc = store.manifest(1)
+        assert doc.version == fmt.PIECES_VERSION and doc.sharded
+        assert [t.pieces is not None for t in doc.tensors] == [True, True, False]
+        loaded = store.load(1)  # no `into`: whole tensors
+        assert torch.equal(loaded["w"], w) and torch.equal(loaded["b"], b)
+        assert loaded["lr"] == 0.1
+        live = {"w": _dtensor(torch.zeros(7, 5)), "b": _dtensor(torch.zeros(3).to(torch.bfloat16))}
+        out = store.load(1, into=live)
+        assert out["w"] is live["w"] and torch.equal(live["w"].to_local(), w)
+        state["w"] = _dtensor(w * 2)
+        result = store.save(state, 2).wait()
+        assert result.chunks_reused > 0  # the unchanged replicated tensor is referenced
+        assert torch.equal(store.load(2)["w"], w * 2)
+
+
+def test_plain_checkpoint_loads_into_dtensors_and_keeps_version_1(tmp_path, world_of_one):
+    w = torch.randn(6, 4)
+    with CheckpointStore(tmp_path) as store:
+        store.save({"w": w}, 1).wait()
+        assert store.manifest(1).version == fmt.LOSSLESS_VERSION
+        live = {"w": _dtensor(torch.zeros(6, 4))}
+        store.load(1, into=live)
+        assert torch.equal(live["w"].full_tensor(), w)
+        with pytest.raises(ConfigError, match="not for this model"):
+            store.load(1, into={"w": _dtensor(torch.zeros(5, 4))})
+
+
+def test_distributed_store_of_one_rank(tmp_path, world_of_one):
+    w = torch.randn(4, 3)
+    with CheckpointStore(tmp_path, distributed=True) as store:
+        result = store.save({"w": _dtensor(w), "n": torch.arange(3)}, 5).wait()
+        assert result.bytes_logical == w.nbytes + 24
+        assert torch.equal(store.load(5)["w"], w)
+
+
+# ------------------------------------------------------------------ the validator
+
+
+def _sharded_doc(tmp_path) -> dict:
+    with CheckpointStore(tmp_path, chunk_size=32) as store:
+        store.save({"w": _dtensor(torch.randn(6, 4))}, 1).wait()
+        doc = store.manifest(1).to_dict()
+    # two pieces, as two ranks would have written them
+    piece = doc["tensors"][0]["pieces"][0]
+    chunks = piece["chunks"]
+    assert len(chunks) == 3  # 96 bytes in 32-byte chunks: rows 0-1, 2-3, 4-5
+    doc["tensors"][0]["pieces"] = [
+        {"offsets": [0, 0], "sizes": [2, 4], "chunks": chunks[:1]},
+        {"offsets": [2, 0], "sizes": [4, 4], "chunks": chunks[1:]},
+    ]
+    return doc
+
+
+def _reparse(doc: dict) -> None:
+    fmt.loads(fmt.sign(doc), "test")
+
+
+def test_validator_accepts_a_tiling_and_rejects_hostile_piece_tables(tmp_path, world_of_one):
+    doc = _sharded_doc(tmp_path)
+    _reparse(doc)
+    pieces = doc["tensors"][0]["pieces"]
+    hostile = {
+        "overlap": [pieces[0], {**pieces[1], "offsets": [1, 0]}],
+        "gap": [pieces[1]],
+        "outside": [pieces[0], {**pieces[1], "offsets": [3, 0]}],
+        "negative": [{**pieces[0], "offsets": [-1, 0]}, pieces[1]],
+        "rank": [{**pieces[0], "offsets": [0]}, pieces[1]],
+        "sizes": [{**pieces[0], "sizes": [1, 4]}, pieces[1]],
+        "bool": [{**pieces[0], "offsets": [False, 0]}, pieces[1]],
+        "twice": [pieces[0], pieces[0], pieces[1]],
+        "not a list": {"0": pieces[0]},
+    }
+    for name, table in hostile.items():
+        bad = json.loads(json.dumps(doc))
+        bad["tensors"][0]["pieces"] = table
+        with pytest.raises(ManifestError):
+            _reparse(bad)
+        assert name
+    old = json.loads(json.dumps(doc))
+    old["version"] = fmt.LOSSY_VERSION
+    with pytest.raises(ManifestError, match="version"):
+        _reparse(old)
+    both = json.loads(json.dumps(doc))
+    both["tensors"][0]["chunks"] = []
+    with pytest.raises(ManifestError, match="chunk list"):
+        _reparse(both)
+    newer = json.loads(json.dumps(doc))
+    newer["version"] = fmt.VERSION + 1
+    with pytest.raises(Exception, match="upgrade"):
+        _reparse(newer)
+
+
+def test_piece_arrays_are_keyed_for_the_next_delta(tmp_path, world_of_one):
+    doc = fmt.parse(_sharded_doc(tmp_path), "test")
+    arrays = doc.tensors[0].arrays()
+    assert [a.path for a in arrays] == ["state['w']@0,0", "state['w']@2,0"]
+    assert [a.nbytes for a in arrays] == [32, 64]
+    assert math.prod(doc.tensors[0].shape) * 4 == doc.tensors[0].nbytes
+    assert doc.to_dict()["format"] == mf.FORMAT
+
+
+def test_dcp_export_of_a_non_sharded_checkpoint(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lightning_incremental import cli
+
+    state = {
+        "model": {"w": torch.randn(5, 3), "n": torch.arange(4, dtype=torch.int16)},
+        "optim": {"step": torch.tensor(7.0), "lr": 0.5, "betas": [0.9, 0.99]},
+    }
+    with CheckpointStore(tmp_path / "store") as store:
+        store.save(state, 3).wait()
+    out = tmp_path / "dcp"
+    assert cli.main(["export", str(tmp_path / "store"), "--format", "dcp", "--to", str(out)]) == 0
+    dcp_to_torch_save(out, tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=False)
+    assert back["optim"]["lr"] == 0.5 and back["optim"]["betas"] == [0.9, 0.99]
+    for key in ("w", "n"):
+        assert torch.equal(back["model"][key], state["model"][key])
+    assert torch.equal(back["optim"]["step"], state["optim"]["step"])

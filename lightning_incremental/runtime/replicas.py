@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ import torch
 import xxhash
 
 from lightning_incremental.core.errors import CheckpointError, ConfigError
+from lightning_incremental.runtime import collectives
 
 log = logging.getLogger("lightning_incremental")
 
@@ -319,24 +320,11 @@ def compare(fingerprints_by_rank: Sequence[dict[str, str]], coordinator: int = 0
 # ---------------------------------------------------------------- distributed helpers
 
 
-def _world(group: Any) -> int:
-    """The group's size, or 1 when torch.distributed is unavailable or not initialised."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return int(dist.get_world_size(group))
-
-
 def gather_fingerprints(fp: dict[str, str], group: Any = None) -> list[dict[str, str]]:
     """Every rank's fingerprints, indexed by rank within ``group`` (``[fp]`` without a process
     group). With NCCL the current CUDA device must be set (``torch.cuda.set_device``), as for any
     ``all_gather_object``."""
-    world = _world(group)
-    if world == 1:
-        return [fp]
-    out: list[Any] = [None] * world
-    torch.distributed.all_gather_object(out, fp, group=group)
-    return out
+    return collectives.gather(fp, group)
 
 
 def check_replicas(
@@ -361,7 +349,7 @@ def broadcast_state_(
     (one broadcast per bucket rather than per tensor); a single tensor larger than that goes
     alone, without a copy when contiguous. No-op without a process group.
     """
-    if _world(group) == 1:
+    if not collectives.is_distributed(group):
         return
     dist = torch.distributed
     root = dist.get_global_rank(group, src) if group is not None else src
@@ -511,7 +499,7 @@ def enforce(state: Any, action: str, *, coordinator: int = 0, group: Any = None)
     Raises:
         ReplicaDivergedError: ``stop``, or ``repair`` of a divergence a broadcast cannot fix.
     """
-    if action == "off" or _world(group) <= 1:
+    if action == "off" or not collectives.is_distributed(group):
         return Verdict(None)
     report = check_replicas(state, coordinator=coordinator, group=group)
     if report.ok:
@@ -523,7 +511,7 @@ def enforce(state: Any, action: str, *, coordinator: int = 0, group: Any = None)
     if action == "repair":
         repaired = repair_(state, report, group=group)
         log.warning("%s Repaired %d values from the majority's copies.", message, len(repaired))
-        if _rank(group) == coordinator:
+        if collectives.rank(group) == coordinator:
             warnings.warn(
                 f"{message} Repaired: {len(repaired)} values broadcast from the ranks holding "
                 "the majority's version; training continues from a common state.",
@@ -537,12 +525,36 @@ def enforce(state: Any, action: str, *, coordinator: int = 0, group: Any = None)
         else ""
     )
     log.warning("%s%s", message, suffix)
-    if _rank(group) == coordinator:
+    if collectives.rank(group) == coordinator:
         warnings.warn(message + suffix, stacklevel=2)
     return Verdict(report, skip_save=skip)
 
 
-def _rank(group: Any) -> int:
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return 0
-    return int(torch.distributed.get_rank(group))
+def check_before_save(
+    state: Callable[[], Any],
+    action: str,
+    *,
+    finish_saves: Callable[[], object],
+    barrier: Callable[[], object] = collectives.barrier,
+) -> Verdict:
+    """The adapters' replica check before a save (a collective: every rank calls it).
+    ``state()`` builds the replicated state to compare (only when a check runs: ``action`` is
+    not ``"off"`` and there is more than one rank). On a divergence under ``"stop"``, the
+    earlier, good saves commit first (``finish_saves()``, a no-op on the ranks that do not
+    save), every rank waits for the others (``barrier()``), then every rank ends with
+    :data:`EXIT_REPLICA_DIVERGED` so the group restarts from the last good checkpoint.
+
+    Raises:
+        SystemExit: ``"stop"`` and the replicas diverged (exit code 89).
+        ReplicaDivergedError: ``"repair"`` of a divergence a broadcast cannot fix.
+    """
+    if action == "off" or not collectives.is_distributed():
+        return Verdict(None)
+    try:
+        return enforce(state(), action)
+    except ReplicaDivergedError as exc:
+        if action != "stop":
+            raise
+        finish_saves()  # the earlier, good checkpoints commit first ...
+        barrier()  # ... before any rank exits and the group is torn down
+        raise SystemExit(EXIT_REPLICA_DIVERGED) from exc

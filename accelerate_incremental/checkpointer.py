@@ -24,7 +24,7 @@ from lightning_incremental.core import (
     StoreConfig,
     fencing,
 )
-from lightning_incremental.runtime import collectives, replicas, rng
+from lightning_incremental.runtime import collectives, replica_policy, rng
 from lightning_incremental.runtime.backpressure import wait_for_room
 from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.failures import (
@@ -72,7 +72,8 @@ class IncrementalCheckpointer:
         replica_check: before each save with more than one process, compare every process's
             weights and optimizer state (one hash per tensor): ``"warn"`` (default), ``"repair"``
             (broadcast the reference copy, record it in the audit trail), ``"stop"`` (exit code
-            89 on every process) or ``"off"``; see :mod:`lightning_incremental.runtime.replicas`.
+            89 on every process) or ``"off"``; see
+            :mod:`lightning_incremental.runtime.replica_policy`.
         heartbeat_interval, heartbeat_timeout, progress_timeout: the watchdog's timings in
             seconds (see :class:`~lightning_incremental.runtime.WatchdogConfig`); progress is a
             prepared optimizer step, a batch from :meth:`iterate` (or from a plain loop over a
@@ -305,9 +306,9 @@ class IncrementalCheckpointer:
             self._handles.append(handle)
         return handle
 
-    def _check_replicas(self) -> replicas.Verdict:
+    def _check_replicas(self) -> replica_policy.Verdict:
         """Compare the processes' weights and optimizer state (every process at once); see
-        :func:`~lightning_incremental.runtime.replicas.check_before_save`."""
+        :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
         acc = self.accelerator
 
         def state() -> dict[str, Any]:
@@ -326,7 +327,7 @@ class IncrementalCheckpointer:
             if acc.is_main_process:
                 self._failures.collect(self._handles, block=True)
 
-        return replicas.check_before_save(
+        return replica_policy.check_before_save(
             state, self.replica_check, finish_saves=finish_saves, barrier=acc.wait_for_everyone
         )
 

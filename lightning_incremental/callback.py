@@ -38,7 +38,7 @@ from lightning_incremental.core import (
     StoreConfig,
     fencing,
 )
-from lightning_incremental.runtime import replicas
+from lightning_incremental.runtime import replica_policy
 from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from lightning_incremental.runtime.options import RecoveryOptions
@@ -602,14 +602,14 @@ class IncrementalCheckpoint(Checkpoint):
         self._last_time = time.monotonic()
         self._due = self._due_at = None
 
-    def _check_replicas(self, trainer: pl.Trainer) -> replicas.Verdict:
+    def _check_replicas(self, trainer: pl.Trainer) -> replica_policy.Verdict:
         """Compare the replicas' weights and optimizer state (every rank at once); see
-        :func:`~lightning_incremental.runtime.replicas.check_before_save`."""
+        :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
         if trainer.world_size == 1:
-            return replicas.Verdict(None)
+            return replica_policy.Verdict(None)
         saver = self._saver
         assert saver is not None
-        return replicas.check_before_save(
+        return replica_policy.check_before_save(
             lambda: replicated_state(trainer),
             self.replica_check,
             finish_saves=lambda: saver.collect(block=True),

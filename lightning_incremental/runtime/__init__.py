@@ -10,6 +10,7 @@ Imports torch, numpy and :mod:`lightning_incremental.core` only, never Lightning
   about dead peers, diverged replicas and failed saves;
 - :mod:`~lightning_incremental.runtime.watchdog`: heartbeats, dead/hung/isolated ranks;
 - :mod:`~lightning_incremental.runtime.replicas`: replica fingerprints, comparison, repair;
+  :mod:`~lightning_incremental.runtime.replica_policy`: warn, repair or stop before a save;
 - :mod:`~lightning_incremental.runtime.failures`: the ``max_consecutive_failures`` policy;
 - :mod:`~lightning_incremental.runtime.backpressure`: waiting for room among pending saves;
 - :mod:`~lightning_incremental.runtime.rng` and :mod:`~lightning_incremental.runtime.data_position`:

@@ -17,7 +17,7 @@ from lightning_incremental.runtime.failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     check_max_consecutive_failures,
 )
-from lightning_incremental.runtime.replicas import check_action
+from lightning_incremental.runtime.replica_policy import check_action
 from lightning_incremental.runtime.watchdog import Watchdog, WatchdogConfig, watch_job
 
 
@@ -31,7 +31,7 @@ class RecoveryOptions:
         heartbeat_interval, heartbeat_timeout, progress_timeout: the watchdog's windows in
             seconds (see :class:`~lightning_incremental.runtime.watchdog.WatchdogConfig`).
         replica_check: ``"warn"``, ``"repair"``, ``"stop"`` or ``"off"``
-            (:mod:`lightning_incremental.runtime.replicas`).
+            (:mod:`lightning_incremental.runtime.replica_policy`).
         max_consecutive_failures: failed saves in a row that stop training
             (:mod:`lightning_incremental.runtime.failures`).
 

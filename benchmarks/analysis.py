@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 from benchmarks.state import tensors
-from lightning_incremental.core import codec
+from lightning_incremental.core import codecs as codec
 
 
 def category(path: str) -> str:
@@ -66,13 +66,13 @@ def breakdown(previous: Any, current: Any, *, chunk_size: int, level: int) -> di
                 row["unchanged"] += piece.size
                 continue
             start = time.perf_counter()
-            full = len(codec.encode_full(piece, width, level))
+            full = len(codec.STANDALONE.encode(piece, None, width=width, level=level))
             row["full_s"] += time.perf_counter() - start
             row["full"] += full
             best = full
             if old_piece is not None:
                 start = time.perf_counter()
-                xor = len(codec.encode_xor(piece, old_piece, width, level))
+                xor = len(codec.XOR.encode(piece, old_piece, width=width, level=level))
                 row["xor_s"] += time.perf_counter() - start
                 row["xor"] += xor
                 row["xor_raw"] += piece.size

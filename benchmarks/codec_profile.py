@@ -26,7 +26,7 @@ from benchmarks.analysis import category
 from benchmarks.model import FULL, FULL_EMBEDDING, QUICK, QUICK_EMBEDDING
 from benchmarks.scenarios import SCENARIOS, Params
 from benchmarks.state import clone, tensors
-from lightning_incremental.core import codec
+from lightning_incremental.core import codecs as codec
 
 CHUNK = 4 << 20  # the engine's default chunk size
 MIN_PIECE = 64 << 10  # ignore smaller tail pieces and tensors (timings would be overhead)
@@ -96,8 +96,12 @@ def profile_kind(chunks: list[tuple], repeats: int) -> dict[str, Any]:
         "xor": each(lambda i: np.bitwise_xor(chunks[i][0], chunks[i][1])),
         "zstd-1 compress (grouped)": each(lambda i: _z(cctx[1], grouped[i])),
         "zstd-1 compress (grouped xor)": each(lambda i: _z(cctx[1], gx[i])),
-        "encode_full": each(lambda i: codec.encode_full(chunks[i][0], width, 1)),
-        "encode_xor": each(lambda i: codec.encode_xor(chunks[i][0], chunks[i][1], width, 1)),
+        "encode_full": each(
+            lambda i: codec.STANDALONE.encode(chunks[i][0], None, width=width, level=1)
+        ),
+        "encode_xor": each(
+            lambda i: codec.XOR.encode(chunks[i][0], chunks[i][1], width=width, level=1)
+        ),
         "engine encode (full + xor)": each(
             lambda i: codec.encode_best(chunks[i][0], chunks[i][1], width, 1)
         ),
@@ -105,13 +109,13 @@ def profile_kind(chunks: list[tuple], repeats: int) -> dict[str, Any]:
         "ungroup bytes": each(lambda i: codec.ungroup_bytes(grouped[i], width, outs[i])),
         "decode full": each(
             lambda i: codec.decode(
-                full_blobs[i], codec.KIND_FULL, width, chunks[i][0].size, out=outs[i]
+                full_blobs[i], codec.STANDALONE.kind, width, chunks[i][0].size, out=outs[i]
             )
         ),
         "decode xor link (decode + xor)": each(
             lambda i: codec.decode(
                 xor_blobs[i],
-                codec.KIND_XOR,
+                codec.XOR.kind,
                 width,
                 chunks[i][0].size,
                 base=chunks[i][1],

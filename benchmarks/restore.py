@@ -35,6 +35,7 @@ from benchmarks.memory import peak_extra_rss
 from benchmarks.model import FULL, QUICK
 from benchmarks.scenarios import SCENARIOS, Params
 from benchmarks.state import tensor_bytes
+from lightning_incremental.core.format import Manifest
 
 
 def _workload(quick: bool, scenario: str = "dense_fp32") -> Any:
@@ -73,9 +74,9 @@ def prepare(
     return {"nbytes": tensor_bytes(final), "steps": steps, "depth": depth}
 
 
-def _chain_depth(doc: dict[str, Any]) -> int:
+def _chain_depth(doc: Manifest) -> int:
     """The longest chain of deltas a chunk of this checkpoint needs on top of its base."""
-    return max(doc["chunks"][d]["depth"] for t in doc["tensors"] for d in t["chunks"])
+    return max(doc.chunks[d].depth for t in doc.tensors for d in t.chunks)
 
 
 def _evict(paths: list[Path]) -> None:

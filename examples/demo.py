@@ -204,7 +204,7 @@ def main() -> None:
     total_ours = total_plain = 0
     with CheckpointStore(str(interrupted / "store")) as store:
         for step in store.steps():
-            stats = store.manifest(step)["stats"]
+            stats = store.manifest(step).stats
             plain = io.BytesIO()
             torch.save(store.load(step), plain)
             total_ours += stats["bytes_data"]

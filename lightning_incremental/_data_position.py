@@ -28,17 +28,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.types import _Stateful
-from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
-from lightning.pytorch.overrides.distributed import _DatasetSamplerWrapper
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
+from lightning_incremental import _compat
 from lightning_incremental.runtime import data_position as position
 from lightning_incremental.runtime import rng
 
 _FOLLOW = ("sampler", "batch_sampler", "_sampler", "dataset")
 _MAX_DEPTH = 4
-_SAMPLERS = (Sampler, BatchSampler, _DatasetSamplerWrapper)
+_SAMPLERS = (Sampler, BatchSampler, _compat.DatasetSamplerWrapper)
 
 # How a resumed epoch reaches its position.
 LIGHTNING = "lightning"  # stateful loaders: Lightning restores their position itself
@@ -57,14 +55,13 @@ class Plan:
 
 def train_loaders(trainer: pl.Trainer) -> list[Any]:
     """The training dataloaders as Lightning iterates them (after it injected its samplers)."""
-    combined = trainer.fit_loop._combined_loader
+    combined = _compat.combined_loader(trainer)
     return list(combined.flattened) if combined is not None else []
 
 
 def epoch_iterator(trainer: pl.Trainer) -> object | None:
     """The object Lightning iterates this epoch; a new one each time it recreates the iterator."""
-    combined = trainer.fit_loop._combined_loader
-    return getattr(combined, "_iterator", None) if combined is not None else None
+    return _compat.combined_iterator(trainer)
 
 
 def generators(loaders: list[Any]) -> dict[str, torch.Generator]:
@@ -117,13 +114,13 @@ def record_epoch_start(trainer: pl.Trainer, iter_created: bool) -> dict[str, Any
 def plan(trainer: pl.Trainer) -> Plan:
     """How this trainer's training data can be brought back to a position mid-epoch."""
     loaders = train_loaders(trainer)
-    fetcher = trainer.fit_loop._data_fetcher
-    if isinstance(fetcher, _DataLoaderIterDataFetcher):
+    fetcher = _compat.data_fetcher(trainer)
+    if isinstance(fetcher, _compat.DataLoaderIterDataFetcher):
         return Plan(
             IMPOSSIBLE,
             ["training_step takes `dataloader_iter`, so the batches it consumed are not known"],
         )
-    stateful = [isinstance(dl, _Stateful) for dl in loaders]
+    stateful = [isinstance(dl, _compat.Stateful) for dl in loaders]
     if loaders and all(stateful):
         return Plan(LIGHTNING)
     if any(stateful):
@@ -153,7 +150,7 @@ def plan(trainer: pl.Trainer) -> Plan:
                 "random state inside them (augmentations drawn in workers) differs from the "
                 "uninterrupted run"
             )
-    sized = isinstance(fetcher, _PrefetchDataFetcher) and fetcher.length is not None
+    sized = isinstance(fetcher, _compat.PrefetchDataFetcher) and fetcher.length is not None
     if (
         len(loaders) == 1
         and isinstance(loaders[0], DataLoader)
@@ -191,14 +188,13 @@ def replay(
     moment the checkpoint was taken afterwards.
     """
     notes = []
-    loop = trainer.fit_loop
     loaders = train_loaders(trainer)
     set_sampler_epoch(loaders, epoch)
     rng.restore_torch(record)
     mismatched = set_generator_states(loaders, record["generators"])
     if mismatched:
         notes.append(generators_changed(mismatched))
-    fetcher = loop._data_fetcher
+    fetcher = _compat.data_fetcher(trainer)
     assert fetcher is not None
     if not record["iter_created"]:
         iter(fetcher)  # the epoch's iterator, created from the same random state as originally
@@ -206,16 +202,7 @@ def replay(
         return notes
     done = 0
     if mode == FAST_FORWARD:
-        iterator: Any = epoch_iterator(trainer)
-        loader_iter = iterator.iterators[0]
-        for _ in range(batches):
-            try:
-                next(loader_iter._sampler_iter)  # the sampler's indices only: no data is loaded
-            except StopIteration:
-                break
-            done += 1
-        loader_iter._num_yielded += done
-        iterator._idx += done
+        done = _compat.skip_sampled_batches(trainer, batches)  # no data is loaded
     else:
         for _ in range(batches):
             try:
@@ -223,8 +210,7 @@ def replay(
             except StopIteration:
                 break
             done += 1
-        # The epoch loop adds the batches it counts as consumed to `fetched` itself.
-        fetcher.fetched -= done
+        _compat.uncount_fetched(fetcher, done)
     if done < batches:
         notes.append(f"the training data ran out after {done} of the {batches} batches to skip")
     return notes

@@ -33,11 +33,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_incremental import _compat
 from lightning_incremental import _data_position as dp
-from lightning_incremental import _loops
 from lightning_incremental.core import CheckpointError, CheckpointStore
 from lightning_incremental.runtime import rng as _rng
 from lightning_incremental.runtime.coordinate import coordinated, describe
@@ -58,30 +57,23 @@ class ResumeHook:
     def __init__(self, callback: IncrementalCheckpoint, trainer: pl.Trainer) -> None:
         self._callback = callback
         self._trainer = trainer
-        self._connector = trainer._checkpoint_connector
-        self._original = self._connector.resume_start
-        self._connector.resume_start = self._resume_start  # type: ignore[method-assign]
+        self.remove = _compat.replace_resume_start(trainer, self._resume_start)
 
-    def remove(self) -> None:
-        if self._connector.__dict__.get("resume_start") == self._resume_start:
-            del self._connector.resume_start
-
-    def _resume_start(self, checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+    def _resume_start(self, checkpoint_path: Any, original: _compat.Original) -> None:
         if checkpoint_path:
-            self._original(checkpoint_path, weights_only=weights_only)
+            original(checkpoint_path)
             return
         loaded = self._load_newest()
         if loaded is None:
-            self._original(None, weights_only=weights_only)
+            original(None)
             return
         step, checkpoint = loaded
         where = f"{self._callback.url} (step {step})"
         rank_zero_info(f"Restoring states from the checkpoint path at {where}")
-        self._connector._ckpt_path = where
         saved = checkpoint.get(KEY)
         if isinstance(saved, dict) and saved.get("ranks") and saved["ranks"][0].get("boundary"):
-            _loops.between_epochs(checkpoint)  # also what earlier versions saved mid-bookkeeping
-        self._connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, None)
+            _compat.between_epochs(checkpoint)  # also what earlier versions saved mid-bookkeeping
+        _compat.set_loaded_checkpoint(self._trainer, checkpoint, where)
 
     def _load_newest(self) -> tuple[int, dict[str, Any]] | None:
         """Rank 0 picks the newest readable step; every rank loads that step (collective)."""
@@ -165,14 +157,13 @@ def rank_state(
     """This rank's random state and data position, as plain data. ``boundary``: saved between
     epochs (the next epoch has not started); else mid-epoch, where ``epoch_record`` (from
     :func:`~lightning_incremental._data_position.record_epoch_start`) recreates the epoch."""
-    progress = trainer.fit_loop.epoch_loop.batch_progress.current
     return {
         "rng": _rng.capture(),
         "generators": dp.generator_states(dp.train_loaders(trainer)),
         "boundary": boundary,
-        "batches": 0 if boundary else progress.ready,
+        "batches": 0 if boundary else _compat.batches_ready(trainer),
         "epoch_start": None if boundary else epoch_record,
-        "logged": _loops.logged_state(trainer, running=not boundary),
+        "logged": _compat.logged_state(trainer, running=not boundary),
     }
 
 
@@ -209,7 +200,7 @@ def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Res
         )
         return None
     state = saved["ranks"][trainer.global_rank]
-    _loops.restore_logged(trainer, state.get("logged"))
+    _compat.restore_logged(trainer, state.get("logged"))
     plan = dp.plan(trainer)
     epoch = loop.epoch_progress.current.processed  # type: ignore[attr-defined]
     rng = state["rng"]
@@ -221,7 +212,7 @@ def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Res
         # creates its iterator after the epoch-start hooks, from the restored random states.
         _rng.restore(rng)
         mismatched = dp.set_generator_states(dp.train_loaders(trainer), state["generators"])
-        _loops.start_next_epoch(trainer)
+        _compat.start_next_epoch(trainer)
         _report(trainer, [dp.generators_changed(mismatched)] if mismatched else [], plan, 0)
         return Restored(None, False, False)
     record, batches = state["epoch_start"], state["batches"]

@@ -18,7 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 
-from lightning_incremental import _loops
+from lightning_incremental import _compat
 from lightning_incremental._resume import FORMAT, KEY
 from lightning_incremental.core import CheckpointStore, SaveHandle, SaveResult
 from lightning_incremental.runtime import collectives
@@ -84,9 +84,9 @@ class Saver:
         started = time.perf_counter()
         self.collect(block=False)  # errors of earlier saves surface here
         states = _gather(trainer, rank_state)
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = _compat.dump_checkpoint(trainer)
         if boundary:  # taken once Lightning finished the epoch: a state between two epochs
-            _loops.between_epochs(checkpoint)
+            _compat.between_epochs(checkpoint)
         handle = None
 
         def start() -> None:

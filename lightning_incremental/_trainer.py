@@ -1,10 +1,8 @@
-"""What IncrementalCheckpointIO reads of the Trainer, which Lightning does not hand to a
-``CheckpointIO``: whether a stage is running when ``Trainer.save_checkpoint`` is called, and
-ModelCheckpoint's best/last paths as recorded in the checkpoint dict it saves."""
+"""What IncrementalCheckpointIO reads of ModelCheckpoint's best/last paths as recorded in the
+checkpoint dict it saves (whether a stage is running: :func:`._compat.trainer_stage_running`)."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 #: The ModelCheckpoint paths that can be materialized: ``<kind>_model_path``.
@@ -29,25 +27,3 @@ def marks_of(checkpoint: Any) -> dict[str, dict[str, str]]:
         if paths:
             found[str(key)] = paths
     return found
-
-
-def trainer_stage_running() -> bool | None:
-    """Whether the ``Trainer.save_checkpoint`` call this save comes from happens while the
-    trainer runs ``fit/validate/test/predict``; None when the save does not come from
-    ``Trainer.save_checkpoint`` (a direct call, a strategy's launcher).
-
-    Lightning gives a ``CheckpointIO`` no view of the trainer, so the call's own frame is read:
-    the innermost ``Trainer.save_checkpoint`` frame on this thread's stack and its ``self``.
-    """
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.trainer.states import TrainerStatus
-
-    code = Trainer.save_checkpoint.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            trainer = frame.f_locals.get("self")
-            if isinstance(trainer, Trainer):
-                return bool(trainer.state.status == TrainerStatus.RUNNING)
-        frame = frame.f_back  # type: ignore[assignment]
-    return None

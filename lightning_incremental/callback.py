@@ -25,8 +25,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_incremental import _compat
 from lightning_incremental import _data_position as dp
-from lightning_incremental import _loops
 from lightning_incremental import _resume as resume
 from lightning_incremental._resume import KEY, ResumeHook
 from lightning_incremental._saver import Saver
@@ -437,7 +437,7 @@ class IncrementalCheckpoint(Checkpoint):
         self._close_warnings_guard()
         if self._finish_restart:
             self._finish_restart = False
-            _loops.finish_restart(trainer)
+            _compat.finish_restart(trainer)
         if self._check_iter:  # did Lightning create this epoch's iterator before or after us?
             self._check_iter = False
             if self._epoch_record is not None:
@@ -470,7 +470,7 @@ class IncrementalCheckpoint(Checkpoint):
             due = self.schedule.time_due(time.monotonic() - self._last_time)
             if trainer.strategy.broadcast(due, src=0):  # rank 0's clock decides for all
                 reason = "time"
-        if reason is None and self.save_on_train_end and _loops.max_steps_reached(trainer):
+        if reason is None and self.save_on_train_end and _compat.max_steps_reached(trainer):
             # Training ends here (max_steps), maybe mid-epoch: save before Lightning closes the
             # partial epoch (its epoch-end hooks and bookkeeping), so that a run extended to
             # more steps continues this epoch exactly as a longer run would.
@@ -481,9 +481,9 @@ class IncrementalCheckpoint(Checkpoint):
         # epoch is over (the resumed run starts the next epoch); before a validation, after it
         # (the resumed run skips that validation, but the validation changed random state and
         # the monitoring callbacks' state).
-        if _loops.epoch_ends_here(trainer):
+        if _compat.epoch_ends_here(trainer):
             self._due, self._due_at = reason, "epoch_end"
-        elif _loops.validation_follows(trainer):
+        elif _compat.validation_follows(trainer):
             self._due, self._due_at = reason, "validation"
         else:
             self._save(trainer, reason, boundary=False)
@@ -638,7 +638,7 @@ class IncrementalCheckpoint(Checkpoint):
         step = trainer.global_step
         if step in (0, self._last_saved_step):
             return False
-        total: Any = trainer.fit_loop.epoch_loop.batch_progress.total  # a _ProcessedTracker
+        total: Any = _compat.batch_progress_total(trainer)
         finished = total.ready == total.started == total.processed
         if not finished or total.completed not in (total.processed, total.processed - 1):
             return self._why_not(

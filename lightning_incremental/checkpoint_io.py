@@ -125,9 +125,9 @@ from typing import Any, NamedTuple
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
+from lightning_incremental._compat import PathLike, torch_load_checkpoint, trainer_stage_running
 from lightning_incremental._pointers import (
     CheckpointFile,
     NotATorchCheckpointError,
@@ -138,7 +138,7 @@ from lightning_incremental._pointers import (
     looks_like_pointer,
     valid_store_name,
 )
-from lightning_incremental._trainer import MATERIALIZE, marks_of, trainer_stage_running
+from lightning_incremental._trainer import MATERIALIZE, marks_of
 from lightning_incremental.core import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -271,7 +271,7 @@ class IncrementalCheckpointIO(CheckpointIO):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None
     ) -> None:
         """Snapshot ``checkpoint`` into the directory's store and write its pointer file at
         ``path`` (naming the new step, and the replaced one as ``previous``); the step commits
@@ -421,7 +421,7 @@ class IncrementalCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: PathLike,
         map_location: Any | None = _TO_CPU,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
@@ -479,7 +479,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         return self._execute(plan, map_location, weights_only)[0]
 
     @override
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: PathLike) -> None:
         """Delete the checkpoint file at ``path``; then, in the background, its step, unless
         another pointer file in the directory names it. A symbolic link is only unlinked; a plain
         ``torch.save`` file is removed as ``TorchCheckpointIO`` would.
@@ -610,12 +610,12 @@ class IncrementalCheckpointIO(CheckpointIO):
                 self._stores[url] = entry
             return entry
 
-    def _file(self, path: _PATH, *, resolve: bool = False) -> CheckpointFile:
+    def _file(self, path: PathLike, *, resolve: bool = False) -> CheckpointFile:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"a checkpoint path must be a str or path, got {type(path).__name__}")
         return CheckpointFile.of(os.fspath(path), self.storage_options, resolve=resolve)
 
-    def _resolve(self, path: _PATH) -> _Plan:
+    def _resolve(self, path: PathLike) -> _Plan:
         """What loading ``path`` means, once no save of this process to its store is in flight
         (whichever plug-in instance started it).
 
@@ -678,10 +678,8 @@ class IncrementalCheckpointIO(CheckpointIO):
     ) -> tuple[dict[str, Any], int | None]:
         """Load what :meth:`_resolve` decided; also returns the step loaded."""
         if plan.kind == "torch":
-            state = TorchCheckpointIO().load_checkpoint(
-                plan.location,
-                map_location=_to_cpu if map_location is _TO_CPU else map_location,
-                weights_only=weights_only,
+            state = torch_load_checkpoint(
+                plan.location, _to_cpu if map_location is _TO_CPU else map_location, weights_only
             )
             return state, None
         return self._load_store(plan.location, plan.step, map_location, weights_only, plan.display)
@@ -733,8 +731,8 @@ class IncrementalCheckpointIO(CheckpointIO):
             raise _rewrap(exc, f"cannot load {display} (step {step} of {url}): {exc}") from exc
         if ident is None:
             return
-        audit = manifest.get("audit", {})
-        metadata = audit.get("metadata") if isinstance(audit, dict) else None
+        audit = manifest.audit
+        metadata = audit.get("metadata")
         recorded = metadata.get("checkpoint_id") if isinstance(metadata, dict) else None
         if recorded != ident:
             raise PointerError(

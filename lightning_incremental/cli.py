@@ -29,6 +29,7 @@ from lightning_incremental.core import (
     StepError,
 )
 from lightning_incremental.core.export import FORMATS, export_state
+from lightning_incremental.core.format import Manifest
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_ERROR = 0, 1, 2, 3, 4
 
@@ -158,8 +159,8 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.2f}"
 
 
-def _depth(doc: dict[str, Any]) -> int:
-    return max((r["depth"] for r in doc["chunks"].values()), default=0)
+def _depth(doc: Manifest) -> int:
+    return max((r.depth for r in doc.chunks.values()), default=0)
 
 
 def _ls(store: CheckpointStore, args: argparse.Namespace, console: Console) -> int:
@@ -170,12 +171,12 @@ def _ls(store: CheckpointStore, args: argparse.Namespace, console: Console) -> i
         except CheckpointError as exc:
             rows.append({"step": step, "error": str(exc)})
             continue
-        stats, audit = doc["stats"], doc["audit"]
+        stats, audit = doc.stats, doc.audit
         rows.append(
             {
                 "step": step,
-                "created": doc["created"],
-                "generation": doc["generation"],
+                "created": doc.created,
+                "generation": doc.generation,
                 "world_size": audit.get("world_size"),
                 "bytes_logical": stats.get("bytes_logical"),
                 "bytes_written": stats.get("bytes_data"),
@@ -206,39 +207,40 @@ def _ls(store: CheckpointStore, args: argparse.Namespace, console: Console) -> i
     return EXIT_CORRUPT if any("error" in r for r in rows) else EXIT_OK
 
 
-def _changed(doc: dict[str, Any], parent: dict[str, Any] | None) -> dict[str, bool | None]:
+def _changed(doc: Manifest, parent: Manifest | None) -> dict[str, bool | None]:
     """Per tensor path: True when its chunks differ from the parent's, None when new."""
-    before = {t["path"]: t["chunks"] for t in parent["tensors"]} if parent else {}
+    before = {t.path: t.chunks for t in parent.tensors} if parent else {}
     return {
-        t["path"]: (None if t["path"] not in before else before[t["path"]] != t["chunks"])
-        for t in doc["tensors"]
+        t.path: (None if t.path not in before else before[t.path] != t.chunks) for t in doc.tensors
     }
 
 
 def _inspect(store: CheckpointStore, args: argparse.Namespace, console: Console) -> int:
     doc = store.manifest(args.step)
     parent = None
-    if doc.get("parent") is not None and doc["parent"] in store.steps():
-        parent = store.manifest(doc["parent"])
+    if doc.parent is not None and doc.parent in store.steps():
+        parent = store.manifest(doc.parent)
     changed = _changed(doc, parent)
-    tensors = [
+    lossy = set(doc.lossy_tensors)
+    tensors: list[dict[str, Any]] = [
         {
-            "path": t["path"],
-            "dtype": t["dtype"],
-            "shape": t["shape"],
-            "bytes": t["nbytes"],
-            "device": t["device"],
-            "changed": changed[t["path"]],
+            "path": t.path,
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "bytes": t.nbytes,
+            "device": t.device,
+            "changed": changed[t.path],
+            "lossless": t.path not in lossy,
         }
-        for t in doc["tensors"]
+        for t in doc.tensors
     ]
     out = {
-        "step": doc["step"],
-        "parent": doc.get("parent"),
-        "created": doc["created"],
-        "generation": doc["generation"],
-        "stats": doc["stats"],
-        "audit": doc["audit"],
+        "step": doc.step,
+        "parent": doc.parent,
+        "created": doc.created,
+        "generation": doc.generation,
+        "stats": doc.stats,
+        "audit": doc.audit,
         "chain_depth": _depth(doc),
         "tensors": tensors,
     }
@@ -246,15 +248,15 @@ def _inspect(store: CheckpointStore, args: argparse.Namespace, console: Console)
         _emit(console, args, out, None)
         return EXIT_OK
     console.print(
-        f"[bold]checkpoint step {doc['step']}[/] of {store.url} "
-        f"(parent: {doc.get('parent')}, chain depth {_depth(doc)})"
+        f"[bold]checkpoint step {doc.step}[/] of {store.url} "
+        f"(parent: {doc.parent}, chain depth {_depth(doc)})"
     )
     audit = Table(title="audit trail", show_header=False)
-    for key, value in sorted(doc["audit"].items()):
+    for key, value in sorted(doc.audit.items()):
         audit.add_row(key, json.dumps(value) if isinstance(value, (dict, list)) else str(value))
-    audit.add_row("created", doc["created"])
-    audit.add_row("generation", str(doc["generation"]))
-    for key, value in sorted(doc["stats"].items()):
+    audit.add_row("created", doc.created)
+    audit.add_row("generation", str(doc.generation))
+    for key, value in sorted(doc.stats.items()):
         audit.add_row(key, str(value))
     console.print(audit)
     table = Table(title="tensors")
@@ -262,6 +264,8 @@ def _inspect(store: CheckpointStore, args: argparse.Namespace, console: Console)
         table.add_column(name, justify="left" if name == "path" else "right")
     for t in tensors:
         since = {None: "new", True: "changed", False: ""}[t["changed"]]
+        if not t["lossless"]:
+            since = f"{since} lossy".strip()
         table.add_row(t["path"], t["dtype"], str(tuple(t["shape"])), _mb(t["bytes"]), since)
     console.print(table)
     return EXIT_OK
@@ -309,23 +313,23 @@ def _verify(store: CheckpointStore, args: argparse.Namespace, console: Console) 
 
 def _diff(store: CheckpointStore, args: argparse.Namespace, console: Console) -> int:
     a, b = store.manifest(args.a), store.manifest(args.b)
-    ta = {t["path"]: t for t in a["tensors"]}
-    tb = {t["path"]: t for t in b["tensors"]}
-    rows = []
+    ta = {t.path: t for t in a.tensors}
+    tb = {t.path: t for t in b.tensors}
+    rows: list[dict[str, Any]] = []
     for path in sorted(set(ta) | set(tb)):
         if path not in tb:
-            rows.append({"path": path, "change": "removed", "bytes_changed": ta[path]["nbytes"]})
+            rows.append({"path": path, "change": "removed", "bytes_changed": ta[path].nbytes})
         elif path not in ta:
-            rows.append({"path": path, "change": "added", "bytes_changed": tb[path]["nbytes"]})
-        elif (ta[path]["dtype"], ta[path]["shape"]) != (tb[path]["dtype"], tb[path]["shape"]):
-            rows.append({"path": path, "change": "retyped", "bytes_changed": tb[path]["nbytes"]})
-        elif ta[path]["chunks"] != tb[path]["chunks"]:
-            sizes = [b["chunks"][h]["size"] for h in tb[path]["chunks"]]
+            rows.append({"path": path, "change": "added", "bytes_changed": tb[path].nbytes})
+        elif (ta[path].dtype, ta[path].shape) != (tb[path].dtype, tb[path].shape):
+            rows.append({"path": path, "change": "retyped", "bytes_changed": tb[path].nbytes})
+        elif ta[path].chunks != tb[path].chunks:
+            sizes = [b.chunks[h].size for h in tb[path].chunks]
             differing = sum(
-                size for size, x, y in zip(sizes, ta[path]["chunks"], tb[path]["chunks"]) if x != y
+                size for size, x, y in zip(sizes, ta[path].chunks, tb[path].chunks) if x != y
             )
             rows.append({"path": path, "change": "changed", "bytes_changed": differing})
-    same_tree = a["tree"] == b["tree"]
+    same_tree = a.tree == b.tree
     table = Table(
         title=f"step {args.a} → step {args.b}: {len(rows)} tensors differ"
         + ("" if same_tree else "; plain values differ too")
@@ -344,7 +348,7 @@ def _diff(store: CheckpointStore, args: argparse.Namespace, console: Console) ->
 
 
 def _export(store: CheckpointStore, args: argparse.Namespace, console: Console) -> int:
-    step = store.manifest(args.step)["step"]
+    step = store.manifest(args.step).step
     state = store.load(step, map_location="cpu", keys=args.keys)
     written = export_state(state, args.to, args.format)
     doc = {"step": step, "to": str(args.to), "format": args.format, "bytes": written}
@@ -361,7 +365,7 @@ def _compact(store: CheckpointStore, args: argparse.Namespace, console: Console)
     doc: dict[str, Any] = {
         "compacted": result is not None,
         "bytes_written": result.bytes_written if result else 0,
-        "step": result.step if result else store.manifest()["step"],
+        "step": result.step if result else store.manifest().step,
     }
     if not args.json:
         console.print(

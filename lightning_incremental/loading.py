@@ -24,17 +24,12 @@ from typing import IO, Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.types import _MAP_LOCATION_TYPE, _PATH
-from lightning.pytorch.core.saving import (
-    _default_map_location,
-    _load_state,
-    load_hparams_from_tags_csv,
-    load_hparams_from_yaml,
-)
+from lightning.pytorch.core.saving import load_hparams_from_tags_csv, load_hparams_from_yaml
 from lightning.pytorch.utilities.migration import pl_legacy_patch
-from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_incremental import _compat
+from lightning_incremental._compat import MapLocation, PathLike
 from lightning_incremental.checkpoint_io import IncrementalCheckpointIO
 from lightning_incremental.core import PickleNotAllowedError
 
@@ -45,9 +40,9 @@ T = TypeVar("T", "pl.LightningModule", "pl.LightningDataModule")
 
 def load_from_checkpoint(
     cls: type[T],
-    checkpoint_path: _PATH | IO[bytes],
-    map_location: _MAP_LOCATION_TYPE = None,
-    hparams_file: _PATH | None = None,
+    checkpoint_path: PathLike | IO[bytes],
+    map_location: MapLocation = None,
+    hparams_file: PathLike | None = None,
     strict: bool | None = None,
     weights_only: bool | None = None,
     *,
@@ -94,12 +89,12 @@ def load_from_checkpoint(
             "load_from_checkpoint(cls, path, ...) takes a LightningModule or LightningDataModule "
             f"class as its first argument, got {cls!r}"
         )
-    map_location = map_location or _default_map_location
+    map_location = map_location or _compat.default_map_location
     with pl_legacy_patch():
         checkpoint = _read(checkpoint_path, map_location, weights_only, storage_options)
-    checkpoint = _pl_migrate_checkpoint(
+    checkpoint = _compat.migrate_checkpoint(
         checkpoint,
-        checkpoint_path=(checkpoint_path if isinstance(checkpoint_path, (str, Path)) else None),
+        path=(checkpoint_path if isinstance(checkpoint_path, (str, Path)) else None),
     )
     if hparams_file is not None:
         extension = str(hparams_file).split(".")[-1].lower()
@@ -114,8 +109,8 @@ def load_from_checkpoint(
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
 
     if issubclass(cls, pl.LightningDataModule):
-        return _load_state(cls, checkpoint, **kwargs)  # type: ignore[return-value]
-    model = _load_state(cls, checkpoint, strict=strict, **kwargs)
+        return _compat.load_state(cls, checkpoint, **kwargs)  # type: ignore[return-value]
+    model = _compat.load_state(cls, checkpoint, strict=strict, **kwargs)
     assert isinstance(model, pl.LightningModule)
     state_dict = checkpoint["state_dict"]
     if not state_dict:
@@ -128,8 +123,8 @@ def load_from_checkpoint(
 
 
 def _read(
-    checkpoint_path: _PATH | IO[bytes],
-    map_location: _MAP_LOCATION_TYPE,
+    checkpoint_path: PathLike | IO[bytes],
+    map_location: MapLocation,
     weights_only: bool | None,
     storage_options: dict[str, Any] | None,
 ) -> dict[str, Any]:

@@ -16,7 +16,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-stamp="$VENV/.installed-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
+stamp="$VENV/.installed-$(cat pyproject.toml scripts/setup.sh ${PIP_CONSTRAINT:-} | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
 if [ ! -f "$stamp" ]; then
     python -m pip install --quiet --upgrade pip >&2
     if ! python -c "import torch" 2>/dev/null; then

@@ -121,7 +121,7 @@ def main() -> None:
                 "steps": ckpt.steps(),
                 "replicas_agree": agree,
                 "repairs": {
-                    s: ckpt.store.manifest(s)["audit"]["metadata"].get("replica_repair")
+                    s: ckpt.store.manifest(s).audit["metadata"].get("replica_repair")
                     for s in ckpt.steps()
                 },
             },

@@ -289,7 +289,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_stays_exact(tmp_path: Path, re
     args: dict[str, Any] = {"every_n_train_steps": 3, "save_on_exception": False}
     fit(store, crash_at=10, **args)
     engine = CheckpointStore(store)
-    only_9 = set(engine.manifest(9)["packs"]) - set(engine.manifest(6)["packs"])
+    only_9 = set(engine.manifest(9).packs) - set(engine.manifest(6).packs)
     for name in only_9:  # flip one byte in every object that only step 9 uses
         data = bytearray((store / name).read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -707,7 +707,7 @@ def test_under_torchrun_each_start_claims_a_generation(
     _, _, ckpt = fit(store, every_n_train_steps=4, trainer={"max_epochs": 1})
     assert ckpt.generation == 3
     with CheckpointStore(store) as reader:
-        assert {reader.manifest(s)["generation"] for s in reader.steps()} == {3}
+        assert {reader.manifest(s).generation for s in reader.steps()} == {3}
         assert fencing.generations(reader.storage) == [3]
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         fit(store, every_n_train_steps=4, resume=False, trainer={"max_epochs": 1})

@@ -592,7 +592,7 @@ def test_same_state_under_a_second_name_costs_only_a_manifest(tmp_path: Path) ->
     plugin.save_checkpoint(state(0), tmp_path / "last.ckpt")
     plugin.teardown()
     with CheckpointStore(tmp_path / ".incremental") as store:
-        first, second = (store.manifest(s)["stats"] for s in store.steps())
+        first, second = (store.manifest(s).stats for s in store.steps())
     assert first["bytes_data"] > 10_000  # 16 KiB of random float32, compressed a little
     assert second["bytes_data"] == 0 and second["chunks_reused"] == second["chunks_total"]
 

@@ -1,4 +1,5 @@
-"""Properties of the pure chunk codec (lightning_incremental.core.codec).
+"""Properties of the chunk codecs (lightning_incremental.core.codecs), called as production
+calls them: through the registry.
 
 Round trips of the byte grouping and of every encoding, and a fuzzed decoder: whatever bytes it
 is given, ``decode`` returns exactly ``size`` bytes or raises ``ValueError`` — never another
@@ -15,7 +16,22 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from lightning_incremental.core import codec
+from lightning_incremental.core import codecs as codec
+
+KIND_FULL = codec.STANDALONE.kind
+KIND_XOR = codec.XOR.kind
+
+
+def encode_full(raw: np.ndarray, width: int, level: int) -> bytes:
+    blob = codec.get(KIND_FULL).encode(raw, None, width=width, level=level)
+    assert blob is not None
+    return blob
+
+
+def encode_xor(raw: np.ndarray, base: np.ndarray, width: int, level: int) -> bytes:
+    blob = codec.get(KIND_XOR).encode(raw, base, width=width, level=level)
+    assert blob is not None
+    return blob
 
 WIDTHS = (1, 2, 4, 8)
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -103,9 +119,9 @@ def test_group_bytes_of_float_noise_makes_a_zero_plane() -> None:
 @given(data=any_payloads, width=widths, level=levels)
 def test_encode_full_round_trip(data: bytes, width: int, level: int) -> None:
     raw = arr(data)
-    blob = codec.encode_full(raw, width, level)
+    blob = encode_full(raw, width, level)
     assert isinstance(blob, bytes)
-    out = codec.decode(blob, codec.KIND_FULL, width, raw.size)
+    out = codec.decode(blob, KIND_FULL, width, raw.size)
     assert out.dtype == np.uint8
     assert out.tobytes() == data
     # the input is not modified
@@ -125,17 +141,17 @@ def test_encode_xor_round_trip_needs_its_base(
         idx = rng.integers(0, raw.size, size=flips)
         base[idx] = rng.integers(0, 256, size=flips, dtype=np.uint8)
     base_before = base.tobytes()
-    blob = codec.encode_xor(raw, base, width, level)
-    out = codec.decode(blob, codec.KIND_XOR, width, raw.size, base=base)
+    blob = encode_xor(raw, base, width, level)
+    out = codec.decode(blob, KIND_XOR, width, raw.size, base=base)
     assert out.tobytes() == data
     assert base.tobytes() == base_before  # the base is not modified
     # decoding the delta as standalone gives the XOR, not the data
-    xor = codec.decode(blob, codec.KIND_FULL, width, raw.size)
+    xor = codec.decode(blob, KIND_FULL, width, raw.size)
     assert xor.tobytes() == np.bitwise_xor(raw, base).tobytes()
     with pytest.raises(ValueError):
-        codec.decode(blob, codec.KIND_XOR, width, raw.size)  # no base
+        codec.decode(blob, KIND_XOR, width, raw.size)  # no base
     with pytest.raises(ValueError):
-        codec.decode(blob, codec.KIND_XOR, width, raw.size, base=np.zeros(raw.size + 1, np.uint8))
+        codec.decode(blob, KIND_XOR, width, raw.size, base=np.zeros(raw.size + 1, np.uint8))
 
 
 @fast
@@ -145,7 +161,7 @@ def test_encode_xor_rejects_bases_of_another_size(
 ) -> None:
     assume(len(data) != len(other))
     with pytest.raises(ValueError):
-        codec.encode_xor(arr(data), arr(other), width, level)
+        encode_xor(arr(data), arr(other), width, level)
 
 
 @fast
@@ -161,16 +177,17 @@ def test_encode_best_round_trips_and_picks_the_smaller(
         base = raw.copy()
         mask = rng.random(raw.size) < changed
         base[mask] ^= rng.integers(1, 256, size=int(mask.sum()), dtype=np.uint8)
-    kind, blob = codec.encode_best(raw, base, width, level)
-    full = codec.encode_full(raw, width, level)
+    chosen, blob = codec.encode_best(raw, base, width, level)
+    kind = chosen.kind
+    full = encode_full(raw, width, level)
     if base is None:
-        assert kind == codec.KIND_FULL
+        assert kind == KIND_FULL
         assert blob == full
     else:
-        delta = codec.encode_xor(raw, base, width, level)
-        assert kind in (codec.KIND_FULL, codec.KIND_XOR)
+        delta = encode_xor(raw, base, width, level)
+        assert kind in (KIND_FULL, KIND_XOR)
         assert len(blob) == min(len(full), len(delta))
-        assert blob == (delta if kind == codec.KIND_XOR else full)
+        assert blob == (delta if kind == KIND_XOR else full)
     out = codec.decode(blob, kind, width, raw.size, base=base)
     assert out.tobytes() == data
 
@@ -180,9 +197,10 @@ def test_encode_best_prefers_xor_for_a_small_change_of_noise() -> None:
     base = arr(rng.bytes(8192))
     raw = base.copy()
     raw[100:110] ^= 0xFF
-    kind, blob = codec.encode_best(raw, base, 4, 1)
-    assert kind == codec.KIND_XOR
-    assert len(blob) < len(codec.encode_full(raw, 4, 1)) // 10
+    chosen, blob = codec.encode_best(raw, base, 4, 1)
+    kind = chosen.kind
+    assert kind == KIND_XOR
+    assert len(blob) < len(encode_full(raw, 4, 1)) // 10
     assert codec.decode(blob, kind, 4, raw.size, base=base).tobytes() == raw.tobytes()
 
 
@@ -190,18 +208,18 @@ def test_encode_best_prefers_xor_for_a_small_change_of_noise() -> None:
 @given(data=any_payloads, width=widths, use_out=st.booleans())
 def test_decode_into_out(data: bytes, width: int, use_out: bool) -> None:
     raw = arr(data)
-    blob = codec.encode_full(raw, width, 1)
+    blob = encode_full(raw, width, 1)
     out = np.full(raw.size, 7, dtype=np.uint8)
-    result = codec.decode(blob, codec.KIND_FULL, width, raw.size, out=out)
+    result = codec.decode(blob, KIND_FULL, width, raw.size, out=out)
     assert result is out
     assert out.tobytes() == data
 
 
 @fast
-@given(data=any_payloads, width=widths, kind=st.sampled_from([codec.KIND_FULL, codec.KIND_XOR]))
+@given(data=any_payloads, width=widths, kind=st.sampled_from([KIND_FULL, KIND_XOR]))
 def test_decode_rejects_a_wrong_size(data: bytes, width: int, kind: str) -> None:
     raw = arr(data)
-    blob = codec.encode_full(raw, width, 1)
+    blob = encode_full(raw, width, 1)
     for size in {raw.size + 1, raw.size + width, 2 * raw.size + 16, raw.size - 1}:
         if size < 0:
             continue
@@ -212,12 +230,12 @@ def test_decode_rejects_a_wrong_size(data: bytes, width: int, kind: str) -> None
 
 @fast
 @given(data=any_payloads, width=widths, cut=st.integers(0, 10_000), kind=st.sampled_from(
-    [codec.KIND_FULL, codec.KIND_XOR]))
+    [KIND_FULL, KIND_XOR]))
 def test_decode_rejects_truncated_blobs(data: bytes, width: int, cut: int, kind: str) -> None:
     raw = arr(data)
     base = np.zeros(raw.size, dtype=np.uint8)
-    blob = codec.encode_xor(raw, base, width, 1) if kind == codec.KIND_XOR else (
-        codec.encode_full(raw, width, 1))
+    blob = encode_xor(raw, base, width, 1) if kind == KIND_XOR else (
+        encode_full(raw, width, 1))
     keep = cut % len(blob)  # strictly shorter than the blob
     if raw.size == 0:
         # A frame that declares 0 bytes of content is accepted once its header is complete;
@@ -234,14 +252,14 @@ def test_decode_rejects_truncated_blobs(data: bytes, width: int, cut: int, kind:
 
 
 @fast
-@given(data=any_payloads, width=widths, kind=st.sampled_from([codec.KIND_FULL, codec.KIND_XOR]),
+@given(data=any_payloads, width=widths, kind=st.sampled_from([KIND_FULL, KIND_XOR]),
        extra=st.binary(min_size=1, max_size=64))
 def test_decode_rejects_trailing_garbage_or_returns_exact_size(
     data: bytes, width: int, kind: str, extra: bytes
 ) -> None:
     raw = arr(data)
     base = np.zeros(raw.size, dtype=np.uint8)
-    blob = codec.encode_full(raw, width, 1) + extra
+    blob = encode_full(raw, width, 1) + extra
     try:
         out = codec.decode(blob, kind, width, raw.size, base=base)
     except ValueError:
@@ -261,10 +279,10 @@ def test_a_flipped_byte_is_rejected_or_caught_by_the_chunk_hash(
     right size and a hash other than the chunk's (the decoder's per-chunk check then fails)."""
     raw = arr(data)
     digest = codec.chunk_hash(raw)
-    blob = bytearray(codec.encode_full(raw, width, 1))
+    blob = bytearray(encode_full(raw, width, 1))
     blob[position % len(blob)] ^= mask
     try:
-        out = codec.decode(bytes(blob), codec.KIND_FULL, width, raw.size)
+        out = codec.decode(bytes(blob), KIND_FULL, width, raw.size)
     except ValueError:
         return
     assert out.size == raw.size
@@ -283,11 +301,11 @@ def test_decode_rejects_a_frame_that_declares_more_than_size(declared: int) -> N
     ``size`` (what the manifest promises) bounds the output, and the mismatch is a ValueError —
     which the store turns into CorruptCheckpointError and falls back — not a MemoryError."""
     with pytest.raises(ValueError):
-        codec.decode(_frame_declaring(declared), codec.KIND_FULL, 1, 4096)
+        codec.decode(_frame_declaring(declared), KIND_FULL, 1, 4096)
 
 
 def test_decode_rejects_an_unknown_kind() -> None:
-    blob = codec.encode_full(arr(b"abcd"), 1, 1)
+    blob = encode_full(arr(b"abcd"), 1, 1)
     for kind in ("", "zz", "X", "full", None):
         with pytest.raises(ValueError, match="unknown chunk encoding"):
             codec.decode(blob, kind, 1, 4)  # type: ignore[arg-type]
@@ -313,12 +331,12 @@ def _decode_or_value_error(blob: bytes, kind: str, width: int, size: int,
         st.binary(max_size=512),
         st.binary(max_size=512).map(lambda b: ZSTD_MAGIC + b),
     ),
-    kind=st.sampled_from([codec.KIND_FULL, codec.KIND_XOR, "q"]),
+    kind=st.sampled_from([KIND_FULL, KIND_XOR, "q"]),
     width=st.sampled_from([1, 2, 3, 4, 8, 16]),
     size=st.integers(0, 4096),
     with_base=st.booleans(),
 )
-@example(blob=ZSTD_MAGIC + b"\xf0" + bytes(7) + b"\x01", kind=codec.KIND_FULL, width=1, size=0,
+@example(blob=ZSTD_MAGIC + b"\xf0" + bytes(7) + b"\x01", kind=KIND_FULL, width=1, size=0,
          with_base=False)
 def test_fuzz_decode_raises_only_value_error(
     blob: bytes, kind: str, width: int, size: int, with_base: bool
@@ -338,12 +356,12 @@ def test_fuzz_decode_of_garbled_valid_blobs(
     data: bytes, width: int, edits: list[tuple[int, int]], size_delta: int
 ) -> None:
     raw = arr(data)
-    blob = bytearray(codec.encode_full(raw, width, 1))
+    blob = bytearray(encode_full(raw, width, 1))
     for position, value in edits:
         blob[position % len(blob)] = value
     size = max(0, raw.size + size_delta)
-    _decode_or_value_error(bytes(blob), codec.KIND_FULL, width, size, None)
-    _decode_or_value_error(bytes(blob), codec.KIND_XOR, width, size,
+    _decode_or_value_error(bytes(blob), KIND_FULL, width, size, None)
+    _decode_or_value_error(bytes(blob), KIND_XOR, width, size,
                            np.zeros(size, dtype=np.uint8))
 
 

@@ -34,6 +34,7 @@ from lightning_incremental.core import (
     ManifestError,
     PickleNotAllowedError,
 )
+from lightning_incremental.core import format as fmt
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal, small_store
@@ -87,7 +88,7 @@ def hist(tmp_path: pathlib.Path) -> History:
     assert sum(r.chunks_delta for r in results) > 0, "the history must hold XOR deltas"
     assert sum(r.chunks_reused for r in results) > 0, "the history must reuse chunks"
     storage = LocalStorage(str(root))
-    docs = {s: mf.loads(storage.get(mf.manifest_path(s)), str(s)) for s in STEPS}
+    docs = {s: fmt.loads(storage.get(mf.manifest_path(s)), str(s)).to_dict() for s in STEPS}
     assert any(r["depth"] >= 2 for r in docs[4]["chunks"].values()), "want a chain of deltas"
     return History(str(root), root, states, docs)
 
@@ -321,7 +322,7 @@ def _forge(mutate: Mutation) -> Change:
 
     def change(hist: History, doc: dict[str, Any], tmp: pathlib.Path) -> bytes:
         mutate(doc, hist, tmp)
-        return mf.dumps(doc)
+        return fmt.sign(doc)
 
     return change
 
@@ -374,7 +375,7 @@ def _outside(kind: str) -> Callable[[dict[str, Any], History, pathlib.Path], Non
 
 
 def _set_version(doc: dict[str, Any], hist: History, tmp: pathlib.Path) -> None:
-    doc["version"] = mf.VERSION + 1
+    doc["version"] = fmt.VERSION + 1
 
 
 def _pickle(listed: bool) -> Callable[[dict[str, Any], History, pathlib.Path], None]:

@@ -31,6 +31,7 @@ from lightning_incremental.core import (
     SaveHandle,
     StorageError,
 )
+from lightning_incremental.core import format as fmt
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.manifest import manifest_path
 from lightning_incremental.core.storage import Storage, open_storage
@@ -73,7 +74,7 @@ def _live_packs(storage: Storage) -> set[str]:
     for path in storage.list(mf.MANIFEST_DIR):
         step = mf.step_of(path.rsplit("/", 1)[-1])
         if step is not None:
-            live.update(mf.loads(storage.get(path), path)["packs"])
+            live.update(fmt.loads(storage.get(path), path).packs)
     return live
 
 
@@ -349,10 +350,7 @@ def test_disk_full_on_a_real_local_disk(
         assert raised.value.errno == errno.ENOSPC
         assert "disk full" in str(raised.value)
         leftovers = [
-            name
-            for _, _, files in os.walk(local_url)
-            for name in files
-            if name.startswith(".tmp-")
+            name for _, _, files in os.walk(local_url) for name in files if name.startswith(".tmp-")
         ]
         assert leftovers == []
         _assert_visible(local_url, [1])

@@ -27,6 +27,7 @@ from lightning_incremental.core import (
     StorageError,
     fencing,
 )
+from lightning_incremental.core import format as fmt
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.storage import open_storage
 from tests.conftest import assert_state_equal, small_store
@@ -48,7 +49,7 @@ def test_claims_grow_and_respect_the_minimum(store_url: str) -> None:
         assert store.generation == 6
         assert fencing.generations(store.storage) == [0, 1, 5, 6]
         store.save(state(1.0), 1).wait()
-        assert store.manifest(1)["generation"] == 6
+        assert store.manifest(1).generation == 6
     with small_store(store_url) as other:  # a store that never claims joins the newest
         assert other.generation == 6
         assert other.claim_generation() == 7
@@ -135,7 +136,7 @@ def test_gc_removes_what_fenced_off_writers_left(local_url: str) -> None:
         store.claim_generation()
         body = dict(body, step=7, generation=0)
         body.pop("checksum", None)
-        store.storage.put(mf.manifest_path(7), mf.dumps(body))
+        store.storage.put(mf.manifest_path(7), fmt.sign(body))
         assert store.steps() == [1]
         report = store.gc()
         assert report.removed_steps == [7]

@@ -28,8 +28,9 @@ from lightning_incremental.core import (
     StorageError,
     UnsupportedValueError,
 )
+from lightning_incremental.core import format as fmt
 from lightning_incremental.core import manifest as mf
-from lightning_incremental.core.codec import chunk_hash
+from lightning_incremental.core.codecs import chunk_hash
 from lightning_incremental.core.maintenance import STALE_TMP_S
 from lightning_incremental.core.storage import LocalStorage, _translate, open_storage
 from tests.conftest import assert_state_equal, small_store
@@ -51,7 +52,7 @@ def states(steps: int, seed: int = 0, rows: int = 64) -> list[dict[str, Any]]:
 def rot(store: CheckpointStore, step: int, tensor: str) -> str:
     """Flip one byte in the encoded first chunk of ``tensor`` of checkpoint ``step`` (in place,
     as a disk would); returns the object hit."""
-    doc = store.manifest(step)
+    doc = store.manifest(step).to_dict()
     entry = next(t for t in doc["tensors"] if t["path"] == f"state['model'][{tensor!r}]")
     recipe = doc["chunks"][entry["chunks"][0]]
     target = Path(store.url, *recipe["pack"].split("/"))
@@ -270,7 +271,7 @@ def test_a_deeply_nested_forged_manifest_is_refused(local_url: str, depth: int) 
     with small_store(local_url) as store:
         store.save({"x": 1}, 1).wait()
         store.save({"x": 2}, 2).wait()
-        doc = store.manifest(2)
+        doc = store.manifest(2).to_dict()
     deep = '["l",[' * depth + "1" + "]]" * depth
 
     def text(body: dict[str, Any]) -> str:
@@ -308,7 +309,7 @@ def _forge_absurd(local_url: str, single_chunk: bool) -> None:
             chunks=[digest] * ((1 << 42) // size),
         )
     )
-    path.write_bytes(mf.dumps(doc))
+    path.write_bytes(fmt.sign(doc))
 
 
 @pytest.mark.parametrize("single_chunk", [True, False], ids=["huge-chunk", "many-chunks"])

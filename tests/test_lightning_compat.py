@@ -413,7 +413,7 @@ def test_dropped_store_threads_end_when_idle(tmp_path: Path) -> None:
     assert _li_threads() <= baseline
     store = CheckpointStore(tmp_path / "s", workers=2)
     store.save({"w": torch.ones(3)}, 1).wait()
-    workers = store._pool.threads() + store._saver.threads()
+    workers = store._pool.threads() + store._queue.threads()
     assert workers and all(t.daemon for t in workers)
     for thread in workers:  # nobody closed the store: the threads end when idle
         thread.join(60)
@@ -582,3 +582,21 @@ def test_old_pointer_files_without_header_still_load(tmp_path: Path) -> None:
     cut.write_bytes(HEADER[:100])
     with pytest.raises(CheckpointError, match="header is cut off"):
         IncrementalCheckpointIO().load_checkpoint(cut)
+
+
+def test_lightning_versions_outside_the_supported_range_are_named() -> None:
+    from lightning_incremental import _compat
+
+    assert _compat.parse_version("2.6.1") == (2, 6)
+    assert _compat.parse_version("2.7.0rc1") == (2, 7)
+    assert _compat.parse_version("3") == (3, 0)
+    assert _compat.parse_version("2.5.1.post0") == (2, 5)
+    assert _compat.parse_version(_compat.LIGHTNING_VERSION) >= _compat.OLDEST_SUPPORTED
+    with pytest.raises(ImportError, match=r"lightning>=2\.5, found 2\.4\.0: pip install -U"):
+        _compat.check_version("2.4.0")
+    with pytest.warns(UserWarning, match=r"tested with Lightning up to 2\.6\.x, found 2\.7\.0"):
+        _compat.check_version("2.7.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compat.check_version("2.5.0")
+        _compat.check_version("2.6.9")

@@ -85,16 +85,16 @@ def test_keys_reads_only_the_objects_of_those_keys(tmp_path: Path) -> None:
 
     doc = store.manifest()
     model_packs = {
-        doc["chunks"][d]["pack"]
-        for t in doc["tensors"]
-        if t["path"].startswith("state['model']")
-        for d in t["chunks"]
+        doc.chunks[d].pack
+        for t in doc.tensors
+        if t.path.startswith("state['model']")
+        for d in t.chunks
     }
     other_packs = {
-        doc["chunks"][d]["pack"]
-        for t in doc["tensors"]
-        if not t["path"].startswith("state['model']")
-        for d in t["chunks"]
+        doc.chunks[d].pack
+        for t in doc.tensors
+        if not t.path.startswith("state['model']")
+        for d in t.chunks
     }
     assert other_packs - model_packs, "the test needs optimizer-only packs"
     LocalStorage.get_view = counting  # type: ignore[method-assign]
@@ -124,7 +124,7 @@ def test_restore_holds_a_bounded_window_of_objects(tmp_path: Path) -> None:
     changed = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in base.items()}
     store.save(changed, 2).wait()
     doc = store.manifest(2)
-    assert any(r["kind"] == "x" for r in doc["chunks"].values()), "needs delta chains"
+    assert any(r.kind == "x" for r in doc.chunks.values()), "needs delta chains"
     peak = 0
     original = dec._Schedule._release
 
@@ -135,17 +135,17 @@ def test_restore_holds_a_bounded_window_of_objects(tmp_path: Path) -> None:
 
     dec._Schedule._release = watch  # type: ignore[method-assign]
     try:
-        targets = [np.empty(t["nbytes"], np.uint8) for t in doc["tensors"]]
+        targets = [np.empty(t.nbytes, np.uint8) for t in doc.tensors]
         dec.restore_arrays(store.storage, doc, store._pool, "test", targets, read_ahead=20000)
     finally:
         dec._Schedule._release = original  # type: ignore[method-assign]
     largest = max(
         end - start
-        for _, start, end, _ in dec.ObjectReader(store.storage, doc, "t").plan(set(doc["chunks"]))
+        for _, start, end, _ in dec.ObjectReader(store.storage, doc, "t").plan(set(doc.chunks))
     )
     assert 0 < peak <= 20000 + 2 * largest
-    for entry, raw in zip(doc["tensors"], targets):
-        key = entry["path"][len("state['") : -2]
+    for entry, raw in zip(doc.tensors, targets):
+        key = entry.path[len("state['") : -2]
         assert raw.tobytes() == changed[key].numpy().tobytes()
     store.close()
 
@@ -170,7 +170,7 @@ def test_first_save_after_a_restore_writes_deltas_with_bases_read_from_storage(
         assert_state_equal(store.load(2), second)
         doc = store.manifest(2)
         store.close()
-        assert all(doc["chunks"][d]["kind"] == "x" for d in doc["tensors"][0]["chunks"])
+        assert all(doc.chunks[d].kind == "x" for d in doc.tensors[0].chunks)
         return written
 
     uninterrupted = two_saves(str(tmp_path / "a"), reopen=False)

@@ -371,8 +371,8 @@ class StoreMachine(RuleBasedStateMachine):
                 return
             step = steps[-1] if which != "any" else data.draw(st.sampled_from(steps))
             try:
-                doc = reader.manifest(step)
-                older = reader.manifest(steps[-2])["packs"] if len(steps) > 1 else {}
+                doc = reader.manifest(step).to_dict()
+                older = reader.manifest(steps[-2]).packs if len(steps) > 1 else {}
             except CheckpointError:
                 return
         recipes = []

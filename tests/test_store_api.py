@@ -21,6 +21,7 @@ from lightning_incremental.core import (
     StoreConfig,
     UnsupportedValueError,
 )
+from lightning_incremental.core import format as fmt
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.storage import LocalStorage, Storage
 from tests.conftest import assert_state_equal, small_store
@@ -191,7 +192,7 @@ def test_cuda_checkpoint_without_cuda_needs_map_location(local_url: str) -> None
     body.pop("checksum")
     body["tensors"][0]["device"] = "cuda:0"
     with open(path, "wb") as fh:
-        fh.write(mf.dumps(body))
+        fh.write(fmt.sign(body))
     with small_store(local_url) as store:
         with pytest.raises(CheckpointError, match="map_location='cpu'"):
             store.load(1)
@@ -333,7 +334,7 @@ def test_keep_last_retention_keeps_what_is_needed(local_url: str) -> None:
     live = set()
     with small_store(local_url) as store:
         for step in store.steps():
-            live |= set(store._read_manifest(step)["packs"])
+            live |= set(store.manifest(step).packs)
     on_disk = {p for p in LocalStorage(local_url).list("packs")}
     assert on_disk == live, "retention must delete every pack no kept checkpoint needs"
 
@@ -529,7 +530,7 @@ def test_audit_records_the_code_commit_of_the_working_directory(tmp_path, monkey
     try:
         with small_store(str(tmp_path / "s")) as store:
             store.save(make_state(), 1).wait()
-            assert store.manifest(1)["audit"]["code_commit"] == "ab" * 20
+            assert store.manifest(1).audit["code_commit"] == "ab" * 20
         monkeypatch.chdir(tmp_path)
         code_version.cache_clear()
         assert code_version() is None

@@ -208,7 +208,7 @@ def test_a_frozen_rank_is_fenced_off_and_the_run_recovers_bit_exactly(
         assert fencing.generations(store.storage) == [0, 1, 2]
         visible = store.steps()
         assert visible == list(range(2, 13, 2)), visible
-        by_step = {s: store.manifest(s)["generation"] for s in visible}
+        by_step = {s: store.manifest(s).generation for s in visible}
         fence1 = fencing.parse(store.storage.get(fencing.fence_path(1)), 1, "fence 1")
         assert all(s <= stop["step"] for s in fence1.accepted)
         assert all(by_step[s] == 0 for s in fence1.accepted)
@@ -267,14 +267,14 @@ def test_repair_restores_a_common_state_and_the_run_ends_bit_exactly(
     assert "model/net.0.weight" in findings[0]["message"]
     with CheckpointStore(run["store"]) as store:
         assert store.steps() == list(range(2, 13, 2))
-        repair = store.manifest(6)["audit"]["metadata"]["replica_repair"]
+        repair = store.manifest(6).audit["metadata"]["replica_repair"]
         assert repair == {
             "diverged_ranks": [1],
             "source_rank": 0,
             "repaired": ["model/net.0.weight"],
             "repaired_count": 1,
         }
-        assert "replica_repair" not in store.manifest(8)["audit"]["metadata"]
+        assert "replica_repair" not in store.manifest(8).audit["metadata"]
 
 
 def test_stop_restarts_from_the_last_good_checkpoint(runs: dict[str, dict[str, Any]]) -> None:
@@ -285,7 +285,7 @@ def test_stop_restarts_from_the_last_good_checkpoint(runs: dict[str, dict[str, A
     assert started(run, 1)["resumed_from"] == 4  # the diverged step 6 was never committed
     with CheckpointStore(run["store"]) as store:
         assert store.steps() == list(range(2, 13, 2))
-        assert store.manifest(6)["generation"] == 1
+        assert store.manifest(6).generation == 1
 
 
 def test_a_hung_rank_is_found_by_the_watchdog_and_the_run_recovers(

@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from lightning_incremental.core.codec import group_width
+from lightning_incremental.core.codecs import group_width
 from lightning_incremental.core.errors import (
     ManifestError,
     PickleNotAllowedError,

@@ -21,7 +21,8 @@ from lightning_incremental.core.errors import (
     UnsupportedValueError,
     WriterLeaseError,
 )
-from lightning_incremental.core.results import GcReport, SaveHandle, SaveResult, VerifyReport
+from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
+from lightning_incremental.core.save_queue import SaveHandle
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.store import CheckpointStore
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_incremental.core import codecs
 from lightning_incremental.core.errors import ConfigError
 
 MiB = 1 << 20
@@ -62,6 +64,12 @@ class StoreConfig:
             every ``lease_ttl_s / 4`` seconds and counts as abandoned when not renewed for
             ``lease_ttl_s``: how long a writer that died on another host blocks a new one
             (on the same host a dead writer's lease is taken over at once). Default 60.
+        lossy_codecs: opt-in lossy encoding per key: ``{key path prefix: codec kind}``, e.g.
+            ``{"state['optimizer']": "<kind>"}``; a tensor whose key path (as the manifest
+            records it) starts with a prefix is encoded by that registered lossy codec (the
+            longest prefix wins). Its chunks are labelled lossy in the manifest and verified
+            against the hash of their decoded bytes; it does not restore bit-exact. Default
+            None: everything is lossless.
         generation: the writer's fencing generation, recorded in every manifest (see
             :mod:`~lightning_incremental.core.fencing`). Default None: the newest generation
             claimed in the store (0 when none was), taken at the first save;
@@ -84,6 +92,7 @@ class StoreConfig:
     allow_pickle: bool = False
     generation: int | None = None
     lease_ttl_s: float = 60.0
+    lossy_codecs: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         _int("chunk_size", self.chunk_size, minimum=16)
@@ -123,6 +132,8 @@ class StoreConfig:
             or not self.lease_ttl_s > 0
         ):
             raise ConfigError(f"lease_ttl_s must be a number > 0, got {self.lease_ttl_s!r}")
+        if self.lossy_codecs is not None:
+            _lossy_codecs(self.lossy_codecs)
 
     @property
     def base_every(self) -> int:
@@ -159,3 +170,22 @@ def _int(name: str, value: object, *, minimum: int) -> None:
 def _bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def _lossy_codecs(value: object) -> None:
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"lossy_codecs must be a dict of key path prefix -> codec kind, got {value!r}"
+        )
+    for prefix, kind in value.items():
+        if not isinstance(prefix, str) or not prefix:
+            raise ConfigError(f"lossy_codecs: key path prefix {prefix!r} is not a non-empty str")
+        try:
+            codec = codecs.get(kind)
+        except ValueError as exc:
+            raise ConfigError(f"lossy_codecs[{prefix!r}]: {exc}") from exc
+        if codec.lossless:
+            raise ConfigError(
+                f"lossy_codecs[{prefix!r}]: codec {kind!r} is lossless; name a lossy codec "
+                "(lossless ones are chosen automatically)"
+            )

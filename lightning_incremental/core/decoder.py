@@ -5,22 +5,25 @@ what object stores need), issued in the order the tensors need them within a mem
 each chunk's chain — its standalone base, then each XOR delta in order — is decoded into the
 destination on the worker pool as soon as the chain is in; what no pending chunk needs is
 released at once. Every link of every chain is
-checked against its XXH3-128 hash: a corrupt object is named, never returned.
+checked against its XXH3-128 hash (a lossy codec's chunk: the hash of its decoded bytes): a
+corrupt object is named, never returned. Every payload is decoded by its codec from the registry
+(:mod:`~lightning_incremental.core.codecs`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
 
-from lightning_incremental.core import codec
+from lightning_incremental.core import codecs
+from lightning_incremental.core.codecs import chunk_hash
 from lightning_incremental.core.errors import CorruptCheckpointError
-from lightning_incremental.core.manifest import closure
+from lightning_incremental.core.format import ChunkRecipe, Manifest, closure
 from lightning_incremental.core.storage import Storage
 
 COALESCE_GAP = 1 << 20
@@ -34,17 +37,17 @@ Read = tuple[str, int, int, list[tuple[int, int, str]]]  # path, start, end, mem
 class ObjectReader:
     """Fetches the byte ranges of pack objects a set of chunks needs, coalescing reads."""
 
-    def __init__(self, storage: Storage, manifest: dict[str, Any], where: str) -> None:
+    def __init__(self, storage: Storage, manifest: Manifest, where: str) -> None:
         self.storage, self.manifest, self.where = storage, manifest, where
         self.blobs: dict[str, memoryview] = {}
 
     def plan(self, digests: set[str]) -> list[Read]:
         """Coalesced reads covering the encoded bytes of ``digests``."""
-        chunks = self.manifest["chunks"]
+        chunks = self.manifest.chunks
         by_pack: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
         for digest in digests:
             recipe = chunks[digest]
-            by_pack[recipe["pack"]].append((recipe["offset"], recipe["length"], digest))
+            by_pack[recipe.pack].append((recipe.offset, recipe.length, digest))
         reads: list[Read] = []
         for path, ranges in sorted(by_pack.items()):
             ranges.sort()
@@ -79,51 +82,66 @@ class ObjectReader:
         return [digest for _, _, digest in members]
 
 
+Chunks = Mapping[str, ChunkRecipe]
+
+
 def decode_chunk(
-    digest: str, chunks: dict[str, Any], blobs: dict[str, memoryview], out: np.ndarray, where: str
+    digest: str, chunks: Chunks, blobs: Mapping[str, memoryview], out: np.ndarray, where: str
 ) -> None:
     """Decode chunk ``digest`` (its whole chain) into ``out`` and verify it.
 
-    XOR commutes with byte grouping, so a chain whose links share one grouping width is
-    accumulated in the grouped domain and ungrouped once; the final hash then proves every link
-    right. Only when it does not match is the chain re-decoded link by link to name the bad one.
+    When every link has a byte-grouped form in which links combine by XOR (``Codec.planes``)
+    and one grouping width, the chain is accumulated in that domain and ungrouped once; the
+    final hash then proves every link right. Otherwise, or when it does not match, the chain is
+    decoded link by link (naming the bad one).
     """
     chain = closure(digest, chunks)
-    widths = {chunks[link]["width"] for link in chain}
+    widths = {chunks[link].width for link in chain}
     if len(chain) > 1 and len(widths) == 1:
         try:
             acc: np.ndarray | None = None
             for link in chain:
-                planes = np.frombuffer(_decompress(link, chunks, blobs, where), dtype=np.uint8)
+                planes = _call(codecs.get(chunks[link].kind).planes, link, chunks, blobs, where)
+                if planes is None:
+                    break
                 if acc is None:
                     acc = planes.copy()
                 else:
                     np.bitwise_xor(acc, planes, out=acc)
-            assert acc is not None
-            codec.ungroup_bytes(acc, widths.pop(), out)
-            if codec.chunk_hash(out) == digest:
-                return
+            else:
+                assert acc is not None
+                codecs.ungroup_bytes(acc, widths.pop(), out)
+                if chunk_hash(out) == chunks[digest].expected(digest):
+                    return
         except CorruptCheckpointError:
             pass  # diagnose below, link by link
     _decode_links(chain, chunks, blobs, out, where)
 
 
-def _decompress(
-    link: str, chunks: dict[str, Any], blobs: dict[str, memoryview], where: str
-) -> bytes:
+def _call(
+    planes: Callable[[Any, int], np.ndarray | None],
+    link: str,
+    chunks: Chunks,
+    blobs: Mapping[str, memoryview],
+    where: str,
+) -> np.ndarray | None:
     recipe = chunks[link]
     try:
-        return codec.decompress(blobs[link], recipe["size"])
+        return planes(blobs[link], recipe.size)
     except ValueError as exc:
-        raise CorruptCheckpointError(
-            f"checkpoint {where}: chunk {link} in {recipe['pack']} cannot be decoded ({exc})"
-        ) from exc
+        raise _undecodable(link, recipe, exc, where) from exc
+
+
+def _undecodable(link: str, recipe: ChunkRecipe, exc: Exception, where: str) -> Exception:
+    return CorruptCheckpointError(
+        f"checkpoint {where}: chunk {link} in {recipe.pack} cannot be decoded ({exc})"
+    )
 
 
 def _decode_links(
     chain: list[str],
-    chunks: dict[str, Any],
-    blobs: dict[str, memoryview],
+    chunks: Chunks,
+    blobs: Mapping[str, memoryview],
     out: np.ndarray,
     where: str,
 ) -> None:
@@ -131,17 +149,19 @@ def _decode_links(
     scratch: np.ndarray | None = None
     for position, link in enumerate(chain):
         recipe = chunks[link]
-        planes = np.frombuffer(_decompress(link, chunks, blobs, where), dtype=np.uint8)
-        if position == 0:
-            codec.ungroup_bytes(planes, recipe["width"], out)
-        else:
+        base = None
+        if position:  # the chain so far is this link's base
             if scratch is None:
-                scratch = np.empty(recipe["size"], dtype=np.uint8)
-            codec.ungroup_bytes(planes, recipe["width"], scratch)
-            np.bitwise_xor(out, scratch, out=out)
-        if codec.chunk_hash(out) != link:
+                scratch = np.empty_like(out)
+            np.copyto(scratch, out)
+            base = scratch
+        try:
+            codecs.decode(blobs[link], recipe.kind, recipe.width, recipe.size, base=base, out=out)
+        except ValueError as exc:
+            raise _undecodable(link, recipe, exc, where) from exc
+        if chunk_hash(out) != recipe.expected(link):
             raise CorruptCheckpointError(
-                f"checkpoint {where}: chunk {link} in {recipe['pack']} fails its checksum "
+                f"checkpoint {where}: chunk {link} in {recipe.pack} fails its checksum "
                 "(corrupted object)"
             )
 
@@ -161,7 +181,7 @@ Target = Union[np.ndarray, Staged, None]
 
 def restore_arrays(
     storage: Storage,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     pool: Executor,
     where: str,
     targets: list[Target],
@@ -180,16 +200,16 @@ def restore_arrays(
     Raises:
         CorruptCheckpointError: naming the first bad object.
     """
-    chunks = manifest["chunks"]
+    chunks = manifest.chunks
     reader = ObjectReader(storage, manifest, where)
     jobs: list[_Job] = []
     users: dict[str, int] = defaultdict(int)  # link -> jobs not yet decoded that need it
-    for tensor, target in zip(manifest["tensors"], targets):
+    for tensor, target in zip(manifest.tensors, targets):
         if target is None:
             continue
         offset = 0
-        for digest in tensor["chunks"]:
-            size = chunks[digest]["size"]
+        for digest in tensor.chunks:
+            size = chunks[digest].size
             links = tuple(dict.fromkeys(closure(digest, chunks)))
             for link in links:
                 users[link] += 1
@@ -220,7 +240,7 @@ class _Schedule:
         jobs: list[_Job],
         users: dict[str, int],
         read_ahead: int,
-        chunks: dict[str, Any],
+        chunks: Chunks,
         where: str,
     ) -> None:
         self.reader, self.pool, self.jobs, self.users = reader, pool, jobs, users

@@ -1,27 +1,30 @@
-"""The save pipeline after the snapshot: hash, reuse, delta-encode, compress, pack, write.
+"""The save pipeline after the snapshot: hash, reuse, choose a codec, encode, pack, write.
 
 Runs on the store's background thread; CPU-heavy work (compression, XOR, byte grouping) and the
 object writes are spread over the store's worker pool — zstd, numpy and file I/O release the GIL.
+Every encoding goes through the codec registry (:mod:`~lightning_incremental.core.codecs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
-import torch
 
-from lightning_incremental.core import codec
+from lightning_incremental.core import codecs
+from lightning_incremental.core.codecs import Codec, chunk_hash
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.decoder import ObjectReader, decode_chunk
+from lightning_incremental.core.delta_base import Parent
 from lightning_incremental.core.errors import CorruptCheckpointError
-from lightning_incremental.core.manifest import closure, pack_path
+from lightning_incremental.core.format import ChunkRecipe, Manifest, TensorEntry, closure
+from lightning_incremental.core.manifest import pack_path
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.tree import Leaf
 
@@ -29,24 +32,12 @@ log = logging.getLogger("lightning_incremental")
 
 
 @dataclass
-class Parent:
-    """The newest committed checkpoint, as the next save builds on it."""
-
-    step: int
-    manifest: dict[str, Any]
-    # XOR base: tensor path -> (its raw bytes, its chunk hashes); only what fits the budget.
-    base: dict[str, tuple[np.ndarray, list[str]]] = field(default_factory=dict)
-    # The host buffers behind ``base``, recycled once a newer parent replaces this one.
-    buffers: list[torch.Tensor] = field(default_factory=list)
-
-
-@dataclass
 class Encoded:
-    """The result of encoding one save: manifest tables and figures."""
+    """The result of encoding one save's tensors: manifest tables and figures."""
 
-    tensors: list[dict[str, Any]]
-    chunks: dict[str, dict[str, Any]]
-    packs: dict[str, dict[str, int]]
+    tensors: list[TensorEntry]
+    chunks: dict[str, ChunkRecipe]
+    packs: dict[str, int]
     written: set[str] = field(default_factory=set)  # packs this save wrote (the rest: adopted)
     bytes_written: int = 0
     encode_s: float = 0.0
@@ -64,54 +55,37 @@ class _Task:
     width: int
     base: np.ndarray | None
     base_digest: str | None
-    base_recipe: dict[str, Any] | None
+    base_recipe: ChunkRecipe | None
     # No base in memory: decode the parent's chunk ``base_digest`` from storage (on the worker)
     fetch: Callable[[str], np.ndarray | None] | None = None
+    lossy: Codec | None = None  # the lossy codec configured for this tensor, if any
 
 
-# Choosing between standalone and XOR encodings: compressing both costs twice the CPU. For a
-# chunk of at least SAMPLE_MIN bytes both are first tried on a sample (SAMPLE_SLICES slices
-# spread over the chunk); when one wins by more than SAMPLE_MARGIN only it is compressed in
-# full, otherwise both are and the smaller is kept. Either way the result is exact — only the
-# choice between two lossless encodings is estimated.
-SAMPLE_MIN = 256 << 10
-SAMPLE_SLICES = 4
-SAMPLE_SLICE = 16 << 10
-SAMPLE_MARGIN = 0.10
+@dataclass(frozen=True)
+class _Payload:
+    codec: Codec
+    blob: bytes
+    decoded: str | None  # hash of the decoded bytes, for a lossy codec
+    seconds: float
 
 
-def _sample(data: np.ndarray) -> np.ndarray:
-    stride = data.size // SAMPLE_SLICES
-    return np.concatenate(
-        [data[i * stride : i * stride + SAMPLE_SLICE] for i in range(SAMPLE_SLICES)]
-    )
-
-
-def _encode_task(task: _Task, level: int, max_chain_ratio: float) -> tuple[str, bytes, float]:
+def _encode_task(task: _Task, level: int, max_chain_ratio: float) -> _Payload:
     start = time.perf_counter()
-    raw, base = task.raw, task.base
+    raw = task.raw
+    if task.lossy is not None:
+        blob = task.lossy.encode(raw, None, width=task.width, level=level)
+        if blob is not None:
+            out = np.empty(raw.size, dtype=np.uint8)
+            task.lossy.decode_into(blob, out, None, width=task.width)
+            return _Payload(task.lossy, blob, chunk_hash(out), _since(start))
+    base = task.base
     if base is None and task.fetch is not None and task.base_digest is not None:
         base = task.fetch(task.base_digest)
-    if base is None or task.base_recipe is None:
-        return codec.KIND_FULL, codec.encode_full(raw, task.width, level), _since(start)
-    chain_budget = max_chain_ratio * raw.size - task.base_recipe["chain"]
-    try_full = try_xor = True
-    if raw.size >= SAMPLE_MIN:
-        s_raw, s_base = _sample(raw), _sample(base)
-        full_est = len(codec.encode_full(s_raw, task.width, level))
-        xor_est = len(codec.encode_xor(s_raw, s_base, task.width, level))
-        try_full = not xor_est < full_est * (1 - SAMPLE_MARGIN)
-        try_xor = not full_est < xor_est * (1 - SAMPLE_MARGIN)
-    if try_xor:
-        delta = codec.encode_xor(raw, base, task.width, level)
-        if len(delta) > chain_budget:
-            try_full = True  # the chain would grow past max_chain_ratio
-        elif not try_full:
-            return codec.KIND_XOR, delta, _since(start)
-    full = codec.encode_full(raw, task.width, level)
-    if try_xor and len(delta) <= chain_budget and len(delta) < len(full):
-        return codec.KIND_XOR, delta, _since(start)
-    return codec.KIND_FULL, full, _since(start)
+    if task.base_recipe is None:
+        base = None
+    budget = max_chain_ratio * raw.size - (task.base_recipe.chain if task.base_recipe else 0)
+    codec, blob = codecs.encode_best(raw, base, task.width, level, delta_budget=budget)
+    return _Payload(codec, blob, None, _since(start))
 
 
 def _since(start: float) -> float:
@@ -125,15 +99,16 @@ class _PackWriter:
         self.storage, self.pool, self.pack_size, self.out = storage, pool, pack_size, out
         self.parts: list[bytes] = []
         self.filled = 0
-        self.pending_recipes: list[dict[str, Any]] = []
+        self.pending: list[tuple[str, ChunkRecipe]] = []
         self.writes: deque[Future[float]] = deque()
 
-    def add(self, blob: bytes, recipe: dict[str, Any]) -> None:
-        recipe["offset"] = self.filled
-        recipe["length"] = len(blob)
+    def add(self, digest: str, blob: bytes, recipe: ChunkRecipe) -> None:
+        """Append ``blob``; ``recipe`` (its pack and place filled in here) joins the tables."""
+        self.pending.append(
+            (digest, dataclasses.replace(recipe, offset=self.filled, length=len(blob)))
+        )
         self.parts.append(blob)
         self.filled += len(blob)
-        self.pending_recipes.append(recipe)
         if self.filled >= self.pack_size:
             self.flush()
 
@@ -141,13 +116,14 @@ class _PackWriter:
         if not self.parts:
             return
         data = b"".join(self.parts)
-        path = pack_path(codec.chunk_hash(data))
-        for recipe in self.pending_recipes:
-            recipe["pack"] = path
-        self.out.packs[path] = {"size": len(data)}
+        path = pack_path(chunk_hash(data))
+        for digest, recipe in self.pending:
+            # A chunk adopted meanwhile as another's delta base keeps its adopted recipe.
+            self.out.chunks.setdefault(digest, dataclasses.replace(recipe, pack=path))
+        self.out.packs[path] = len(data)
         self.out.written.add(path)
         self.out.bytes_written += len(data)
-        self.parts, self.filled, self.pending_recipes = [], 0, []
+        self.parts, self.filled, self.pending = [], 0, []
         self.writes.append(self.pool.submit(self._write, path, data))
         while len(self.writes) > 2:
             self.out.write_s += self.writes.popleft().result()
@@ -177,6 +153,22 @@ class _PackWriter:
                 fut.exception()  # wait; the first error is already being raised
 
 
+def lossy_codec(path: str, config: StoreConfig) -> Codec | None:
+    """The lossy codec ``config.lossy_codecs`` names for the tensor at key path ``path`` (the
+    longest matching prefix), None for lossless encoding."""
+    if not config.lossy_codecs:
+        return None
+    matches = [p for p in config.lossy_codecs if path == p or path.startswith(p)]
+    return codecs.get(config.lossy_codecs[max(matches, key=len)]) if matches else None
+
+
+def _reusable(known: ChunkRecipe, lossy: Codec | None, full_base: bool) -> bool:
+    """Whether a parent's chunk of the same raw hash may be referenced as it is: encoded the
+    way this tensor is now (lossless, or by the same lossy codec), and no delta in a full base."""
+    same = known.lossless if lossy is None else known.kind == lossy.kind
+    return same and (not full_base or known.depth == 0)
+
+
 def encode(
     leaves: list[Leaf],
     parent: Parent | None,
@@ -190,102 +182,110 @@ def encode(
     """Encode and write the data of one checkpoint; returns its manifest tables once every object
     it wrote is durable. Writes nothing visible: the caller commits the manifest. Chunks whose
     chain touches an object in ``avoid`` (found damaged) are neither reused nor delta bases."""
-    parent_chunks: dict[str, Any] = parent.manifest["chunks"] if parent else {}
+    parent_chunks: Mapping[str, ChunkRecipe] = parent.manifest.chunks if parent else {}
     if avoid:
         whole = parent_chunks
         parent_chunks = {
             digest: recipe
             for digest, recipe in whole.items()
-            if not any(whole[link]["pack"] in avoid for link in closure(digest, whole))
+            if not any(whole[link].pack in avoid for link in closure(digest, whole))
         }
     out = Encoded(tensors=[], chunks={}, packs={})
     pack = _PackWriter(storage, pool, config.pack_size, out)
     fetch = None
-    stored: dict[str, dict[str, Any]] = {}
+    stored: dict[str, TensorEntry] = {}
+    same_chunking = parent is not None and parent.manifest.chunk_size == config.chunk_size
     if parent is not None and config.uses_xor and config.xor_base_from_storage:
-        stored = {t["path"]: t for t in parent.manifest["tensors"] if t["path"] not in parent.base}
+        stored = {t.path: t for t in parent.manifest.tensors if t.path not in parent.base}
         fetch = BaseReader(storage, parent.manifest, parent_chunks).read
-    window: deque[tuple[Future[tuple[str, bytes, float]], _Task]] = deque()
+    window: deque[tuple[Future[_Payload], _Task]] = deque()
     scheduled: set[str] = set()
 
     def adopt(digest: str) -> None:
         while digest not in out.chunks:
+            assert parent is not None
             recipe = parent_chunks[digest]
             out.chunks[digest] = recipe
-            out.packs[recipe["pack"]] = parent.manifest["packs"][recipe["pack"]]  # type: ignore[union-attr]
-            if recipe["kind"] != codec.KIND_XOR:
+            out.packs[recipe.pack] = parent.manifest.packs[recipe.pack]
+            if recipe.base is None:
                 return
-            digest = recipe["base"]
+            digest = recipe.base
 
     def drain(limit: int) -> None:
         while len(window) > limit:
             fut, task = window.popleft()
-            kind, blob, seconds = fut.result()
-            out.encode_s += seconds
-            recipe: dict[str, Any] = {
-                "size": int(task.raw.size),
-                "width": task.width,
-                "kind": kind,
-                "base": None,
-                "depth": 0,
-                "chain": len(blob),
-            }
-            if kind == codec.KIND_XOR:
+            done = fut.result()
+            out.encode_s += done.seconds
+            recipe = ChunkRecipe(
+                kind=done.codec.kind,
+                pack="",
+                offset=0,
+                length=len(done.blob),
+                size=int(task.raw.size),
+                width=task.width,
+                chain=len(done.blob),
+                lossless=done.codec.lossless,
+                decoded=done.decoded,
+            )
+            if done.codec.needs_base:
                 assert task.base_digest is not None and task.base_recipe is not None
                 adopt(task.base_digest)
-                recipe["base"] = task.base_digest
-                recipe["depth"] = task.base_recipe["depth"] + 1
-                recipe["chain"] = task.base_recipe["chain"] + len(blob)
+                recipe = dataclasses.replace(
+                    recipe,
+                    base=task.base_digest,
+                    depth=task.base_recipe.depth + 1,
+                    chain=task.base_recipe.chain + len(done.blob),
+                )
                 out.chunks_delta += 1
             else:
                 out.chunks_full += 1
-            pack.add(blob, recipe)
-            out.chunks[task.digest] = recipe
+            pack.add(task.digest, done.blob, recipe)
 
     try:
         for leaf in leaves:
             raw = leaf.raw()
             width = leaf.width
+            lossy = lossy_codec(leaf.path, config)
             xor_base = parent.base.get(leaf.path) if (parent and config.uses_xor) else None
-            if xor_base is not None and (
-                xor_base[0].size != raw.size or parent.manifest["chunk_size"] != config.chunk_size  # type: ignore[union-attr]
-            ):
+            if xor_base is not None and (xor_base[0].size != raw.size or not same_chunking):
                 xor_base = None  # different size or chunking: chunk i is not chunk i any more
             # Not in memory (a parent read from storage, e.g. after a restart or a restore):
             # the parent's chunks are decoded from storage one by one on the workers.
             stored_base = None
             if xor_base is None and fetch is not None:
                 before = stored.get(leaf.path)
-                if (
-                    before is not None
-                    and before["nbytes"] == raw.size
-                    and parent.manifest["chunk_size"] == config.chunk_size  # type: ignore[union-attr]
-                ):
-                    stored_base = before["chunks"]
+                if before is not None and before.nbytes == raw.size and same_chunking:
+                    stored_base = before.chunks
             digests = []
             for offset in range(0, raw.size, config.chunk_size):
                 piece = raw[offset : offset + config.chunk_size]
-                digest = codec.chunk_hash(piece)
+                digest = chunk_hash(piece)
                 digests.append(digest)
                 out.chunks_total += 1
                 if digest in out.chunks or digest in scheduled:
                     out.chunks_reused += 1
                     continue
                 known = parent_chunks.get(digest)
-                if known is not None and (not full_base or known["depth"] == 0):
+                if known is not None and _reusable(known, lossy, full_base):
                     adopt(digest)
                     out.chunks_reused += 1
                     continue
-                task = _Task(digest, piece, width, None, None, None)
+                task = _Task(digest, piece, width, None, None, None, lossy=lossy)
                 index = offset // config.chunk_size
                 base_digests = xor_base[1] if xor_base is not None else stored_base
-                if base_digests is not None and not full_base and index < len(base_digests):
+                if (
+                    lossy is None
+                    and base_digests is not None
+                    and not full_base
+                    and index < len(base_digests)
+                ):
                     base_digest = base_digests[index]
                     base_recipe = parent_chunks.get(base_digest)
                     if (
                         base_recipe is not None
-                        and base_recipe["depth"] < config.max_chain
-                        and base_recipe["size"] == piece.size
+                        and base_recipe.lossless
+                        and base_recipe.depth < config.max_chain
+                        and base_recipe.size == piece.size
                     ):
                         if xor_base is not None:
                             task.base = xor_base[0][offset : offset + config.chunk_size]
@@ -303,18 +303,18 @@ def encode(
                 )
                 drain(2 * config.workers)
             out.tensors.append(
-                {
-                    "path": leaf.path,
-                    "dtype": leaf.dtype,
-                    "shape": leaf.shape,
-                    "nbytes": int(raw.size),
-                    "width": width,
-                    "device": leaf.device,
-                    "numpy": leaf.is_numpy,
-                    "param": leaf.parameter,
-                    "requires_grad": leaf.requires_grad,
-                    "chunks": digests,
-                }
+                TensorEntry(
+                    path=leaf.path,
+                    dtype=leaf.dtype,
+                    shape=tuple(leaf.shape),
+                    nbytes=int(raw.size),
+                    width=width,
+                    device=leaf.device,
+                    numpy=leaf.is_numpy,
+                    param=leaf.parameter,
+                    requires_grad=leaf.requires_grad,
+                    chunks=tuple(digests),
+                )
             )
         drain(0)
         pack.finish()
@@ -331,14 +331,17 @@ class BaseReader:
     parent's bytes are not in memory). A chunk that cannot be read or fails its hash is no base:
     the chunk it would have been the base of is stored standalone instead."""
 
-    def __init__(self, storage: Storage, manifest: dict[str, Any], chunks: dict[str, Any]) -> None:
+    def __init__(
+        self, storage: Storage, manifest: Manifest, chunks: Mapping[str, ChunkRecipe]
+    ) -> None:
         self.storage, self.manifest, self.chunks = storage, manifest, chunks
 
     def read(self, digest: str) -> np.ndarray | None:
-        if digest not in self.chunks:
+        recipe = self.chunks.get(digest)
+        if recipe is None or not recipe.lossless:
             return None
-        reader = ObjectReader(self.storage, self.manifest, f"step {self.manifest.get('step')}")
-        out = np.empty(self.chunks[digest]["size"], dtype=np.uint8)
+        reader = ObjectReader(self.storage, self.manifest, f"step {self.manifest.step}")
+        out = np.empty(recipe.size, dtype=np.uint8)
         try:
             for plan in reader.plan(set(closure(digest, self.chunks))):
                 reader.read(plan)
@@ -346,27 +349,3 @@ class BaseReader:
         except (CorruptCheckpointError, OSError):
             return None
         return out
-
-
-def next_parent(
-    step: int,
-    manifest: dict[str, Any],
-    leaves: list[Leaf],
-    tensors: list[dict[str, Any]],
-    config: StoreConfig,
-) -> tuple[Parent, list[torch.Tensor]]:
-    """The parent of the next save after ``step`` committed: its XOR base is this snapshot's
-    bytes, tensor by tensor, within ``config.xor_base_memory``. Also returns the snapshot buffers
-    the base does not keep (free to recycle)."""
-    parent = Parent(step, manifest)
-    spare: list[torch.Tensor] = []
-    used, budget = 0, config.xor_base_memory
-    for leaf, entry in zip(leaves, tensors):
-        raw = leaf.raw()
-        if not config.uses_xor or (budget is not None and used + raw.size > budget):
-            spare.append(leaf.data)
-            continue
-        parent.base[leaf.path] = (raw, entry["chunks"])
-        parent.buffers.append(leaf.data)
-        used += raw.size
-    return parent, spare

@@ -33,7 +33,7 @@ import re
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.errors import (
@@ -45,6 +45,9 @@ from lightning_incremental.core.errors import (
     ManifestError,
 )
 from lightning_incremental.core.storage import Storage
+
+if TYPE_CHECKING:
+    from lightning_incremental.core.format import Manifest
 
 log = logging.getLogger("lightning_incremental")
 
@@ -158,7 +161,7 @@ def record(generation: int, accepted: list[int], minimum: int) -> bytes:
     return json.dumps(body, sort_keys=True).encode()
 
 
-ReadManifest = Callable[[int], dict[str, Any]]
+ReadManifest = Callable[[int], "Manifest"]
 
 
 class Fencing:
@@ -211,7 +214,7 @@ class Fencing:
             return -1
         except (CorruptCheckpointError, FormatVersionError):
             return fence.generation
-        generation: int = doc["generation"]
+        generation: int = doc.generation
         if generation >= fence.generation:
             self._known[step] = generation
         return generation
@@ -226,7 +229,7 @@ class Fencing:
             written = 0
             if steps:
                 try:
-                    written = self._read(steps[-1])["generation"] + 1
+                    written = self._read(steps[-1]).generation + 1
                 except CheckpointError:
                     written = 0
             generation = max(generation, written, fence.generation + 1 if fence else 0)

@@ -7,14 +7,15 @@ read (and tested) in one place.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 
 from lightning_incremental.core import manifest as mf
-from lightning_incremental.core.codec import chunk_hash
+from lightning_incremental.core.codecs import chunk_hash
 from lightning_incremental.core.decoder import decode_chunk
 from lightning_incremental.core.errors import CorruptCheckpointError
+from lightning_incremental.core.format import Manifest
 from lightning_incremental.core.results import ObjectCheck, VerifyReport
 from lightning_incremental.core.storage import TMP_PREFIX, Storage
 
@@ -22,22 +23,22 @@ STALE_TMP_S = 3600.0  # temporary files younger than this may belong to a write 
 
 
 def verify_manifest(
-    storage: Storage, doc: dict[str, Any], report: VerifyReport, where: str
+    storage: Storage, doc: Manifest, report: VerifyReport, where: str
 ) -> VerifyReport:
     """Read every object ``doc`` names, check its size and content hash, then decode every chunk
     and check its hash; record each finding in ``report``."""
     blobs: dict[str, memoryview] = {}
     read: dict[str, memoryview] = {}
-    for path, info in sorted(doc["packs"].items()):
-        check = ObjectCheck(path=path, ok=False, size=info["size"])
+    for path, size in sorted(doc.packs.items()):
+        check = ObjectCheck(path=path, ok=False, size=size)
         try:
             data = storage.get(path)
         except FileNotFoundError:
             check.error = "missing"
         else:
             digest = chunk_hash(data)
-            if len(data) != info["size"]:
-                check.error = f"size {len(data)}, expected {info['size']}"
+            if len(data) != size:
+                check.error = f"size {len(data)}, expected {size}"
             elif mf.pack_path(digest) != path:
                 check.error = "content hash does not match its name"
             else:
@@ -45,33 +46,33 @@ def verify_manifest(
             read[path] = memoryview(data)  # decoded below even when bad: names the chunks hit
             report.bytes_checked += len(data)
         report.objects.append(check)
-    for digest, recipe in doc["chunks"].items():
-        view = read.get(recipe["pack"])
+    for digest, recipe in doc.chunks.items():
+        view = read.get(recipe.pack)
         if view is not None:
-            blobs[digest] = view[recipe["offset"] : recipe["offset"] + recipe["length"]]
-    for digest, recipe in doc["chunks"].items():
-        out = np.empty(recipe["size"], dtype=np.uint8)
+            blobs[digest] = view[recipe.offset : recipe.offset + recipe.length]
+    for digest, recipe in doc.chunks.items():
+        out = np.empty(recipe.size, dtype=np.uint8)
         try:
-            decode_chunk(digest, doc["chunks"], blobs, out, where)
+            decode_chunk(digest, doc.chunks, blobs, out, where)
         except KeyError:
-            report.errors.append(f"chunk {digest}: its object {recipe['pack']} is unreadable")
+            report.errors.append(f"chunk {digest}: its object {recipe.pack} is unreadable")
         except CorruptCheckpointError as exc:
             report.errors.append(str(exc))
         report.chunks_checked += 1
     return report
 
 
-def damaged_objects(storage: Storage, packs: dict[str, dict[str, Any]]) -> set[str]:
-    """Of ``packs`` (path -> manifest entry), those missing, of the wrong size, or whose content
+def damaged_objects(storage: Storage, packs: Mapping[str, int]) -> set[str]:
+    """Of ``packs`` (path -> size), those missing, of the wrong size, or whose content
     hash does not match their name: each is read whole."""
     bad = set()
-    for path, info in packs.items():
+    for path, size in packs.items():
         try:
             data = storage.get(path)
         except FileNotFoundError:
             bad.add(path)
             continue
-        if len(data) != info["size"] or mf.pack_path(chunk_hash(data)) != path:
+        if len(data) != size or mf.pack_path(chunk_hash(data)) != path:
             bad.add(path)
     return bad
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from lightning_incremental.core.errors import CheckpointError, ConfigError
+from lightning_incremental.core.format import TensorEntry
 from lightning_incremental.core.tree import torch_dtype
 
 MapLocation = Union[
@@ -16,24 +17,24 @@ MapLocation = Union[
 ]
 
 
-def allocate(entry: dict[str, Any]) -> tuple[Any, np.ndarray]:
+def allocate(entry: TensorEntry) -> tuple[Any, np.ndarray]:
     """An empty array for a (validated) manifest tensor entry, and its flat uint8 view."""
-    nbytes = entry["nbytes"]
-    if entry["numpy"]:
+    nbytes = entry.nbytes
+    if entry.numpy:
         raw = np.empty(nbytes, dtype=np.uint8)
         return raw, raw
-    tensor = torch.empty(entry["shape"], dtype=torch_dtype(entry["dtype"]))
+    tensor = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
     raw = tensor.reshape(-1).view(torch.uint8).numpy() if nbytes else np.empty(0, np.uint8)
     return tensor, raw
 
 
-def materialise(holder: Any, entry: dict[str, Any], map_location: MapLocation) -> Any:
-    if entry["numpy"]:
-        return holder.view(np.dtype(entry["dtype"])).reshape(entry["shape"])
-    tensor = place(holder, entry["device"], map_location)
-    if entry["param"]:
-        return torch.nn.Parameter(tensor, requires_grad=entry["requires_grad"])
-    if entry["requires_grad"] and (tensor.is_floating_point() or tensor.is_complex()):
+def materialise(holder: Any, entry: TensorEntry, map_location: MapLocation) -> Any:
+    if entry.numpy:
+        return holder.view(np.dtype(entry.dtype)).reshape(entry.shape)
+    tensor = place(holder, entry.device, map_location)
+    if entry.param:
+        return torch.nn.Parameter(tensor, requires_grad=entry.requires_grad)
+    if entry.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
         tensor.requires_grad_(True)
     return tensor
 

@@ -19,6 +19,7 @@ import torch
 
 from lightning_incremental.core.decoder import Staged, Target
 from lightning_incremental.core.errors import ConfigError, CorruptCheckpointError
+from lightning_incremental.core.format import Manifest, TensorEntry
 from lightning_incremental.core.materialise import allocate
 from lightning_incremental.core.tree import (
     T_DICT,
@@ -127,7 +128,7 @@ class Destinations:
 
 
 def plan(
-    manifest: dict[str, Any],
+    manifest: Manifest,
     wanted: set[int] | None,
     into: Any,
     where: str,
@@ -143,11 +144,11 @@ def plan(
             naming its key. Without ``strict`` such a tensor is restored as a new one (for a
             caller that reports mismatches its own way, e.g. ``load_state_dict``).
     """
-    entries = manifest["tensors"]
+    entries = manifest.tensors
     mine = tensors_of(into) if into is not None else {}
     chosen: list[torch.Tensor | None] = []
     for index, entry in enumerate(entries):
-        target = mine.get(entry["path"]) if (wanted is None or index in wanted) else None
+        target = mine.get(entry.path) if (wanted is None or index in wanted) else None
         if target is not None:
             try:
                 _check_target(target, entry, where)
@@ -178,7 +179,7 @@ def plan(
 
 
 def allocating(
-    entry: dict[str, Any], where: str, allocate: Callable[[dict[str, Any]], tuple[Any, Any]]
+    entry: TensorEntry, where: str, allocate: Callable[[TensorEntry], tuple[Any, Any]]
 ) -> tuple[Any, Any]:
     """``allocate(entry)``, with an allocation failure as the checkpoint's error (a load then
     falls back) rather than the allocator's.
@@ -190,33 +191,33 @@ def allocating(
         return allocate(entry)
     except (MemoryError, RuntimeError, ValueError) as exc:
         raise CorruptCheckpointError(
-            f"checkpoint {where}: tensor {entry['path']} of shape {entry['shape']} needs "
-            f"{entry['nbytes']} bytes, which cannot be allocated ({type(exc).__name__}: "
+            f"checkpoint {where}: tensor {entry.path} of shape {list(entry.shape)} needs "
+            f"{entry.nbytes} bytes, which cannot be allocated ({type(exc).__name__}: "
             f"{str(exc)[:200]}); the manifest is damaged or hostile, or this machine has too "
             "little memory for it"
         ) from exc
 
 
-def _check_target(target: torch.Tensor, entry: dict[str, Any], where: str) -> None:
-    path = entry["path"]
-    if entry["numpy"]:
+def _check_target(target: torch.Tensor, entry: TensorEntry, where: str) -> None:
+    path = entry.path
+    if entry.numpy:
         raise ConfigError(
             f"{path} is a numpy array in checkpoint {where} but a tensor in `into`; leave it out "
             "of `into`"
         )
-    dtype = torch_dtype(entry["dtype"])
-    if target.dtype != dtype or list(target.shape) != list(entry["shape"]):
+    dtype = torch_dtype(entry.dtype)
+    if target.dtype != dtype or list(target.shape) != list(entry.shape):
         raise ConfigError(
-            f"{path} is {dtype} {list(entry['shape'])} in checkpoint {where} but "
+            f"{path} is {dtype} {list(entry.shape)} in checkpoint {where} but "
             f"{target.dtype} {list(target.shape)} in `into`: this checkpoint is not for this "
             "model (or load it without `into`)"
         )
 
 
-def _into(target: torch.Tensor, entry: dict[str, Any], after: list[Any]) -> Target:
+def _into(target: torch.Tensor, entry: TensorEntry, after: list[Any]) -> Target:
     """The decoding destination inside ``target``'s own memory."""
     data = target.detach()
-    if entry["nbytes"] == 0:
+    if entry.nbytes == 0:
         return np.empty(0, dtype=np.uint8)
     if data.is_contiguous() and not data.is_conj() and not data.is_neg():
         flat = data.reshape(-1).view(torch.uint8)
@@ -226,8 +227,8 @@ def _into(target: torch.Tensor, entry: dict[str, Any], after: list[Any]) -> Targ
         def put(offset: int, chunk: np.ndarray) -> None:
             flat[offset : offset + chunk.size].copy_(torch.from_numpy(chunk))
 
-        return Staged(entry["nbytes"], put)
-    scratch = np.empty(entry["nbytes"], dtype=np.uint8)  # non-contiguous: one tensor's scratch
+        return Staged(entry.nbytes, put)
+    scratch = np.empty(entry.nbytes, dtype=np.uint8)  # non-contiguous: one tensor's scratch
     after.append((scratch, data))
     return scratch
 

@@ -1,13 +1,9 @@
-"""What the store's operations return: save results and handles, verify and gc reports."""
+"""What the store's operations return: save results, verify and gc reports (save handles:
+:mod:`.save_queue`)."""
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
-
-log = logging.getLogger("lightning_incremental")
 
 
 @dataclass(frozen=True)
@@ -51,80 +47,6 @@ class SaveResult:
     def ratio(self) -> float:
         """Logical bytes per byte written (higher is better)."""
         return self.bytes_logical / self.bytes_written if self.bytes_written else float("inf")
-
-
-class SaveHandle:
-    """A save running in the background. ``wait`` returns its result or raises its error."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self._done = threading.Event()
-        self._result: SaveResult | None = None
-        self._error: BaseException | None = None
-        self._delivered = False
-        self._callbacks: list[Callable[[SaveHandle], None]] = []
-        self._callbacks_lock = threading.Lock()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> SaveResult:
-        """Block until the save is committed or failed.
-
-        Raises:
-            TimeoutError: not finished within ``timeout`` seconds.
-            Exception: the save's own error (StorageError, UnsupportedValueError, ...).
-        """
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"save of step {self.step} still running after {timeout}s")
-        if self._error is not None:
-            self._delivered = True
-            raise self._error
-        assert self._result is not None
-        return self._result
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """Block until the save finished; its error (which then counts as delivered) or None.
-
-        Raises:
-            TimeoutError: not finished within ``timeout`` seconds.
-        """
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"save of step {self.step} still running after {timeout}s")
-        if self._error is not None:
-            self._delivered = True
-        return self._error
-
-    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
-        """Call ``fn(handle)`` once the save committed or failed (at once if it already has).
-        It runs on the store's background thread: keep it short, and do not call ``wait``
-        expecting anything but an immediate answer."""
-        with self._callbacks_lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
-        self._result, self._error = result, error
-        with self._callbacks_lock:
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:
-                log.exception("a done-callback of the save of step %d raised", self.step)
-
-    def _undelivered_error(self) -> BaseException | None:
-        if self._done.is_set() and self._error is not None and not self._delivered:
-            self._delivered = True
-            return self._error
-        return None
-
-    def __repr__(self) -> str:
-        state = "failed" if self._error else "committed" if self._done.is_set() else "pending"
-        return f"SaveHandle(step={self.step}, {state})"
 
 
 @dataclass

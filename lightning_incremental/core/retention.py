@@ -15,20 +15,26 @@ Rules, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+import threading
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.delta_base import DeltaBase
 from lightning_incremental.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointError,
 )
 from lightning_incremental.core.fencing import Fencing
-from lightning_incremental.core.maintenance import sweep
-from lightning_incremental.core.results import GcReport
+from lightning_incremental.core.format import Manifest
+from lightning_incremental.core.history import History, check_step_type
+from lightning_incremental.core.maintenance import damaged_objects, sweep, verify_manifest
+from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
 from lightning_incremental.core.storage import Storage
 
 log = logging.getLogger("lightning_incremental")
@@ -43,6 +49,26 @@ class Plan:
     dry_run: bool
     thorough: bool
 
+    @classmethod
+    def for_gc(
+        cls, keep_last: int | None, keep: Iterable[int], grace_s: float, dry_run: bool
+    ) -> Plan:
+        """The plan of a ``gc`` call, its arguments checked.
+
+        Raises:
+            ConfigError: a bad argument. StepError: a bad step in ``keep``.
+        """
+        if keep_last is not None and (
+            isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+        ):
+            raise ConfigError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        kept = tuple(keep)
+        for step in kept:
+            check_step_type(step)
+        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s < 0:
+            raise ConfigError(f"grace_s must be a number >= 0, got {grace_s!r}")
+        return cls(keep_last, kept, (), float(grace_s), dry_run, thorough=True)
+
 
 def collect(
     plan: Plan,
@@ -50,8 +76,8 @@ def collect(
     storage: Storage,
     fence: Fencing,
     written: list[int],
-    read: Callable[[int], dict[str, Any]],
-    intact: Callable[[int, dict[str, Any], bool], bool],
+    read: Callable[[int], Manifest],
+    intact: Callable[[int, Manifest, bool], bool],
     pinned: set[str],
 ) -> GcReport:
     """Apply ``plan`` to the store; see the module docstring.
@@ -65,9 +91,9 @@ def collect(
     steps, fenced = fence.partition(written)
     newest = steps if plan.keep_last is None else steps[-plan.keep_last :]
     kept = (set(newest) | (set(plan.keep) & set(steps))) - set(plan.drop)
-    docs: dict[int, dict[str, Any] | None] = {}
+    docs: dict[int, Manifest | None] = {}
 
-    def doc_of(step: int) -> dict[str, Any] | None:
+    def doc_of(step: int) -> Manifest | None:
         """The manifest, None when it vanished (another gc removed it); errors propagate."""
         if step not in docs:
             try:
@@ -115,7 +141,7 @@ def collect(
         if doc is None:
             kept.discard(step)  # removed meanwhile by another process
             continue
-        live.update(doc["packs"])
+        live.update(doc.packs)
     # Manifests a fenced-off generation wrote are invisible: they go too.
     report = GcReport(sorted(kept), sorted(doomed + fenced), [], 0, plan.dry_run)
     report.kept_intact = spared[0] if len(spared) == 1 else None
@@ -132,3 +158,73 @@ def collect(
             report.bytes_freed,
         )
     return report
+
+
+class Collector:
+    """Runs retention plans on one store, with what the store knows: its history (what is
+    trusted, what is quarantined) and the delta base (whose objects the next save needs)."""
+
+    def __init__(
+        self, storage: Storage, fencing: Fencing, history: History, base: DeltaBase
+    ) -> None:
+        self.storage, self.fencing, self.history, self.base = storage, fencing, history, base
+
+    def run(self, plan: Plan) -> GcReport:
+        """Apply ``plan`` (see :func:`collect`). The caller holds the store's write lock."""
+        report = collect(
+            plan,
+            storage=self.storage,
+            fence=self.fencing,
+            written=self.history.written_steps(),
+            read=self.history.read,
+            intact=self.intact,
+            pinned=self.base.pinned(),
+        )
+        if not plan.dry_run and self.base.step in report.removed_steps:
+            # Its objects are pinned by this call only: another process's gc may collect them at
+            # any time, so the next save must not name them. It writes a full base.
+            self.base.set(None)
+        return report
+
+    def intact(self, step: int, doc: Manifest, thorough: bool) -> bool:
+        """Whether checkpoint ``step`` restores. Thorough: read and check everything
+        (``verify``). Otherwise: not known damaged, and every object it names was written or
+        checked by this store (objects it does not know are read back whole and checked now)."""
+        if thorough:
+            report = verify_manifest(self.storage, doc, VerifyReport(step=step), f"step {step}")
+            if not report.ok:
+                self.history.saw_damage(step)
+            return report.ok
+        if step in self.history.quarantined:
+            return False
+        unknown = self.history.untrusted(doc.packs)
+        if damaged_objects(self.storage, unknown):
+            self.history.saw_damage(step)
+            return False
+        self.history.trust(unknown)
+        return True
+
+
+class KeepLast:
+    """The retention policy run after each commit (never inside it): keep the newest
+    ``keep_last`` checkpoints. The checkpoint is committed whatever happens here: a failure is a
+    warning (also in the result's ``warnings``), never the save's error."""
+
+    def __init__(self, keep_last: int | None, collector: Collector, lock: threading.RLock) -> None:
+        self.keep_last, self.collector, self.lock = keep_last, collector, lock
+
+    def after_commit(self, result: SaveResult) -> SaveResult:
+        if self.keep_last is None:
+            return result
+        try:
+            with self.lock:
+                self.collector.run(Plan(self.keep_last, (), (), 0.0, False, False))
+        except Exception as exc:
+            message = (
+                f"retention after step {result.step} failed, nothing was deleted past the "
+                f"failure and the checkpoint is committed: {type(exc).__name__}: {exc}"
+            )
+            warnings.warn(message, stacklevel=1)
+            log.warning(message)
+            return dataclasses.replace(result, warnings=(*result.warnings, message))
+        return result

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from lightning_incremental.core.buffers import BufferPool
-from lightning_incremental.core.codec import group_width
+from lightning_incremental.core.codecs.bytes import group_width
 from lightning_incremental.core.errors import (
     CheckpointError,
     ManifestError,

@@ -1,0 +1,88 @@
+"""Byte-level building blocks of the codecs: the chunk hash, byte grouping and zstd frames.
+
+Grouping puts byte ``k`` of every element next to each other: after a small update of a float
+tensor the XOR against the previous bytes leaves the sign/exponent plane almost all zero, which
+zstd then removes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import xxhash
+import zstandard
+
+HASH_LEN = 32  # hex digits of a 128-bit hash
+
+_local = threading.local()
+
+
+def chunk_hash(data: np.ndarray | bytes | memoryview) -> str:
+    """The 128-bit content hash (XXH3-128) of ``data``, as 32 hex digits."""
+    return xxhash.xxh3_128_hexdigest(data.data if isinstance(data, np.ndarray) else data)
+
+
+def group_width(itemsize: int, is_complex: bool) -> int:
+    """Bytes per grouped element: the element size, or the component size for complex types."""
+    width = itemsize // 2 if is_complex else itemsize
+    return width if width in (1, 2, 4, 8) else 1
+
+
+def group_bytes(raw: np.ndarray, width: int) -> np.ndarray:
+    """Byte planes of ``raw`` (uint8): plane ``k`` holds byte ``k`` of every ``width``-byte
+    element. The inverse is :func:`ungroup_bytes`."""
+    if width == 1 or raw.size % width:
+        return raw
+    elems = raw.reshape(-1, width)
+    planes = np.empty((width, elems.shape[0]), dtype=np.uint8)
+    for k in range(width):
+        planes[k] = elems[:, k]
+    return planes.reshape(-1)
+
+
+def ungroup_bytes(planes: np.ndarray, width: int, out: np.ndarray) -> np.ndarray:
+    """Write the element bytes of ``planes`` (see :func:`group_bytes`) into ``out``."""
+    if width == 1 or planes.size % width:
+        out[:] = planes
+        return out
+    grid = planes.reshape(width, -1)
+    elems = out.reshape(-1, width)
+    for k in range(width):
+        elems[:, k] = grid[k]
+    return out
+
+
+def compress(data: np.ndarray, level: int) -> bytes:
+    """One zstd frame of ``data`` (uint8), recording its size."""
+    cache = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cctx.compress(data.data)
+
+
+def decompress(blob: bytes | memoryview, size: int) -> bytes:
+    """The content of one zstd frame, exactly ``size`` bytes of it.
+
+    Raises:
+        ValueError: not a valid zstd frame of ``size`` bytes.
+    """
+    try:
+        declared = zstandard.frame_content_size(blob)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"zstd: {exc}") from exc
+    if declared != size:  # checked first: zstd would allocate whatever a frame declares
+        raise ValueError(f"frame declares {declared} bytes, expected {size}")
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    try:
+        grouped = dctx.decompress(blob, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"zstd: {exc}") from exc
+    if len(grouped) != size:
+        raise ValueError(f"decoded to {len(grouped)} bytes, expected {size}")
+    return grouped

@@ -1,0 +1,144 @@
+"""The codec registry: every chunk encoding the store writes or reads, by its manifest ``kind``.
+
+A codec turns one chunk's raw bytes (and, for a delta codec, the same chunk of the previous
+checkpoint) into a payload and back. The encoder chooses among the registered codecs, the
+decoder and ``verify`` decode through them, and the manifest validator accepts exactly the
+registered kinds — so adding a codec is registering one class (see :mod:`.zstd`).
+
+A codec that is not ``lossless`` decodes to bytes that differ from what was saved: its chunks
+are recorded with ``lossless: false`` and the hash of their *decoded* bytes, which restore
+verifies instead of the raw hash. Lossy codecs are never chosen automatically; a store uses one
+only for the keys its configuration names (``StoreConfig.lossy_codecs``).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import numpy as np
+
+
+class Codec(ABC):
+    """One chunk encoding.
+
+    Attributes:
+        kind: the short name manifests record (``"z"``, ``"x"``); unique in the registry.
+        lossless: whether ``decode_into`` restores the raw bytes exactly.
+        needs_base: whether payloads are relative to a base chunk (an XOR delta): the manifest
+            then names the base, and restore decodes the base first.
+    """
+
+    kind: ClassVar[str]
+    lossless: ClassVar[bool] = True
+    needs_base: ClassVar[bool] = False
+
+    @abstractmethod
+    def encode(
+        self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
+    ) -> bytes | None:
+        """The payload of ``raw`` (uint8), or None when this codec does not apply (a delta
+        codec given no base). ``width``: the byte-group width of the tensor's elements;
+        ``level``: the compression level configured.
+
+        Raises:
+            ValueError: ``base`` does not fit ``raw``.
+        """
+
+    @abstractmethod
+    def decode_into(
+        self, payload: bytes | memoryview, out: np.ndarray, base: np.ndarray | None, *, width: int
+    ) -> None:
+        """Decode ``payload`` into ``out`` (uint8, the chunk's size).
+
+        Raises:
+            ValueError: the payload is not a valid encoding of ``out.size`` bytes, or a delta
+                lacks its base. Callers turn this into a ``CorruptCheckpointError``.
+        """
+
+    def planes(self, payload: bytes | memoryview, size: int) -> np.ndarray | None:
+        """The chunk in the byte-grouped domain in which the links of a delta chain combine by
+        XOR (so a chain is decoded with one ungrouping), or None when the codec has no such
+        form. Raises ValueError like ``decode_into``."""
+        return None
+
+
+_lock = threading.Lock()
+_codecs: dict[str, Codec] = {}
+
+
+def register(codec: Codec, *, replace: bool = False) -> Codec:
+    """Make ``codec`` available under ``codec.kind``; returns it.
+
+    Raises:
+        ValueError: the kind is taken (unless ``replace``), or not a short plain name.
+    """
+    kind = codec.kind
+    if not isinstance(kind, str) or not kind.isascii() or not kind.isprintable() or not kind:
+        raise ValueError(f"codec kind must be a short printable name, got {kind!r}")
+    if len(kind) > 32:
+        raise ValueError(f"codec kind {kind!r} is longer than 32 characters")
+    if codec.needs_base and not codec.lossless:
+        raise ValueError(f"codec {kind!r}: a lossy codec cannot be a delta (needs_base)")
+    with _lock:
+        if kind in _codecs and not replace and _codecs[kind] is not codec:
+            raise ValueError(f"a codec of kind {kind!r} is registered already")
+        _codecs[kind] = codec
+    return codec
+
+
+def unregister(kind: str) -> None:
+    """Remove a codec (manifests naming it no longer validate)."""
+    with _lock:
+        _codecs.pop(kind, None)
+
+
+def get(kind: object) -> Codec:
+    """The codec recording ``kind``.
+
+    Raises:
+        ValueError: no codec of that kind is registered.
+    """
+    codec = _codecs.get(kind) if isinstance(kind, str) else None
+    if codec is None:
+        raise ValueError(
+            f"unknown chunk encoding {kind!r:.40} (known: {', '.join(sorted(_codecs))})"
+        )
+    return codec
+
+
+def kinds() -> list[str]:
+    """Every registered kind."""
+    with _lock:
+        return sorted(_codecs)
+
+
+def automatic() -> list[Codec]:
+    """The codecs the encoder races for a changed chunk: every lossless one, in registration
+    order (standalone codecs first by convention, so that ties go to them)."""
+    with _lock:
+        return [c for c in _codecs.values() if c.lossless]
+
+
+def decode(
+    payload: bytes | memoryview,
+    kind: str,
+    width: int,
+    size: int,
+    base: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Decode one payload of ``kind`` into ``size`` bytes (into ``out`` when given).
+
+    Raises:
+        ValueError: unknown kind, a payload that is not a valid encoding of ``size`` bytes, or
+            a delta without its base.
+    """
+    codec = get(kind)
+    if out is None:
+        out = np.empty(size, dtype=np.uint8)
+    elif out.size != size:
+        raise ValueError(f"output holds {out.size} bytes, the chunk {size}")
+    codec.decode_into(payload, out, base, width=width)
+    return out

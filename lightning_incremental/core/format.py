@@ -1,0 +1,492 @@
+"""The manifest format: typed records of one checkpoint, parsed from and written to JSON.
+
+A manifest is self-contained: its ``chunks`` table holds the recipe of every chunk needed to
+restore the checkpoint, including the bases of deltas, so restore reads one manifest and
+garbage collection knows every live object from the kept manifests alone. JSON of a chunk
+recipe (keyed by the XXH3-128 of the chunk's raw bytes)::
+
+    {"pack": "packs/ab/<32 hex>.pack", "offset": int, "length": int,  # its encoded bytes
+     "size": int, "width": int, "kind": "z" | "x" | ...,  # raw size, byte-group width, codec
+     "base": "<32 hex>" | null, "depth": int, "chain": int,  # delta base, chain length, bytes
+     "lossless": false, "decoded": "<32 hex>"}  # only for a lossy codec's chunk
+
+The manifest carries an XXH3-128 checksum of its own canonical JSON, so a flipped bit in a shape
+or a plain value is detected like a flipped bit in tensor data. Format version 2 added lossy
+chunks; a manifest without one is written as version 1, which every reader reads.
+
+Parsing validates everything a reader relies on (types, object paths inside the store, recipe
+closure, sizes, known codecs) and rejects anything else with a :class:`ManifestError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lightning_incremental.core import codecs
+from lightning_incremental.core.codecs import HASH_LEN, chunk_hash
+from lightning_incremental.core.errors import FormatVersionError, ManifestError
+from lightning_incremental.core.manifest import FORMAT, MAX_CHUNK_SIZE, MAX_STEP, PACK_DIR
+from lightning_incremental.core.tree import torch_dtype
+
+VERSION = 2  # the newest format version this library reads and writes
+LOSSLESS_VERSION = 1  # what a manifest without lossy chunks is written as
+
+_HASH = re.compile(rf"^[0-9a-f]{{{HASH_LEN}}}$")
+_PACK = re.compile(rf"^{PACK_DIR}/[0-9a-f]{{2}}/[0-9a-f]{{{HASH_LEN}}}\.pack$")
+_FIELDS = (  # the top-level fields a manifest holds, every other key is kept as ``extra``
+    "format", "version", "step", "parent", "generation", "since_base", "chunk_size", "created",
+    "audit", "stats", "pickled", "tree", "tensors", "chunks", "packs",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChunkRecipe:
+    """How to restore one chunk: where its payload lies and which codec decodes it.
+
+    ``base`` names the chunk a delta codec's payload is relative to (``depth``: links below it,
+    ``chain``: payload bytes of the whole chain). ``lossless`` is False for a lossy codec's chunk,
+    whose decoded bytes are checked against ``decoded`` instead of the chunk's own hash.
+    """
+
+    kind: str
+    pack: str
+    offset: int
+    length: int
+    size: int
+    width: int
+    base: str | None = None
+    depth: int = 0
+    chain: int = 0
+    lossless: bool = True
+    decoded: str | None = None
+
+    def expected(self, digest: str) -> str:
+        """The hash restore checks this chunk's decoded bytes against (``digest``: its key)."""
+        return digest if self.lossless else self.decoded  # type: ignore[return-value]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "pack": self.pack,
+            "offset": self.offset,
+            "length": self.length,
+            "size": self.size,
+            "width": self.width,
+            "kind": self.kind,
+            "base": self.base,
+            "depth": self.depth,
+            "chain": self.chain,
+        }
+        if not self.lossless:
+            out["lossless"] = False
+            out["decoded"] = self.decoded
+        return out
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor (or numpy array) of the state: its key path, type, and chunk hashes."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    width: int
+    device: str
+    numpy: bool
+    param: bool
+    requires_grad: bool
+    chunks: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "width": self.width,
+            "device": self.device,
+            "numpy": self.numpy,
+            "param": self.param,
+            "requires_grad": self.requires_grad,
+            "chunks": list(self.chunks),
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of one checkpoint.
+
+    Attributes:
+        step, parent, generation: the checkpoint, the one it was encoded against (None for the
+            first), the fencing generation of its writer.
+        since_base: checkpoints since the last full base (0: this is one).
+        chunk_size: bytes per chunk the tensors were cut into.
+        created: ISO 8601 time of the commit.
+        audit: who, where and with what it was written, and the caller's metadata.
+        stats: figures of the save (bytes, chunk counts).
+        pickled: key paths of pickled values in ``tree``.
+        tree: the skeleton of the state (see :mod:`~lightning_incremental.core.tree`).
+        tensors: the state's tensors, in the order ``tree`` refers to them.
+        chunks: every chunk the tensors need, and every delta base of those, by hash.
+        packs: every object the chunks lie in, with its size in bytes.
+        version: the format version read (written: the least one that holds the manifest).
+        extra: fields of a newer writer this reader does not know, kept as they are.
+    """
+
+    step: int
+    generation: int
+    since_base: int
+    chunk_size: int
+    created: str
+    tensors: tuple[TensorEntry, ...]
+    chunks: Mapping[str, ChunkRecipe]
+    packs: Mapping[str, int]
+    parent: int | None = None
+    audit: Mapping[str, Any] = field(default_factory=dict)
+    stats: Mapping[str, Any] = field(default_factory=dict)
+    pickled: tuple[str, ...] = ()
+    tree: Any = None
+    version: int = LOSSLESS_VERSION
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def lossless(self) -> bool:
+        """Whether every chunk restores bit-exact."""
+        return all(r.lossless for r in self.chunks.values())
+
+    @property
+    def lossy_tensors(self) -> list[str]:
+        """Key paths of the tensors with a lossy chunk."""
+        return [t.path for t in self.tensors if not all(self.chunks[d].lossless for d in t.chunks)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest as the JSON object stored (without its checksum)."""
+        return {
+            **self.extra,
+            "format": FORMAT,
+            "version": LOSSLESS_VERSION if self.lossless else VERSION,
+            "step": self.step,
+            "parent": self.parent,
+            "generation": self.generation,
+            "since_base": self.since_base,
+            "chunk_size": self.chunk_size,
+            "created": self.created,
+            "audit": self.audit,
+            "stats": self.stats,
+            "pickled": list(self.pickled),
+            "tree": self.tree,
+            "tensors": [t.to_dict() for t in self.tensors],
+            "chunks": {d: r.to_dict() for d, r in self.chunks.items()},
+            "packs": {p: {"size": s} for p, s in self.packs.items()},
+        }
+
+
+def closure(digest: str, chunks: Mapping[str, ChunkRecipe]) -> list[str]:
+    """The chain of ``digest``: its standalone base first, ``digest`` last."""
+    chain = [digest]
+    while (base := chunks[chain[-1]].base) is not None:
+        chain.append(base)
+    chain.reverse()
+    return chain
+
+
+# ---------------------------------------------------------------- JSON
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def dumps(manifest: Manifest) -> bytes:
+    """The stored bytes of ``manifest``: canonical JSON with its checksum."""
+    return sign(manifest.to_dict())
+
+
+def sign(body: Mapping[str, Any]) -> bytes:
+    """The stored bytes of a manifest's JSON object: canonical JSON with its checksum."""
+    body = dict(body)
+    return _canonical({**body, "checksum": chunk_hash(_canonical(body))})
+
+
+def loads(data: bytes, where: str) -> Manifest:
+    """Parse and validate stored manifest bytes.
+
+    Raises:
+        FormatVersionError: written by a newer format version.
+        ManifestError: malformed, tampered (checksum), or naming paths outside the store.
+    """
+    try:
+        doc = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"manifest {where} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ManifestError(f"manifest {where} is nested too deeply to be a manifest") from exc
+    if not isinstance(doc, dict):
+        raise ManifestError(f"manifest {where} is not a JSON object")
+    _check_version(doc, where)
+    checksum = doc.pop("checksum", None)
+    if not isinstance(checksum, str) or chunk_hash(_canonical(doc)) != checksum:
+        raise ManifestError(f"manifest {where} fails its checksum: it was modified or corrupted")
+    return parse(doc, where)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-JSON constant {name}")
+
+
+def _check_version(doc: dict[str, Any], where: str) -> int:
+    if doc.get("format") != FORMAT:
+        raise ManifestError(f"{where} is not a {FORMAT} manifest (format={doc.get('format')!r})")
+    version = doc.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ManifestError(f"manifest {where} has no integer format version")
+    if version > VERSION:
+        raise FormatVersionError(
+            f"manifest {where} has format version {version}; this lightning-incremental reads up "
+            f"to version {VERSION} — upgrade lightning-incremental to load it"
+        )
+    return version
+
+
+# ---------------------------------------------------------------- validation
+
+
+def parse(doc: Mapping[str, Any], where: str) -> Manifest:
+    """The typed manifest of a JSON object (checksum already removed), validated: types, object
+    paths, recipe closure and sizes, codecs known to the registry.
+
+    Raises:
+        FormatVersionError: a newer format version. ManifestError: naming the first problem.
+    """
+    version = _check_version(dict(doc), where)
+    _require(doc, "step", int, where)
+    for key in ("generation", "since_base", "chunk_size"):
+        _require(doc, key, int, where)
+    step, chunk_size = doc["step"], doc["chunk_size"]
+    if step < 0 or chunk_size <= 0:
+        raise ManifestError(f"manifest {where}: negative step or chunk size")
+    if step > MAX_STEP or chunk_size > MAX_CHUNK_SIZE:
+        raise ManifestError(f"manifest {where}: step or chunk size out of range")
+    for key, kind in (("created", str), ("audit", dict), ("stats", dict), ("pickled", list)):
+        _require(doc, key, kind, where)
+    for key, kind in (("tensors", list), ("chunks", dict), ("packs", dict)):
+        _require(doc, key, kind, where)
+    if not all(isinstance(p, str) for p in doc["pickled"]):
+        raise ManifestError(f"manifest {where}: field 'pickled' holds a non-string key path")
+    parent = doc.get("parent")
+    if parent is not None and not _nonneg_int(parent):
+        raise ManifestError(f"manifest {where}: field 'parent' is not a step")
+    packs = {path: _pack_size(path, info, where) for path, info in doc["packs"].items()}
+    raw_chunks: dict[str, Any] = doc["chunks"]
+    chunks = {d: _recipe(d, r, packs, version, where) for d, r in raw_chunks.items()}
+    for digest, recipe in chunks.items():
+        _check_base(digest, recipe, chunks, where)
+    tensors = tuple(_tensor(i, t, chunks, where) for i, t in enumerate(doc["tensors"]))
+    return Manifest(
+        step=step,
+        parent=parent,
+        generation=doc["generation"],
+        since_base=doc["since_base"],
+        chunk_size=chunk_size,
+        created=doc["created"],
+        audit=doc["audit"],
+        stats=doc["stats"],
+        pickled=tuple(doc["pickled"]),
+        tree=doc.get("tree"),
+        tensors=tensors,
+        chunks=chunks,
+        packs=packs,
+        version=version,
+        extra={k: v for k, v in doc.items() if k not in _FIELDS and k != "checksum"},
+    )
+
+
+def validate(manifest: Manifest, where: str) -> Manifest:
+    """``manifest`` checked as if it had been read (e.g. one assembled from parts).
+
+    Raises:
+        ManifestError: naming the first problem.
+    """
+    return parse(json.loads(_canonical(manifest.to_dict())), where)
+
+
+def _require(doc: Mapping[str, Any], key: str, kind: type, where: str) -> None:
+    value = doc.get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ManifestError(f"manifest {where}: field {key!r} missing or not a {kind.__name__}")
+
+
+def _nonneg_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_path(path: Any, where: str) -> str:
+    """``path`` when it names a pack object of the store.
+
+    Raises:
+        ManifestError: anything else; a path outside the store is called out as such.
+    """
+    if not isinstance(path, str):
+        raise ManifestError(f"manifest {where}: object path {path!r} is not a string")
+    if _PACK.match(path):
+        return path
+    if ".." in path.split("/") or path.startswith(("/", "\\")) or "://" in path or ":" in path:
+        raise ManifestError(
+            f"manifest {where} names object path {path!r}, which is outside the store: "
+            "refusing to read it (hostile or corrupted manifest)"
+        )
+    raise ManifestError(f"manifest {where}: malformed object path {path!r}")
+
+
+def _pack_size(path: Any, info: Any, where: str) -> int:
+    check_path(path, where)
+    if not isinstance(info, dict) or not _nonneg_int(info.get("size")):
+        raise ManifestError(f"manifest {where}: pack {path} has no valid size")
+    return int(info["size"])
+
+
+def _recipe(
+    digest: Any, raw: Any, packs: Mapping[str, int], version: int, where: str
+) -> ChunkRecipe:
+    if not isinstance(digest, str) or not _HASH.match(digest):
+        raise ManifestError(f"manifest {where}: malformed chunk hash {digest!r:.80}")
+    if not isinstance(raw, dict):
+        raise ManifestError(f"manifest {where}: chunk {digest} has no recipe")
+    pack = check_path(raw.get("pack"), where)
+    if pack not in packs:
+        raise ManifestError(f"manifest {where}: chunk {digest} names unlisted pack")
+    for key in ("offset", "length", "size", "depth", "chain"):
+        if not _nonneg_int(raw.get(key)):
+            raise ManifestError(f"manifest {where}: chunk {digest} has a bad {key!r}")
+    if raw["size"] > MAX_CHUNK_SIZE:
+        raise ManifestError(
+            f"manifest {where}: chunk {digest} claims {raw['size']} bytes, more than any "
+            f"chunk holds ({MAX_CHUNK_SIZE})"
+        )
+    if raw.get("width") not in (1, 2, 4, 8) or isinstance(raw.get("width"), bool):
+        raise ManifestError(f"manifest {where}: chunk {digest} has a bad byte-group width")
+    if raw["offset"] + raw["length"] > packs[pack]:
+        raise ManifestError(f"manifest {where}: chunk {digest} lies outside its pack")
+    try:
+        codec = codecs.get(raw.get("kind"))
+    except ValueError as exc:
+        raise ManifestError(f"manifest {where}: chunk {digest}: {exc}") from exc
+    lossless, decoded = raw.get("lossless", True), raw.get("decoded")
+    if lossless is not codec.lossless:
+        raise ManifestError(
+            f"manifest {where}: chunk {digest} of codec {codec.kind!r} is labelled "
+            f"lossless={lossless!r}, the codec is {'lossless' if codec.lossless else 'lossy'}"
+        )
+    if lossless:
+        if decoded is not None:
+            raise ManifestError(f"manifest {where}: lossless chunk {digest} has a decoded hash")
+    elif version < 2 or not isinstance(decoded, str) or not _HASH.match(decoded):
+        raise ManifestError(
+            f"manifest {where}: lossy chunk {digest} lacks the hash of its decoded bytes"
+        )
+    base = raw.get("base")
+    if codec.needs_base:
+        if not isinstance(base, str):
+            raise ManifestError(f"manifest {where}: delta chunk {digest} lacks its base {base!r}")
+    elif base is not None or raw["depth"] != 0:
+        raise ManifestError(f"manifest {where}: standalone chunk {digest} has a base")
+    return ChunkRecipe(
+        kind=codec.kind,
+        pack=pack,
+        offset=raw["offset"],
+        length=raw["length"],
+        size=raw["size"],
+        width=raw["width"],
+        base=base,
+        depth=raw["depth"],
+        chain=raw["chain"],
+        lossless=lossless,
+        decoded=decoded,
+    )
+
+
+def _check_base(
+    digest: str, recipe: ChunkRecipe, chunks: Mapping[str, ChunkRecipe], where: str
+) -> None:
+    if recipe.base is None:
+        return
+    base = chunks.get(recipe.base)
+    if base is None:
+        raise ManifestError(
+            f"manifest {where}: delta chunk {digest} lacks its base {recipe.base!r}"
+        )
+    if base.depth != recipe.depth - 1 or base.size != recipe.size or not base.lossless:
+        raise ManifestError(f"manifest {where}: delta chunk {digest} has an inconsistent base")
+
+
+def _tensor(index: int, raw: Any, chunks: Mapping[str, ChunkRecipe], where: str) -> TensorEntry:
+    if not isinstance(raw, dict):
+        raise ManifestError(f"manifest {where}: tensor {index} is not an object")
+    shape, hashes = raw.get("shape"), raw.get("chunks")
+    if not isinstance(shape, list) or not all(_nonneg_int(d) for d in shape):
+        raise ManifestError(f"manifest {where}: tensor {index} has a bad shape")
+    if not isinstance(raw.get("dtype"), str) or not isinstance(raw.get("path"), str):
+        raise ManifestError(f"manifest {where}: tensor {index} has no dtype or path")
+    if not _nonneg_int(raw.get("nbytes")) or not isinstance(hashes, list):
+        raise ManifestError(f"manifest {where}: tensor {index} has no size or chunk list")
+    if raw.get("width") not in (1, 2, 4, 8) or isinstance(raw.get("width"), bool):
+        raise ManifestError(f"manifest {where}: tensor {index} has a bad byte-group width")
+    if not isinstance(raw.get("device"), str):
+        raise ManifestError(f"manifest {where}: tensor {index} has no device")
+    for key in ("param", "requires_grad"):
+        if not isinstance(raw.get(key), bool):
+            raise ManifestError(f"manifest {where}: tensor {index} has no boolean {key!r}")
+    total = 0
+    for digest in hashes:
+        recipe = chunks.get(digest) if isinstance(digest, str) else None
+        if recipe is None:
+            raise ManifestError(f"manifest {where}: tensor {index} names unknown chunk {digest!r}")
+        total += recipe.size
+    if total != raw["nbytes"]:
+        raise ManifestError(
+            f"manifest {where}: tensor {index} chunks hold {total} bytes, expected {raw['nbytes']}"
+        )
+    itemsize = _itemsize(raw.get("dtype"), raw.get("numpy"), where)
+    if math.prod(shape) * itemsize != raw["nbytes"]:
+        raise ManifestError(
+            f"manifest {where}: tensor {raw['path']} has the wrong size: shape {shape} of "
+            f"{raw['dtype']} does not hold {raw['nbytes']} bytes"
+        )
+    return TensorEntry(
+        path=raw["path"],
+        dtype=raw["dtype"],
+        shape=tuple(shape),
+        nbytes=raw["nbytes"],
+        width=raw["width"],
+        device=raw["device"],
+        numpy=raw["numpy"],
+        param=raw["param"],
+        requires_grad=raw["requires_grad"],
+        chunks=tuple(hashes),
+    )
+
+
+def _itemsize(dtype: Any, is_numpy: Any, where: str) -> int:
+    if is_numpy is True:
+        try:
+            np_dtype = np.dtype(dtype)
+        except TypeError as exc:
+            raise ManifestError(f"manifest {where}: bad numpy dtype {dtype!r}") from exc
+        if np_dtype.kind not in "biufc" or np_dtype.hasobject:
+            raise ManifestError(f"manifest {where}: numpy dtype {np_dtype} is not numeric")
+        return int(np_dtype.itemsize)
+    if is_numpy is not False:
+        raise ManifestError(f"manifest {where}: tensor kind {is_numpy!r} is not a bool")
+    return int(torch_dtype(dtype).itemsize)
+
+
+def packs_of(manifests: Iterable[Manifest]) -> set[str]:
+    """Every object the given manifests name."""
+    return {path for m in manifests for path in m.packs}

@@ -1,0 +1,149 @@
+"""Load with fallback: restore a checkpoint, or the newest one that verifies.
+
+Restore-side only: it reads and reports what it found (damage to the history, which step it
+returned and whether whole); what the save side makes of a restore is the store's decision
+(:meth:`~lightning_incremental.core.delta_base.DeltaBase.adopt`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_incremental.core.config import StoreConfig
+from lightning_incremental.core.decoder import restore_arrays
+from lightning_incremental.core.errors import (
+    CorruptCheckpointError,
+    ManifestError,
+    PickleNotAllowedError,
+)
+from lightning_incremental.core.format import Manifest
+from lightning_incremental.core.history import History
+from lightning_incremental.core.materialise import MapLocation, materialise
+from lightning_incremental.core.restore import finish_inplace, plan, prune
+from lightning_incremental.core.storage import Storage
+from lightning_incremental.core.tree import unflatten
+
+log = logging.getLogger("lightning_incremental")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a ``load`` restores: top-level ``keys`` (None: all), ``into`` the caller's tensors."""
+
+    keys: tuple[str, ...] | None = None
+    into: Any = None
+    strict: bool = True
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A restored state, the checkpoint it came from, and whether all of it was restored (every
+    chunk verified)."""
+
+    state: dict[str, Any]
+    manifest: Manifest
+    whole: bool
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+
+class Loader:
+    """Restores checkpoints of one store."""
+
+    def __init__(
+        self, storage: Storage, config: StoreConfig, pool: Executor, history: History
+    ) -> None:
+        self.storage, self.config, self.pool, self.history = storage, config, pool, history
+
+    def load(
+        self, step: int | None, map_location: MapLocation, selection: Selection, strict: bool
+    ) -> Loaded:
+        """Checkpoint ``step``, or with None the newest that restores, falling back past corrupt
+        ones with a warning (unless ``strict``). Corrupt ones are quarantined in the history.
+
+        Raises:
+            CorruptCheckpointError: the step (or with None, every one) is corrupt.
+        """
+        if step is not None:
+            step = self.history.resolve(step)
+            try:
+                return self.load_step(step, map_location, selection)
+            except CorruptCheckpointError:
+                self.history.saw_damage(step)  # a new history may replace it
+                raise
+        newest = self.history.resolve(None)
+        problems = []
+        for candidate in reversed([s for s in self.history.steps() if s <= newest]):
+            try:
+                loaded = self.load_step(candidate, map_location, selection)
+            except CorruptCheckpointError as exc:
+                self.history.saw_damage(candidate)
+                if strict:
+                    raise
+                problems.append(str(exc))
+                message = f"checkpoint step {candidate} in {self.storage.url} is unusable: {exc}"
+                log.warning(message)
+                warnings.warn(message + " — falling back to an older checkpoint", stacklevel=3)
+                continue
+            if problems:
+                log.warning(
+                    "restored step %d after skipping %d corrupt checkpoint(s)",
+                    candidate,
+                    len(problems),
+                )
+            return loaded
+        raise CorruptCheckpointError(
+            f"no intact checkpoint in {self.storage.url}; every committed one is corrupt:\n  "
+            + "\n  ".join(problems)
+        )
+
+    def load_step(
+        self, step: int, map_location: MapLocation, selection: Selection = Selection()
+    ) -> Loaded:
+        """Restore checkpoint ``step`` (no fallback).
+
+        Raises:
+            CorruptCheckpointError: a bad manifest or object. PickleNotAllowedError: pickles
+                without ``allow_pickle``. ConfigError: see ``CheckpointStore.load``.
+        """
+        doc = self.history.read(step)
+        where = f"step {step} of {self.storage.url}"
+        skeleton, wanted = prune(doc.tree, selection.keys, where)
+        if doc.pickled and not self.config.allow_pickle:
+            raise PickleNotAllowedError(
+                f"checkpoint {where} holds pickled objects at {', '.join(doc.pickled[:5])}; "
+                "loading them executes code — open the store with allow_pickle=True only if "
+                "you trust this checkpoint"
+            )
+        destinations, targets = plan(doc, wanted, selection.into, where, strict=selection.strict)
+        # No copy of the state is kept for the next save: it reads its XOR bases from storage
+        # (StoreConfig.xor_base_from_storage), so a restore needs no memory beyond the state.
+        restore_arrays(self.storage, doc, self.pool, where, targets)
+        finish_inplace(destinations)
+        values = [
+            holder if mine or holder is None else materialise(holder, entry, map_location)
+            for holder, mine, entry in zip(destinations.holders, destinations.inplace, doc.tensors)
+        ]
+        try:
+            state = unflatten(skeleton, values, allow_pickle=self.config.allow_pickle)
+        except PickleNotAllowedError as exc:
+            raise PickleNotAllowedError(f"checkpoint {where}: {exc}") from exc
+        except ManifestError as exc:
+            raise ManifestError(f"manifest {where}: {exc}") from exc
+        if not isinstance(state, dict):
+            raise ManifestError(f"manifest {where}: the state is not a dict")
+        lossy = doc.lossy_tensors
+        if lossy:
+            log.warning(
+                "checkpoint %s restores %d tensor(s) encoded lossily (not bit-exact): %s",
+                where,
+                len(lossy),
+                ", ".join(lossy[:5]),
+            )
+        return Loaded(state, doc, whole=wanted is None)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Run the Lightning adapter's quick tests against the oldest Lightning release we support
+# (lightning_incremental/_compat.py: OLDEST_SUPPORTED), in a venv of its own.
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OLDEST="${OLDEST_LIGHTNING:-lightning==2.5.0}"
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+echo "$OLDEST" > "$constraints"
+PIP_CONSTRAINT="$constraints" VENV=.venv-oldest-lightning bash scripts/setup.sh test
+.venv-oldest-lightning/bin/python -c "import lightning; print('[test] against lightning', lightning.__version__)"
+exec .venv-oldest-lightning/bin/python -m pytest -q -p no:cacheprovider -m "not slow" \
+    tests/test_callback.py tests/test_checkpoint_io.py tests/test_lightning_compat.py \
+    tests/test_resume_matrix.py tests/test_failure_policy.py tests/test_cli.py "$@"

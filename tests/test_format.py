@@ -1,0 +1,133 @@
+"""The typed manifest format: JSON round trips and the validator on typed objects."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_incremental.core import format as fmt
+from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.errors import FormatVersionError, ManifestError
+from lightning_incremental.core.format import ChunkRecipe, Manifest, TensorEntry
+from tests.conftest import small_store
+
+PACK = mf.pack_path("ab" * 16)
+A, B = "a" * 32, "b" * 32
+
+
+def _manifest(**changes: Any) -> Manifest:
+    base = ChunkRecipe(kind="z", pack=PACK, offset=0, length=10, size=8, width=4, chain=10)
+    delta = ChunkRecipe(
+        kind="x", pack=PACK, offset=10, length=5, size=8, width=4, base=A, depth=1, chain=15
+    )
+    tensor = TensorEntry(
+        path="state['w']",
+        dtype="float32",
+        shape=(2, 2),
+        nbytes=16,
+        width=4,
+        device="cpu",
+        numpy=False,
+        param=False,
+        requires_grad=False,
+        chunks=(A, B),
+    )
+    fields: dict[str, Any] = dict(
+        step=3,
+        parent=2,
+        generation=0,
+        since_base=1,
+        chunk_size=8,
+        created="2024-01-01T00:00:00+00:00",
+        audit={"host": "h"},
+        stats={"bytes_logical": 16},
+        pickled=(),
+        tree=["d", [["w", ["t", 0]]]],
+        tensors=(tensor,),
+        chunks={A: base, B: delta},
+        packs={PACK: 15},
+    )
+    fields.update(changes)
+    return Manifest(**fields)
+
+
+def test_round_trip_through_json_is_identity() -> None:
+    manifest = _manifest()
+    data = fmt.dumps(manifest)
+    again = fmt.loads(data, "test")
+    assert again == manifest
+    assert fmt.dumps(again) == data
+    assert json.loads(data)["version"] == 1  # lossless: readable by every reader
+
+
+def test_unknown_fields_of_a_newer_writer_are_kept() -> None:
+    body = _manifest().to_dict()
+    body["future"] = {"x": 1}
+    again = fmt.loads(fmt.sign(body), "test")
+    assert again.extra == {"future": {"x": 1}}
+    assert again.to_dict()["future"] == {"x": 1}
+
+
+def test_a_saved_manifest_parses_to_typed_records(local_url: str) -> None:
+    with small_store(local_url) as store:
+        store.save({"w": torch.randn(3000), "n": 1}, 1).wait()
+        manifest = store.manifest()
+    assert isinstance(manifest.tensors[0], TensorEntry)
+    assert all(isinstance(r, ChunkRecipe) for r in manifest.chunks.values())
+    assert manifest.lossless and manifest.lossy_tensors == []
+    stored = json.loads(open(f"{local_url}/{mf.manifest_path(1)}", "rb").read())
+    stored.pop("checksum")
+    assert manifest.to_dict() == stored
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["packs"].update({"../etc/passwd": {"size": 1}}), "outside the store"),
+        (lambda d: d["packs"].update({"s3://other/x": {"size": 1}}), "outside the store"),
+        (lambda d: d["chunks"][A].update(pack="/abs/path"), "outside the store"),
+        (lambda d: d["chunks"][A].update(kind="q"), "unknown chunk encoding"),
+        (lambda d: d["chunks"][B].update(base="c" * 32), "lacks its base"),
+        (lambda d: d["chunks"][B].update(depth=5), "inconsistent base"),
+        (lambda d: d["chunks"][A].update(base=B), "standalone chunk"),
+        (lambda d: d["chunks"][A].update(offset=14), "outside its pack"),
+        (lambda d: d["chunks"][A].update(width=3), "byte-group width"),
+        (lambda d: d["chunks"][A].update(lossless=False), "labelled lossless=False"),
+        (lambda d: d["chunks"][A].update(decoded=A), "has a decoded hash"),
+        (lambda d: d["tensors"][0].update(nbytes=12), "chunks hold 16 bytes"),
+        (lambda d: d["tensors"][0].update(param="yes"), "boolean 'param'"),
+        (lambda d: d["tensors"][0].update(chunks=[A, "c" * 32]), "unknown chunk"),
+        (lambda d: d.update(step=-1), "negative step"),
+        (lambda d: d.update(pickled=[1]), "non-string"),
+        (lambda d: d.update(parent="x"), "'parent'"),
+    ],
+)
+def test_the_validator_rejects_hostile_or_broken_manifests(edit: Any, message: str) -> None:
+    body = _manifest().to_dict()
+    edit(body)
+    with pytest.raises(ManifestError, match=message):
+        fmt.loads(fmt.sign(body), "test")
+
+
+def test_checksum_and_version_are_checked() -> None:
+    body = _manifest().to_dict()
+    data = bytearray(fmt.sign(body))
+    data[data.index(b'"step":3') + 7] = ord("4")
+    with pytest.raises(ManifestError, match="checksum"):
+        fmt.loads(bytes(data), "test")
+    with pytest.raises(FormatVersionError, match="upgrade"):
+        fmt.loads(fmt.sign({**body, "version": fmt.VERSION + 1}), "test")
+
+
+def test_validate_checks_an_assembled_manifest() -> None:
+    broken = _manifest(packs={})
+    with pytest.raises(ManifestError, match="unlisted pack"):
+        fmt.validate(broken, "test")
+    assert fmt.validate(_manifest(), "test") == _manifest()
+
+
+def test_closure_lists_a_chain_base_first() -> None:
+    assert fmt.closure(B, _manifest().chunks) == [A, B]

@@ -1,6 +1,9 @@
 """Pointer files: the small JSON files at Lightning's checkpoint paths, each naming one step of
-the engine store next to it; and the few file operations they need, on local disks and fsspec
-URLs. Framework-free: used by :mod:`lightning_incremental.checkpoint_io`.
+the engine store next to it; and the few file operations they need, done through the
+:class:`~lightning_incremental.core.storage.Storage` of the file's directory — so pointer files
+work wherever a store does, and are written the way the store writes its objects (atomically;
+on local disks fsynced, renamed into place, the directory fsynced). Framework-free: used by
+:mod:`lightning_incremental.checkpoint_io`.
 
 A pointer file::
 
@@ -47,30 +50,31 @@ start with a zip or a binary pickle header, so the two kinds are told apart by t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import posixpath
 import re
 import socket
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
-
-from lightning_incremental.core import CheckpointError, CorruptCheckpointError, FormatVersionError
-from lightning_incremental.core.storage import redact, secret_strings
+from lightning_incremental.core import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    StorageError,
+)
+from lightning_incremental.core.storage import TMP_PREFIX, LocalStorage, Storage, open_storage
 
 POINTER_FORMAT = "lightning-incremental-pointer"
 POINTER_VERSION = 1
 MAX_POINTER_BYTES = 64 * 1024
 _STORE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
-_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "r2"}
-_TMP_SUFFIX = ".li-tmp"  # not ".ckpt": Lightning's "last*.ckpt" search never sees one
-_TMP = re.compile(r"^\..*\.[0-9a-f]{32}\.li-tmp$")
+_TMP = re.compile(r"^\..*\.[0-9a-f]{32}\.li-tmp$")  # temporary files of earlier versions
 _ID = re.compile(r"^[0-9a-f]{32}$")
 
 HOW_TO_LOAD = (
@@ -273,17 +277,24 @@ class Pointer:
 
 @dataclass(frozen=True)
 class CheckpointFile:
-    """A checkpoint path on a local disk or an fsspec filesystem."""
+    """A checkpoint path, as a name in the :class:`Storage` of its directory: on a local disk,
+    or under any URL a store can be at (every backend of ``open_storage``)."""
 
-    fs: Any
-    path: str  # the filesystem's own path (local: absolute)
+    storage: Storage  # the file's directory
+    name: str  # the file's name in it
+    path: str  # local: the absolute path; otherwise the URL
     display: str  # as the user wrote it, less any credentials in a URL
-    url_prefix: str  # "" for local files, "proto://" for fsspec URLs
+    storage_options: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(
         cls, text: str, storage_options: dict[str, Any] | None, *, resolve: bool
     ) -> CheckpointFile:
+        """The checkpoint file at ``text`` (a local path, ``file://`` or another URL).
+
+        Raises:
+            ValueError: ``text`` names a directory (ends with '/'), or cannot be opened.
+        """
         if not text or text.endswith(("/", os.sep)):
             raise ValueError(f"a checkpoint path must name a file, got {text!r}")
         match = _SCHEME.match(text)
@@ -296,144 +307,123 @@ class CheckpointFile:
                 local = os.path.join(
                     os.path.realpath(os.path.dirname(local)), os.path.basename(local)
                 )
-            return cls(LocalFileSystem(), local, text, "")
-        secrets = secret_strings(storage_options or {})
+            directory, name = os.path.split(local)
+            return cls(LocalStorage(directory), name, local, text)
+        scheme = match.group(0)
+        parent, _, name = text[len(scheme) :].rstrip("/").rpartition("/")
         try:
-            fs, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
-        except Exception as exc:  # the backend's message may quote an option's value
-            raise ValueError(f"cannot open {_shown(text)}: {redact(str(exc), secrets)}") from None
-        if isinstance(fs, LocalFileSystem):
-            return cls.of(path, None, resolve=resolve)
-        return cls(fs, path, _shown(text), f"{match.group(1)}://")
+            storage = open_storage(scheme + parent, storage_options)
+        except ConfigError as exc:  # its message names the problem, never an option's value
+            raise ValueError(f"cannot open {_shown(text)}: {exc}") from None
+        if isinstance(storage, LocalStorage):  # an fsspec URL of a local filesystem
+            return cls.of(posixpath.join(storage.root, name), None, resolve=resolve)
+        return cls(storage, name, f"{storage.url}/{name}", _shown(text), storage_options)
 
     @property
     def local(self) -> bool:
-        return not self.url_prefix
+        return isinstance(self.storage, LocalStorage)
 
     @property
     def key(self) -> str:
-        return self.url_prefix + self.path
+        return self.path
+
+    @property
+    def path_url(self) -> str:
+        return self.path
 
     @property
     def parts(self) -> list[str]:
         return self.path.replace(os.sep, "/").split("/")[:-1]
 
-    @property
-    def path_url(self) -> str:
-        return self.url_prefix + self.path
-
-    def _dir(self) -> str:
-        return os.path.dirname(self.path) if self.local else posixpath.dirname(self.path)
-
     def store_url(self, store_name: str) -> str:
         if self.local:
-            return os.path.join(self._dir(), store_name)
-        return f"{self.url_prefix}{posixpath.join(self._dir(), store_name)}"
+            return os.path.join(os.path.dirname(self.path), store_name)
+        return f"{self.storage.url}/{store_name}"
 
     def isdir(self) -> bool:
-        return bool(self.fs.isdir(self.path))
+        """Whether the path is a directory (a store's): on object stores, no object of that
+        name but objects under it."""
+        if self.local:
+            return os.path.isdir(self.path)
+        if self.head() is not None:
+            return False
+        return open_storage(self.path, self.storage_options).exists("")
 
     def islink(self) -> bool:
         return self.local and os.path.islink(self.path)
 
     def head(self) -> bytes | None:
         """The first bytes of the file; None when there is no file."""
-        try:
-            with self.fs.open(self.path, "rb") as fh:
-                return bytes(fh.read(HEAD_BYTES))
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            return None
+        return _read(self.storage, self.name, HEAD_BYTES)
 
     def read(self) -> bytes:
-        with self.fs.open(self.path, "rb") as fh:
-            return bytes(fh.read(MAX_POINTER_BYTES + 1))
+        """The file's bytes, up to one more than a pointer file may have.
+
+        Raises:
+            FileNotFoundError: there is no file.
+            StorageError: it cannot be read.
+        """
+        return self.storage.get(self.name, 0, MAX_POINTER_BYTES + 1)
 
     def remove(self) -> None:
-        try:
-            self.fs.rm_file(self.path)
-        except FileNotFoundError:
-            pass
-
-    @property
-    def object_store(self) -> bool:
-        """Buckets have no directories, and s3fs's makedirs would create a missing bucket:
-        a mistyped bucket name must fail on the write instead."""
-        return self.url_prefix[:-3].lower() in _OBJECT_STORES
+        self.storage.delete(self.name)
 
     def makedirs(self) -> None:
-        """Create the file's directory (ModelCheckpoint links into it right after a save)."""
-        if not self.object_store:
-            self.fs.makedirs(self._dir(), exist_ok=True)
+        """Create the file's directory on a local disk (ModelCheckpoint links into it right
+        after a save). Elsewhere the write creates what it needs: buckets have no directories,
+        and creating one could create a mistyped bucket."""
+        if self.local:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
 
     def write_atomic(self, data: bytes, *, fsync: bool) -> None:
-        directory = self._dir()
-        if not self.local:
-            if not self.object_store:
-                self.fs.makedirs(directory, exist_ok=True)
-            try:
-                self.fs.pipe_file(self.path, data)  # one PUT: atomic on object stores
-            except FileNotFoundError as exc:  # e.g. a bucket that does not exist
-                raise FileNotFoundError(f"cannot write {self.display}: {exc}") from exc
-            return
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(
-            directory, f".{os.path.basename(self.path)}.{uuid.uuid4().hex}{_TMP_SUFFIX}"
-        )
-        try:
-            with open(tmp, "xb") as fh:
-                fh.write(data)
-                fh.flush()
-                if fsync:
-                    os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        if fsync:  # make the rename durable, as the engine does for its objects
-            try:
-                fd = os.open(directory, os.O_RDONLY)
-            except OSError:
-                return  # a platform that cannot open directories: the file itself was fsynced
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass  # some filesystems cannot fsync a directory (same policy as the engine)
-            finally:
-                os.close(fd)
+        """Replace the file by ``data`` atomically, as the store writes its objects (on local
+        disks: a temporary file, fsynced when ``fsync``, renamed into place, the directory
+        fsynced).
+
+        Raises:
+            StorageError, FileNotFoundError: the write failed; the file is as it was.
+        """
+        if isinstance(self.storage, LocalStorage):
+            self.storage.fsync = fsync
+        self.storage.put(self.name, data, overwrite=True)
 
     def sibling_pointers(self) -> set[tuple[str, int]]:
         """(store, step) named by every readable pointer file in this file's directory."""
         return {(pointer.store, pointer.step) for pointer in self.siblings()}
 
     def siblings(self) -> list[Pointer]:
-        """Every readable pointer file in this file's directory (this one included)."""
+        """Every readable pointer file in this file's directory (this one included).
+
+        Raises:
+            StorageError: a file that cannot be read (it may name the step the caller is about
+                to release: releasing must stop rather than guess).
+        """
         found: list[Pointer] = []
-        try:
-            entries = self.fs.ls(self._dir(), detail=True)
-        except FileNotFoundError:
-            return found
-        for info in entries:
-            name = info["name"]
-            if info.get("type") == "directory" or (info.get("size") or 0) > MAX_POINTER_BYTES:
-                continue
-            if _TMP.match(posixpath.basename(name)):
+        for name in self.storage.listdir(""):
+            if name.startswith(TMP_PREFIX) or _TMP.match(name):
                 continue  # a pointer write that never completed names nothing
-            try:
-                with self.fs.open(name, "rb") as fh:
-                    data = bytes(fh.read(MAX_POINTER_BYTES + 1))
-            except (FileNotFoundError, IsADirectoryError):
-                continue  # dangling links, files vanishing meanwhile
-            # Any other read error propagates: a pointer we cannot read may name the step the
-            # caller is about to release, so releasing must stop rather than guess.
+            data = _read(self.storage, name, MAX_POINTER_BYTES + 1)
+            if data is None or len(data) > MAX_POINTER_BYTES:
+                continue  # dangling links, files vanishing meanwhile, torch.save files
             if looks_like_pointer(data):
                 try:
                     found.append(Pointer.parse(data, name))
                 except CheckpointError:
                     continue  # other JSON files
         return found
+
+
+def _read(storage: Storage, name: str, limit: int) -> bytes | None:
+    """Up to ``limit`` first bytes of ``name``; None when there is no such file (or it is a
+    directory)."""
+    try:
+        return storage.get(name, 0, limit)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    except StorageError as exc:
+        if exc.errno in (errno.EISDIR, errno.ENOTDIR):
+            return None
+        raise
 
 
 def looks_like_pointer(head: bytes) -> bool:

@@ -2,26 +2,46 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from lightning_incremental.core import CheckpointStore
+from lightning_incremental.core.storage import register_scheme, registered_schemes
 from tests.s3_server import s3_bucket, s3_defaults, s3_endpoint, s3_faults  # noqa: F401
 
+STORE_BACKENDS = ("local", "memory", "s3")
 
-@pytest.fixture(params=["local", "memory", "s3"])
+
+@pytest.fixture(params=STORE_BACKENDS)
 def store_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
-    """A fresh store location on each storage backend of the conformance suite. The S3 store
-    is in a new bucket of the loopback endpoint (tests/s3_server.py), whose options are
-    fsspec's defaults for s3:// meanwhile, so the bare URL opens it."""
-    if request.param == "local":
+    """A fresh store location on each storage backend of the conformance suite."""
+    with backend_url(request.param, request, tmp_path) as url:
+        yield url
+
+
+@contextmanager
+def backend_url(kind: str, request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """A fresh location on the backend ``kind``: ``local``, ``memory``, ``s3`` or ``plugin``
+    (tests/storage_plugin.py, registered by code). The S3 store is in a new bucket of the
+    loopback endpoint (tests/s3_server.py), whose options are fsspec's defaults for s3://
+    meanwhile, so the bare URL opens it."""
+    if kind == "local":
         yield str(tmp_path / "store")
-    elif request.param == "s3":
+    elif kind == "s3":
         endpoint = request.getfixturevalue("s3_endpoint")
         bucket = request.getfixturevalue("s3_bucket")
         with s3_defaults(endpoint.options()):
             yield f"s3://{bucket}/store"
+    elif kind == "plugin":
+        from tests import storage_plugin
+
+        if storage_plugin.SCHEME not in registered_schemes():
+            register_scheme(storage_plugin.SCHEME, storage_plugin.open_dict_storage)
+        url = f"{storage_plugin.SCHEME}://li-test-{uuid.uuid4().hex}/store"
+        yield url
+        storage_plugin.forget(url)
     else:
         url = f"memory://li-test-{uuid.uuid4().hex}"
         yield url

@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from lightning_incremental.core.errors import StorageError
-from lightning_incremental.core.storage import Storage, _translate
+from lightning_incremental.core.storage import Storage, translate_errors
 
 PHASES = ("marker", "pack", "manifest", "quarantine", "other")
 OPS = ("put", "get", "exists", "list", "delete", "size", "mtime")
@@ -160,7 +160,7 @@ class FaultyStorage(Storage):
         exc = OSError(fault.errno, os.strerror(fault.errno), path)
         if fault.translate:
             try:
-                with _translate(f"{op} of {path} (injected fault)"):
+                with translate_errors(f"{op} of {path} (injected fault)"):
                     raise exc
             except StorageError as translated:
                 exc = translated

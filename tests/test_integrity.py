@@ -32,7 +32,7 @@ from lightning_incremental.core import format as fmt
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.codecs import chunk_hash
 from lightning_incremental.core.maintenance import STALE_TMP_S
-from lightning_incremental.core.storage import LocalStorage, _translate, open_storage
+from lightning_incremental.core.storage import LocalStorage, open_storage, translate_errors
 from tests.conftest import assert_state_equal, small_store
 from tests.faulty import FaultyStorage
 
@@ -212,7 +212,7 @@ class _QuotaStorage(LocalStorage):
 
     def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
         if self.used() + len(data) > self.quota:
-            with _translate(f"writing {path} (quota)"):
+            with translate_errors(f"writing {path} (quota)"):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         return super().put(path, data, overwrite=overwrite)
 

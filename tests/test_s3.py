@@ -18,9 +18,9 @@ import torch
 
 from lightning_incremental.core import CheckpointStore, ConfigError, StepError, StorageError
 from lightning_incremental.core.manifest import manifest_path
-from lightning_incremental.core.retry import RetryPolicy
-from lightning_incremental.core.s3 import S3Storage
 from lightning_incremental.core.storage import open_storage
+from lightning_incremental.core.storage.retry import RetryPolicy
+from lightning_incremental.core.storage.s3 import S3Storage
 from tests.conftest import assert_state_equal
 from tests.s3_server import FaultPlan, S3Endpoint
 
@@ -215,9 +215,10 @@ def test_a_name_taken_during_a_multipart_upload(
 def test_of_two_committers_of_one_step_one_wins(
     s3_faults: FaultPlan, s3_endpoint: S3Endpoint, s3_bucket: str, url: str
 ) -> None:
-    with small_store(s3_storage(s3_endpoint, url)) as a, small_store(
-        s3_storage(s3_endpoint, url)
-    ) as b:
+    with (
+        small_store(s3_storage(s3_endpoint, url)) as a,
+        small_store(s3_storage(s3_endpoint, url)) as b,
+    ):
         a.save(state(0), 0).wait(WAIT_S)
         assert_state_equal(b.load(), state(0))  # b knows step 0 and builds on it
         a.save(state(1), 1).wait(WAIT_S)
@@ -307,8 +308,12 @@ PERSISTENT = {
 
 @pytest.mark.parametrize(
     ("fault", "target"),
-    [("500", "packs"), ("503-slow-down", "packs"), ("connection-reset", "packs"),
-     ("500", "manifests")],
+    [
+        ("500", "packs"),
+        ("503-slow-down", "packs"),
+        ("connection-reset", "packs"),
+        ("500", "manifests"),
+    ],
 )
 def test_a_persistent_fault_fails_the_save_and_commits_nothing(
     s3_faults: FaultPlan, s3_endpoint: S3Endpoint, s3_bucket: str, url: str, fault: str, target: str

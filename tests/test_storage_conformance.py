@@ -1,6 +1,8 @@
 """One conformance suite for every storage backend (the ``store_url`` fixture: local directory,
-``memory://``, and ``s3://`` on moto's server on loopback). Backend-agnostic: only the public
-``open_storage`` / ``Storage`` interface and the ``CheckpointStore`` API are used.
+``memory://`` for fsspec's backend, ``s3://`` on moto's server on loopback, and a backend
+written as another package would, tests/storage_plugin.py). Backend-agnostic: only the public
+``open_storage`` / ``Storage`` interface and the ``CheckpointStore`` API are used; a test below
+fails when a registered backend is not in the suite.
 
 Part 1 pins the Storage interface the engine relies on; part 2 runs whole-store round trips.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,8 +23,35 @@ from lightning_incremental.core import (
     NotAStoreError,
     StepError,
 )
-from lightning_incremental.core.storage import Storage, open_storage
-from tests.conftest import assert_state_equal, small_store
+from lightning_incremental.core.storage import (
+    Storage,
+    backend_for,
+    open_storage,
+    registered_schemes,
+)
+from tests import storage_plugin
+from tests.conftest import STORE_BACKENDS, assert_state_equal, backend_url, small_store
+
+# The schemes whose backends the suite opens (besides local paths and fsspec's memory://).
+SUITE_SCHEMES = {"s3": "s3", "plugin": storage_plugin.SCHEME}
+
+
+@pytest.fixture(params=[*STORE_BACKENDS, "plugin"])
+def store_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    with backend_url(request.param, request, tmp_path) as url:
+        yield url
+
+
+def test_every_registered_backend_is_in_the_suite() -> None:
+    """Adding a backend to the registry without adding it here fails."""
+    tested = {backend_for(s).source for s in SUITE_SCHEMES.values() if backend_for(s)}
+    for scheme in registered_schemes():
+        found = backend_for(scheme)
+        assert found is not None and found.source in tested, (
+            f"{scheme}:// ({found.source if found else None}) is registered but the conformance "
+            "suite does not open it: add it to store_url's params"
+        )
+
 
 # ---------------------------------------------------------------------------- Storage interface
 
@@ -69,8 +99,16 @@ def test_put_overwrite_replaces(storage: Storage) -> None:
 
 @pytest.mark.parametrize(
     ("start", "end"),
-    [(0, 10), (5, 9), (100, 1028), (None, 7), (1000, None), (0, None), (3, 3),
-     (len(DATA) - 4, None)],
+    [
+        (0, 10),
+        (5, 9),
+        (100, 1028),
+        (None, 7),
+        (1000, None),
+        (0, None),
+        (3, 3),
+        (len(DATA) - 4, None),
+    ],
 )
 def test_get_range(storage: Storage, start: int | None, end: int | None) -> None:
     storage.put("packs/cd/obj", DATA)
@@ -127,6 +165,24 @@ def test_list_of_the_root(storage: Storage) -> None:
     assert sorted(storage.list("")) == ["packs/ab/1.pack", "store.json"]
 
 
+def test_listdir_is_one_level(storage: Storage) -> None:
+    for name in ["top.json", "packs/ab/1.pack", "packs/x.json", "manifests/0.json"]:
+        storage.put(name, b"x")
+    assert storage.listdir("") == ["top.json"]
+    assert storage.listdir("packs") == ["packs/x.json"]
+    assert storage.listdir("packs/ab") == ["packs/ab/1.pack"]
+    assert storage.listdir("packs/ab/") == ["packs/ab/1.pack"]
+    assert storage.listdir("nothing-here") == []
+    assert storage.listdir("pack") == []
+
+
+def test_exists_of_the_location(storage: Storage) -> None:
+    """``exists("")``: whether anything is at the location (how a path is told to be a store)."""
+    assert storage.exists("") is False
+    storage.put("packs/ab/obj", b"x")
+    assert storage.exists("") is True
+
+
 def test_list_shows_no_temporary_objects(storage: Storage) -> None:
     """A write is atomic: after it, the listing holds the object and nothing else."""
     storage.put("manifests/00.json", b"a" * 1000)
@@ -165,14 +221,16 @@ def _states(n: int) -> list[dict[str, Any]]:
         emb = emb.clone()
         emb[step % 96] -= 0.5
         counts = counts + (torch.arange(700) % (step + 2) == 0)
-        out.append({
-            "model": {"w": w.clone(), "emb": emb.clone(), "frozen": frozen.clone()},
-            "counts": counts.clone(),
-            "flags": torch.tensor([True, False, step % 2 == 0]),
-            "scalar": torch.tensor(float(step)),
-            "empty": torch.empty(0, 3),
-            "meta": {"step": step, "loss": 1.0 / (step + 1), "name": "run", "ids": (1, 2)},
-        })
+        out.append(
+            {
+                "model": {"w": w.clone(), "emb": emb.clone(), "frozen": frozen.clone()},
+                "counts": counts.clone(),
+                "flags": torch.tensor([True, False, step % 2 == 0]),
+                "scalar": torch.tensor(float(step)),
+                "empty": torch.empty(0, 3),
+                "meta": {"step": step, "loss": 1.0 / (step + 1), "name": "run", "ids": (1, 2)},
+            }
+        )
     return out
 
 

@@ -41,9 +41,16 @@ import fsspec.asyn
 from s3fs import S3FileSystem
 
 from lightning_incremental.core.errors import ConfigError, StorageError
-from lightning_incremental.core.retry import RetryPolicy
-from lightning_incremental.core.s3_client import RequestFailed, client_options, retrying
-from lightning_incremental.core.storage import S3_PROTOCOLS, Storage, filesystem, redact
+from lightning_incremental.core.storage.base import Storage
+from lightning_incremental.core.storage.filesystem import filesystem
+from lightning_incremental.core.storage.redaction import redact
+from lightning_incremental.core.storage.retry import RetryPolicy
+from lightning_incremental.core.storage.s3_client import (
+    S3_PROTOCOLS,
+    RequestFailed,
+    client_options,
+    retrying,
+)
 
 log = logging.getLogger("lightning_incremental")
 
@@ -69,7 +76,7 @@ class S3Storage(Storage):
             Default ``part_size``.
         conditional_writes: send ``If-None-Match: *`` on create-only writes. Default True.
         max_concurrency: parts of one object uploaded at once. Default 4.
-        secrets: values to keep out of messages (see ``storage.secret_strings``).
+        secrets: values to keep out of messages (see ``redaction.secret_strings``).
 
     Raises:
         ConfigError: a URL without a bucket, or a bad size or count.
@@ -161,6 +168,9 @@ class S3Storage(Storage):
 
     def list(self, prefix: str) -> builtins.list[str]:
         return self._run("listing", prefix, self._list(prefix))
+
+    def listdir(self, prefix: str) -> builtins.list[str]:
+        return self._run("listing", prefix, self._list(prefix, one_level=True))
 
     def delete(self, path: str) -> None:
         self._run("deleting", path, self._delete(path))
@@ -292,9 +302,13 @@ class S3Storage(Storage):
                 return b""  # the range starts past the end: a short read, as on a file
             raise
 
-    async def _list(self, prefix: str) -> builtins.list[str]:
+    async def _list(self, prefix: str, *, one_level: bool = False) -> builtins.list[str]:
+        """Every object under ``prefix``; with ``one_level``, only those directly in it (the
+        "subdirectories" come back as common prefixes and are left out)."""
         base = self._key(prefix).rstrip("/")
         kw: dict[str, Any] = {"Prefix": f"{base}/" if base else ""}
+        if one_level:
+            kw["Delimiter"] = "/"
         strip = len(self.prefix) + 1 if self.prefix else 0
         out: builtins.list[str] = []
         while True:

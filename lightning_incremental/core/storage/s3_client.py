@@ -1,6 +1,6 @@
 """Talking to S3: what a failed request means, the retry loop, and the client's options.
 
-Separate from :mod:`lightning_incremental.core.s3` (what is written where, and when) so that
+Separate from :mod:`lightning_incremental.core.storage.s3` (what is written where, and when) so that
 the failure policy can be read in one place: which errors are transient, how often and how
 patiently they are retried, and how botocore's own retries are kept from multiplying ours.
 """
@@ -18,10 +18,12 @@ import botocore.parsers
 import fsspec.config
 
 from lightning_incremental.core.errors import ConfigError
-from lightning_incremental.core.retry import RetryPolicy
-from lightning_incremental.core.storage import S3_PROTOCOLS, redact, secret_strings
+from lightning_incremental.core.storage.redaction import redact, secret_strings
+from lightning_incremental.core.storage.retry import RetryPolicy
 
 _T = TypeVar("_T")
+
+S3_PROTOCOLS = ("s3", "s3a")
 
 # Error codes that mean "try again later" whatever the status says.
 _TRANSIENT_CODES = frozenset(

@@ -1,0 +1,169 @@
+"""LocalStorage: a directory on a local disk, written atomically and durably.
+
+A write goes to a temporary file in the object's directory (named :data:`TMP_PREFIX` + a random
+hex id), is fsynced, then linked into place — ``link`` fails if the name exists, which makes the
+create-only check atomic — or, when overwriting, renamed over the old file; then the directory
+is fsynced, so that the new name survives a crash too.
+"""
+
+from __future__ import annotations
+
+import builtins
+import mmap
+import os
+import uuid
+
+from lightning_incremental.core.storage.base import Storage, translate_errors
+
+TMP_PREFIX = ".tmp-"
+MMAP_MIN = 1 << 20  # smaller reads are copied: a mapping costs more than it saves
+
+
+class LocalStorage(Storage):
+    """A local directory, with fsync and create-only links.
+
+    Args:
+        root: the directory (absolute).
+        fsync: fsync every written file and its directory. Default True.
+    """
+
+    def __init__(self, root: str, *, fsync: bool = True) -> None:
+        self.root = root
+        self.url = root
+        self.fsync = fsync
+        self._made: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.root!r})"
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self.root, *path.split("/"))
+
+    def _makedirs(self, directory: str) -> None:
+        if directory in self._made:
+            return
+        created = not os.path.isdir(directory)
+        os.makedirs(directory, exist_ok=True)
+        if created and self.fsync:
+            fsync_dir(os.path.dirname(directory))
+        self._made.add(directory)
+
+    def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
+        target = self._abs(path)
+        directory = os.path.dirname(target)
+        with translate_errors(f"writing {path} under {self.root}"):
+            if not overwrite and os.path.exists(target):
+                return False
+            self._makedirs(directory)
+            tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex}")
+            try:
+                with open(tmp, "xb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    if self.fsync:
+                        os.fsync(fh.fileno())
+                if overwrite:
+                    os.replace(tmp, target)
+                else:
+                    try:
+                        os.link(tmp, target)
+                    except FileExistsError:
+                        return False
+                    finally:
+                        os.unlink(tmp)
+            except BaseException:
+                _silent_unlink(tmp)
+                raise
+            if self.fsync:
+                fsync_dir(directory)
+        return True
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        with (
+            translate_errors(f"reading {path} under {self.root}"),
+            open(self._abs(path), "rb") as fh,
+        ):
+            if start:
+                fh.seek(start)
+            if end is None:
+                return fh.read()
+            return fh.read(max(0, end - (start or 0)))
+
+    def get_view(self, path: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` mapped read-only instead of copied. Objects are immutable and
+        only ever replaced by rename, never rewritten in place, so the mapping stays valid."""
+        with (
+            translate_errors(f"reading {path} under {self.root}"),
+            open(self._abs(path), "rb") as fh,
+        ):
+            size = os.fstat(fh.fileno()).st_size
+            if end > size or end - start < MMAP_MIN:
+                fh.seek(start)
+                return memoryview(fh.read(max(0, end - start)))
+            align = start - start % mmap.ALLOCATIONGRANULARITY
+            mapped = mmap.mmap(fh.fileno(), end - align, offset=align, access=mmap.ACCESS_READ)
+        return memoryview(mapped)[start - align :]
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._abs(path))
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._abs(prefix)
+        out: list[str] = []
+        with translate_errors(f"listing {prefix} under {self.root}"):
+            for dirpath, _, files in os.walk(base):
+                rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+                prefix_dir = "" if rel_dir == "." else f"{rel_dir}/"
+                out.extend(f"{prefix_dir}{name}" for name in files)
+        return sorted(out)
+
+    def listdir(self, prefix: str) -> builtins.list[str]:
+        base = prefix.strip("/")
+        out: builtins.list[str] = []
+        with translate_errors(f"listing {prefix} under {self.root}"):
+            try:
+                entries = list(os.scandir(self._abs(base)))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        for entry in entries:
+            try:
+                if entry.is_dir():  # follows links, as os.walk does: a link to a file is one
+                    continue
+            except OSError:
+                continue
+            out.append(f"{base}/{entry.name}" if base else entry.name)
+        return sorted(out)
+
+    def delete(self, path: str) -> None:
+        with translate_errors(f"deleting {path} under {self.root}"):
+            _silent_unlink(self._abs(path))
+
+    def size(self, path: str) -> int:
+        with translate_errors(f"reading the size of {path}"):
+            return os.path.getsize(self._abs(path))
+
+    def mtime(self, path: str) -> float | None:
+        with translate_errors(f"reading the time of {path}"):
+            return os.path.getmtime(self._abs(path))
+
+
+def fsync_dir(directory: str) -> None:
+    """Make the names in ``directory`` durable; a no-op where directories cannot be fsynced
+    (the files themselves were)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the data files were fsynced
+    finally:
+        os.close(fd)
+
+
+def _silent_unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
+from lightning_incremental.runtime import data_position as position
+
 _FOLLOW = ("base_dataloader", "batch_sampler", "sampler", "dataset")
 _MAX_DEPTH = 5
 
@@ -30,24 +32,13 @@ _MAX_DEPTH = 5
 def generators(loader: Any) -> dict[str, torch.Generator]:
     """Every distinct ``torch.Generator`` a prepared loader, its samplers or its dataset draw from,
     by attribute path (``"synchronized_generator"``, ``"batch_sampler.sampler.generator"``)."""
-    found: dict[str, torch.Generator] = {}
-    seen: set[int] = set()
-
-    def walk(obj: Any, path: str, depth: int) -> None:
-        for name in ("synchronized_generator", "generator"):
-            gen = getattr(obj, name, None)
-            if isinstance(gen, torch.Generator) and id(gen) not in seen:
-                seen.add(id(gen))
-                found[f"{path}{name}"] = gen
-        if depth >= _MAX_DEPTH:
-            return
-        for name in _FOLLOW:
-            value = getattr(obj, name, None)
-            if value is not None and not isinstance(value, (str, bytes, int, float)):
-                walk(value, f"{path}{name}.", depth + 1)
-
-    walk(loader, "", 0)
-    return found
+    return position.find_generators(
+        loader,
+        names=("synchronized_generator", "generator"),
+        follow=_FOLLOW,
+        max_depth=_MAX_DEPTH,
+        accept=lambda value: not isinstance(value, (str, bytes, int, float)),
+    )
 
 
 def _epoch(loader: Any) -> int:
@@ -77,7 +68,7 @@ class LoaderPosition:
 
     def state(self) -> dict[str, Any]:
         """Plain data: the epoch, the batches consumed in it, and its starting random states."""
-        now = {key: gen.get_state() for key, gen in generators(self.loader).items()}
+        now = position.generator_states(generators(self.loader))
         if self.consumed is None or self._torch_state is None:
             return {"epoch": _epoch(self.loader), "consumed": None, "generators": now}
         if self.at_epoch_end():
@@ -126,8 +117,7 @@ class LoaderPosition:
                 f"{sorted(saved)}, now {sorted(current)}; build the DataLoader as the saved run did"
             )
         if consumed is None:  # between epochs: the next epoch draws from the current states
-            for key, gen in current.items():
-                gen.set_state(saved[key].cpu())
+            position.set_generator_states(current, saved)
             return
         self._resume = _Resume(epoch, int(consumed), state["torch"], saved)
         if isinstance(getattr(self.loader, "dataset", None), IterableDataset):
@@ -165,7 +155,7 @@ class LoaderPosition:
         if resume is None:
             self.epoch = _epoch(self.loader)
             self._torch_state = torch.get_rng_state()
-            self._generator_states = {k: g.get_state() for k, g in generators(self.loader).items()}
+            self._generator_states = position.generator_states(generators(self.loader))
             self.consumed = skip
             yield from self._count(iter(open_epoch(skip)), skip)
             if skip and hasattr(self.loader, "iteration"):  # another loader ran the epoch
@@ -175,8 +165,7 @@ class LoaderPosition:
             self._torch_state = resume.torch_state
             self._generator_states = resume.generator_states
             torch.set_rng_state(resume.torch_state.cpu())
-            for key, gen in generators(self.loader).items():
-                gen.set_state(resume.generator_states[key].cpu())
+            position.set_generator_states(generators(self.loader), resume.generator_states)
             self.consumed = resume.consumed
             source = iter(open_epoch(resume.consumed))
             try:

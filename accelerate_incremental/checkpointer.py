@@ -13,28 +13,27 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from accelerate_incremental import _layout, _takeover, _tracking
 from accelerate_incremental._position import LoaderPosition
-from lightning_incremental import _rng
-from lightning_incremental._failures import (
-    DEFAULT_MAX_CONSECUTIVE_FAILURES,
-    FailurePolicy,
-    check_max_consecutive_failures,
-    share_report,
-)
 from lightning_incremental.core import (
     CheckpointNotFoundError,
     CheckpointStore,
     SaveHandle,
+    StepError,
+    StepTypeError,
     StoreConfig,
-    Watchdog,
-    WatchdogConfig,
     fencing,
-    replicas,
 )
-from lightning_incremental.core.watchdog import watch_job
+from lightning_incremental.runtime import collectives, replica_policy, rng
+from lightning_incremental.runtime.backpressure import wait_for_room
+from lightning_incremental.runtime.coordinate import coordinated
+from lightning_incremental.runtime.failures import (
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    FailurePolicy,
+    share_report,
+)
+from lightning_incremental.runtime.options import RecoveryOptions
+from lightning_incremental.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -73,11 +72,16 @@ class IncrementalCheckpointer:
         replica_check: before each save with more than one process, compare every process's
             weights and optimizer state (one hash per tensor): ``"warn"`` (default), ``"repair"``
             (broadcast the reference copy, record it in the audit trail), ``"stop"`` (exit code
-            89 on every process) or ``"off"``; see :mod:`lightning_incremental.core.replicas`.
+            89 on every process) or ``"off"``; see
+            :mod:`lightning_incremental.runtime.replica_policy`.
         heartbeat_interval, heartbeat_timeout, progress_timeout: the watchdog's timings in
-            seconds (see :class:`~lightning_incremental.core.WatchdogConfig`); progress is a
+            seconds (see :class:`~lightning_incremental.runtime.WatchdogConfig`); progress is a
             prepared optimizer step, a batch from :meth:`iterate` (or from a plain loop over a
             loader tracked after :meth:`take_over`) or a :meth:`save`.
+        recovery: all of ``watchdog``, the three timings, ``replica_check`` and
+            ``max_consecutive_failures`` as one
+            :class:`~lightning_incremental.runtime.RecoveryOptions` (then leave those at their
+            defaults).
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
@@ -90,7 +94,10 @@ class IncrementalCheckpointer:
         ValueError: an FSDP, DeepSpeed, Megatron-LM or XLA accelerator (not covered), an
             Accelerator that sees one process in a multi-process launch, or a bad
             ``every_n_steps``.
-        ConfigError: an invalid store option or URL.
+        ConfigError: an invalid store option or URL, or ``recovery`` given together with one of
+            the arguments it holds.
+        CoordinatorError: on the other processes, the main process could not claim a fencing
+            generation (the main process raises its own error).
     """
 
     def __init__(
@@ -107,6 +114,7 @@ class IncrementalCheckpointer:
         heartbeat_timeout: float = 60.0,
         progress_timeout: float = 900.0,
         replica_check: str = "warn",
+        recovery: RecoveryOptions | None = None,
         **options: Any,
     ) -> None:
         from accelerate import Accelerator
@@ -131,7 +139,7 @@ class IncrementalCheckpointer:
                 "would write the same checkpoints on its own. On a machine without GPUs create "
                 "Accelerator(cpu=True) or launch with ACCELERATE_USE_CPU=1"
             )
-        self.replica_check, watchdog_config, max_consecutive_failures = check_arguments(
+        self.recovery = check_arguments(
             dirpath,
             storage_options=storage_options,
             keep_last=keep_last,
@@ -142,8 +150,10 @@ class IncrementalCheckpointer:
             heartbeat_timeout=heartbeat_timeout,
             progress_timeout=progress_timeout,
             replica_check=replica_check,
+            recovery=recovery,
             **options,
         )
+        self.replica_check = self.recovery.replica_check
         if keep_last is None:
             keep_last = accelerator.project_configuration.total_limit
         self.accelerator = accelerator
@@ -156,24 +166,23 @@ class IncrementalCheckpointer:
         # A save due at an epoch's last batch, taken when one of these loaders' next epoch
         # starts (or at wait/close): (step, indices of the loaders at their epoch's end).
         self._deferred: tuple[int, set[int]] | None = None
-        self.max_consecutive_failures = max_consecutive_failures
+        self.max_consecutive_failures = self.recovery.max_consecutive_failures
         self._failures = FailurePolicy(
-            "IncrementalCheckpointer", str(self.store.url), max_consecutive_failures
+            "IncrementalCheckpointer", str(self.store.url), self.max_consecutive_failures
         )
         self._handles: list[SaveHandle] = []  # the main process's saves not collected yet
         self.generation: int | None = None
         if fencing.should_claim(accelerator.num_processes):
             self.generation = self._claim_generation()
-        self._watchdog: Watchdog | None = None
         self._hooks: list[Any] = []
         self._watched: set[int] = set()  # ids of the optimizers whose steps count as progress
-        if watchdog or (watchdog is None and accelerator.num_processes > 1):
-            dog = self._watchdog = watch_job(
-                watchdog_config,
-                rank=accelerator.process_index,
-                world_size=accelerator.num_processes,
-                generation=self.generation or 0,
-            )
+        self._watchdog: Watchdog | None = self.recovery.start_watchdog(
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            generation=self.generation or 0,
+        )
+        dog = self._watchdog
+        if dog is not None:
             # Progress is every optimizer step, whatever loop the script runs (its own, or
             # through iterate()); a checkpointer dropped without close() stops its watchdog.
             self._watch_optimizers()
@@ -193,22 +202,21 @@ class IncrementalCheckpointer:
                 self._hooks.append(inner.register_step_post_hook(lambda *_: dog.progress()))
 
     def _claim_generation(self) -> int:
-        """A new fencing generation, claimed by the main process, known to every process."""
-        claimed: int | None = None
-        error: str | None = None
-        failure: BaseException | None = None
-        if self.accelerator.is_main_process:
-            try:
-                claimed = self.store.claim_generation(fencing.restart_count())
-            except Exception as exc:  # re-raised below, after the other processes learn of it
-                failure, error = exc, f"{type(exc).__name__}: {exc}"
-        claimed, error = _broadcast((claimed, error))
-        if failure is not None or error is not None or claimed is None:
+        """A new fencing generation, claimed by the main process, known to every process.
+
+        Raises:
+            CoordinatorError: on the other processes, the claim failed (the main process raises
+                its own error).
+        """
+        try:
+            return coordinated(
+                lambda: self.store.claim_generation(fencing.restart_count()),
+                what=f"claim a fencing generation in {self.store.url}",
+                is_coordinator=self.accelerator.is_main_process,
+            )
+        except BaseException:
             self.store.close()
-            if failure is not None:
-                raise failure
-            raise RuntimeError(f"the main process could not claim {self.store.url}: {error}")
-        return claimed
+            raise
 
     # ------------------------------------------------------------------ saving
 
@@ -219,10 +227,10 @@ class IncrementalCheckpointer:
         :meth:`wait`). Returns the save's handle on the main process, None on the others.
 
         Raises:
-            TypeError: ``step`` is not an int.
+            StepError: ``step`` is not an int (``StepTypeError``, also a ``TypeError``), is
+                negative, or is not greater than the newest saved step.
             RuntimeError: called before ``accelerator.prepare`` (no prepared model).
             ValueError: a prepared ``StatefulDataLoader`` (not covered).
-            StepError: ``step`` is not greater than the newest saved step.
             UnsupportedValueError: a state value that needs pickling (naming its key).
         """
         return self._save(step, self.accelerator.project_configuration.iteration, metadata)
@@ -266,7 +274,7 @@ class IncrementalCheckpointer:
         _layout.check_prepared(acc)
         _layout.check_loaders(acc)
         local = {
-            "rng": _rng.capture(),
+            "rng": rng.capture(),
             "loaders": [self._position(i).state() for i in range(len(acc._dataloaders))],
         }
         self._settle(block=False)  # earlier failed saves: warned about, or raised, everywhere
@@ -275,7 +283,7 @@ class IncrementalCheckpointer:
             return None
         if verdict.audit():
             metadata = {**(metadata or {}), "replica_repair": verdict.audit()}
-        processes = _gather(local)
+        processes = collectives.gather(local)
         if not acc.is_main_process:
             return None
         state = {
@@ -298,29 +306,30 @@ class IncrementalCheckpointer:
             self._handles.append(handle)
         return handle
 
-    def _check_replicas(self) -> replicas.Verdict:
-        """Compare the processes' weights and optimizer state (every process at once)."""
+    def _check_replicas(self) -> replica_policy.Verdict:
+        """Compare the processes' weights and optimizer state (every process at once); see
+        :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
         acc = self.accelerator
-        if acc.num_processes == 1 or self.replica_check == "off":
-            return replicas.Verdict(None)
-        # Parameters and optimizer state, not buffers (running statistics legitimately differ
-        # per process under DDP); the tensors share storage with the live ones (for a repair).
-        state = {
-            "models": [
-                {name: p.detach() for name, p in acc.unwrap_model(m).named_parameters()}
-                for m in acc._models
-            ],
-            "optimizers": [opt.state_dict() for opt in acc._optimizers],
-        }
-        try:
-            return replicas.enforce(state, self.replica_check)
-        except replicas.ReplicaDivergedError as exc:
-            if self.replica_check != "stop":
-                raise
+
+        def state() -> dict[str, Any]:
+            # Parameters and optimizer state, not buffers (running statistics legitimately
+            # differ per process under DDP); the tensors share storage with the live ones (for
+            # a repair).
+            return {
+                "models": [
+                    {name: p.detach() for name, p in acc.unwrap_model(m).named_parameters()}
+                    for m in acc._models
+                ],
+                "optimizers": [opt.state_dict() for opt in acc._optimizers],
+            }
+
+        def finish_saves() -> None:
             if acc.is_main_process:
-                self._failures.collect(self._handles, block=True)  # earlier, good saves commit
-            acc.wait_for_everyone()  # ... before any process exits
-            raise SystemExit(replicas.EXIT_REPLICA_DIVERGED) from exc
+                self._failures.collect(self._handles, block=True)
+
+        return replica_policy.check_before_save(
+            state, self.replica_check, finish_saves=finish_saves, barrier=acc.wait_for_everyone
+        )
 
     def _settle(self, *, block: bool, everywhere: bool = True) -> None:
         """Collect the main process's finished saves (all of them with ``block``) and apply the
@@ -334,8 +343,7 @@ class IncrementalCheckpointer:
         report = None
         if self.accelerator.is_main_process:
             # The engine's back-pressure: the next save waits for these anyway (max_in_flight).
-            for handle in self._handles[: len(self._handles) - self.store.config.max_in_flight + 1]:
-                handle.exception()
+            wait_for_room(self._handles, self.store.config.max_in_flight)
             self._failures.collect(self._handles, block=block)
             report = self._failures.report()
         if everywhere:
@@ -369,28 +377,26 @@ class IncrementalCheckpointer:
             ValueError: the checkpoint's layout (models, keys, shapes, optimizers, schedulers,
                 registered objects, process count) differs from this run's, naming the difference.
             CorruptCheckpointError: every committed checkpoint is corrupt (on the main process;
-                the others raise RuntimeError with its text).
+                the others raise ``CoordinatorError`` naming it).
         """
         acc = self.accelerator
         _layout.check_prepared(acc)
         self._deferred = None  # the state it would have held is being replaced
         state: dict[str, Any] | None = None
-        choice: tuple[int | None, str | None] = (None, None)
-        failure: BaseException | None = None
-        if acc.is_main_process:
+
+        def newest() -> int | None:
+            nonlocal state
             try:
                 state = self.store.load(map_location="cpu", into=self._live(), strict_into=False)
-                choice = (self.store.loaded_step, None)
             except CheckpointNotFoundError:
-                choice = (None, None)
-            except Exception as exc:  # re-raised below, after the other processes learn of it
-                failure = exc
-                choice = (None, f"{type(exc).__name__}: {exc}")
-        step, error = _broadcast(choice)
-        if failure is not None:
-            raise failure
-        if error is not None:
-            raise RuntimeError(f"the main process could not load a checkpoint: {error}")
+                return None
+            return self.store.loaded_step
+
+        step = coordinated(
+            newest,
+            what=f"load a checkpoint from {self.store.url}",
+            is_coordinator=acc.is_main_process,
+        )
         if step is None:
             return None
         if state is None:
@@ -414,7 +420,7 @@ class IncrementalCheckpointer:
         for i, position in enumerate(mine["loaders"]):
             self._position(i).restore(position)
         self._saved_rng = mine["rng"]
-        _rng.restore(mine["rng"])
+        rng.restore(mine["rng"])
         return step
 
     def _live(self) -> dict[str, Any]:
@@ -499,7 +505,7 @@ class IncrementalCheckpointer:
 
         def restore_now() -> None:
             if self._saved_rng is not None:
-                _rng.restore(self._saved_rng)
+                rng.restore(self._saved_rng)
 
         if self._deferred is not None and index in self._deferred[1]:
             self._save_deferred()  # the epoch is over, the next one not begun
@@ -565,16 +571,18 @@ def check_arguments(
     heartbeat_timeout: Any = 60.0,
     progress_timeout: Any = 900.0,
     replica_check: Any = "warn",
+    recovery: Any = None,
     **options: Any,
-) -> tuple[str, WatchdogConfig, int]:
+) -> RecoveryOptions:
     """Validate :class:`IncrementalCheckpointer`'s arguments without an accelerator or a store
-    (the launch flag checks its settings before the script runs). Returns the replica check
-    action, the watchdog configuration and ``max_consecutive_failures``, validated.
+    (the launch flag checks its settings before the script runs). Returns the recovery options
+    (watchdog, replica check, ``max_consecutive_failures``), validated.
 
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: a bad ``every_n_steps``, ``max_consecutive_failures`` or ``replica_check``.
-        ConfigError: an invalid store option or watchdog timing.
+        ConfigError: an invalid store option or watchdog timing, or ``recovery`` given together
+            with one of the arguments it holds.
     """
     if not isinstance(dirpath, str):
         raise TypeError(f"dirpath must be a str (a directory or URL), got {type(dirpath).__name__}")
@@ -586,42 +594,28 @@ def check_arguments(
         isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
     ):
         raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
-    failures = check_max_consecutive_failures(max_consecutive_failures)
-    if watchdog is not None and not isinstance(watchdog, bool):
-        raise TypeError(f"watchdog must be True, False or None, got {watchdog!r}")
-    action = replicas.check_action(replica_check)
-    watchdog_config = WatchdogConfig(
+    recovery = RecoveryOptions.resolve(
+        recovery,
+        watchdog=watchdog,
         heartbeat_interval=heartbeat_interval,
         heartbeat_timeout=heartbeat_timeout,
         progress_timeout=progress_timeout,
+        replica_check=replica_check,
+        max_consecutive_failures=max_consecutive_failures,
     )
     StoreConfig().replace(keep_last=keep_last, **options)
-    return action, watchdog_config, failures
+    return recovery
 
 
 def _check_step(step: Any) -> None:
+    """The checks on a step the engine makes at ``save``, made on every process before any
+    collective (so that every process raises alike).
+
+    Raises:
+        StepError: ``step`` is not an int (a ``StepTypeError``, also a ``TypeError``), or is
+            negative.
+    """
     if isinstance(step, bool) or not isinstance(step, int):
-        raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
+        raise StepTypeError(f"step must be an int, got {type(step).__name__} {step!r}")
     if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-
-
-def _gather(local: dict[str, Any]) -> list[Any]:
-    """Every process's ``local``, in process order, on every process."""
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return [local]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, local)
-    return out
-
-
-def _broadcast(value: tuple[int | None, str | None]) -> tuple[int | None, str | None]:
-    """The main process's ``value`` on every process."""
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box: list[Any] = [value]
-    dist.broadcast_object_list(box, src=0)
-    step, error = box[0]
-    return step, error
+        raise StepError(f"step must be >= 0, got {step}")

@@ -31,9 +31,12 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from lightning_incremental import _compat
+from lightning_incremental.runtime import data_position as position
+from lightning_incremental.runtime import rng
 
 _FOLLOW = ("sampler", "batch_sampler", "_sampler", "dataset")
 _MAX_DEPTH = 4
+_SAMPLERS = (Sampler, BatchSampler, _compat.DatasetSamplerWrapper)
 
 # How a resumed epoch reaches its position.
 LIGHTNING = "lightning"  # stateful loaders: Lightning restores their position itself
@@ -66,35 +69,27 @@ def generators(loaders: list[Any]) -> dict[str, torch.Generator]:
     (``"0.generator"``, ``"0.sampler.generator"``, ...)."""
     found: dict[str, torch.Generator] = {}
     seen: set[int] = set()
-
-    def walk(obj: Any, path: str, depth: int) -> None:
-        gen = getattr(obj, "generator", None)
-        if isinstance(gen, torch.Generator) and id(gen) not in seen:
-            seen.add(id(gen))
-            found[f"{path}.generator"] = gen
-        if depth >= _MAX_DEPTH:
-            return
-        for name in _FOLLOW:
-            value = getattr(obj, name, None)
-            if isinstance(value, (Sampler, BatchSampler, _compat.DatasetSamplerWrapper)):
-                walk(value, f"{path}.{name}", depth + 1)
-
     for index, loader in enumerate(loaders):
-        walk(loader, str(index), 0)
+        found.update(
+            position.find_generators(
+                loader,
+                path=str(index),
+                follow=_FOLLOW,
+                max_depth=_MAX_DEPTH,
+                accept=lambda value: isinstance(value, _SAMPLERS),
+                seen=seen,
+            )
+        )
     return found
 
 
 def generator_states(loaders: list[Any]) -> dict[str, torch.Tensor]:
-    return {path: gen.get_state() for path, gen in generators(loaders).items()}
+    return position.generator_states(generators(loaders))
 
 
 def set_generator_states(loaders: list[Any], states: dict[str, torch.Tensor]) -> list[str]:
     """Put recorded generator states back; returns the paths that no longer match a generator."""
-    current = generators(loaders)
-    for path, state in states.items():
-        if path in current:
-            current[path].set_state(state.cpu())
-    return sorted(set(states) ^ set(current))
+    return position.set_generator_states(generators(loaders), states)
 
 
 def generators_changed(paths: list[str]) -> str:
@@ -106,13 +101,13 @@ def generators_changed(paths: list[str]) -> str:
 
 def record_epoch_start(trainer: pl.Trainer, iter_created: bool) -> dict[str, Any]:
     """What this epoch's order of batches depends on (see the module docstring)."""
+    torch_state = rng.capture_torch()
     record: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
+        "torch": torch_state.pop("torch"),
         "generators": generator_states(train_loaders(trainer)),
         "iter_created": iter_created,
+        **torch_state,  # "cuda", where CUDA is initialised
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        record["cuda"] = torch.cuda.get_rng_state_all()
     return record
 
 
@@ -195,9 +190,7 @@ def replay(
     notes = []
     loaders = train_loaders(trainer)
     set_sampler_epoch(loaders, epoch)
-    torch.set_rng_state(record["torch"].cpu())
-    if record.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in record["cuda"]])
+    rng.restore_torch(record)
     mismatched = set_generator_states(loaders, record["generators"])
     if mismatched:
         notes.append(generators_changed(mismatched))

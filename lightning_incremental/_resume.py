@@ -35,9 +35,11 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_incremental import _compat, _rng
+from lightning_incremental import _compat
 from lightning_incremental import _data_position as dp
 from lightning_incremental.core import CheckpointError, CheckpointStore
+from lightning_incremental.runtime import rng as _rng
+from lightning_incremental.runtime.coordinate import coordinated, describe
 
 if TYPE_CHECKING:
     from lightning_incremental.callback import IncrementalCheckpoint
@@ -78,19 +80,20 @@ class ResumeHook:
         trainer, callback = self._trainer, self._callback
         strategy = trainer.strategy
         url = callback.url
-        step: int | None = None
         checkpoint: dict[str, Any] | None = None
+
+        def newest() -> int | None:
+            nonlocal checkpoint
+            step, checkpoint = _newest(callback._store_for_reading(), _live(trainer))
+            return step
+
+        step = coordinated(
+            newest,
+            what=f"read the checkpoints in {url}",
+            is_coordinator=trainer.is_global_zero,
+            broadcast=strategy.broadcast,
+        )
         error: BaseException | None = None
-        if trainer.is_global_zero:
-            try:
-                step, checkpoint = _newest(callback._store_for_reading(), _live(trainer))
-            except Exception as exc:
-                error = exc
-        step, text = strategy.broadcast((step, _describe(error)), src=0)
-        if error is not None:
-            raise error
-        if text is not None:
-            raise CheckpointError(f"rank 0 could not read the checkpoints in {url}: {text}")
         if step is None:
             rank_zero_info(f"IncrementalCheckpoint: no checkpoint in {url} yet; starting fresh")
             return None
@@ -109,7 +112,7 @@ class ResumeHook:
             if error is not None:
                 raise CheckpointError(
                     f"rank {trainer.global_rank} could not read checkpoint step {step} from "
-                    f"{url}: {_describe(error)}. Under DDP every rank loads the checkpoint: "
+                    f"{url}: {describe(error)}. Under DDP every rank loads the checkpoint: "
                     "dirpath must be reachable from every rank."
                 ) from error
             raise CheckpointError(f"another rank could not read checkpoint step {step} from {url}")
@@ -146,10 +149,6 @@ def _newest(
             "IncrementalCheckpoint"
         )
     return step, checkpoint
-
-
-def _describe(error: BaseException | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {error}"
 
 
 def rank_state(

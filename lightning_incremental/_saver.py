@@ -5,7 +5,8 @@ position are gathered, the trainer's own checkpoint dump runs everywhere), hands
 :class:`~lightning_incremental.core.CheckpointStore` on global rank 0 — which blocks only for the
 snapshot — and later collects the results: figures to the trainer's loggers, errors kept until
 the next save or the end of training, where every rank warns about them alike, or raises them
-once ``max_consecutive_failures`` saves in a row failed (:mod:`lightning_incremental._failures`).
+once ``max_consecutive_failures`` saves in a row failed
+(:mod:`lightning_incremental.runtime.failures`).
 """
 
 from __future__ import annotations
@@ -15,14 +16,19 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.loggers import Logger
 
 from lightning_incremental import _compat
-from lightning_incremental._failures import DEFAULT_MAX_CONSECUTIVE_FAILURES, FailurePolicy, Report
-from lightning_incremental._failures import text_of as _text_of
-from lightning_incremental._resume import FORMAT, KEY, _describe
-from lightning_incremental.core import CheckpointError, CheckpointStore, SaveHandle, SaveResult
+from lightning_incremental._resume import FORMAT, KEY
+from lightning_incremental.core import CheckpointStore, SaveHandle, SaveResult
+from lightning_incremental.runtime import collectives
+from lightning_incremental.runtime.coordinate import Outcome
+from lightning_incremental.runtime.failures import (
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    FailurePolicy,
+    Report,
+    text_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +76,8 @@ class Saver:
         this save is made.
 
         Raises:
-            CheckpointError: ``max_consecutive_failures`` saves in a row failed (on every rank),
-                or this one could not start.
+            CheckpointError: ``max_consecutive_failures`` saves in a row failed (on every rank).
+            CoordinatorError: on the other ranks, this save could not start on rank 0.
             Exception: the engine's own error for this save on rank 0 (``UnsupportedValueError``
                 naming the key that needs pickling, ...).
         """
@@ -81,9 +87,10 @@ class Saver:
         checkpoint = _compat.dump_checkpoint(trainer)
         if boundary:  # taken once Lightning finished the epoch: a state between two epochs
             _compat.between_epochs(checkpoint)
-        error: BaseException | None = None
         handle = None
-        if trainer.is_global_zero:
+
+        def start() -> None:
+            nonlocal handle
             store = self.store
             assert store is not None
             checkpoint[KEY] = {"format": FORMAT, "world_size": trainer.world_size, "ranks": states}
@@ -94,23 +101,23 @@ class Saver:
                 "epoch_boundary": boundary,
                 **(audit or {}),
             }
-            try:  # an earlier save's error, delivered by the engine now, is recorded as such
-                handle = self._policy.start(
-                    lambda: store.save(
-                        checkpoint, step, metadata=metadata, world_size=trainer.world_size
-                    ),
-                    lambda: self.collect(block=False),
-                )
-            except Exception as exc:
-                error = exc
-        # Rank 0 decides, every rank does the same: warn about failed saves, or raise them.
-        report, text = trainer.strategy.broadcast((self.failure_report(), _describe(error)), src=0)
+            # an earlier save's error, delivered by the engine now, is recorded as such
+            handle = self._policy.start(
+                lambda: store.save(
+                    checkpoint, step, metadata=metadata, world_size=trainer.world_size
+                ),
+                lambda: self.collect(block=False),
+            )
+
+        outcome: Outcome[None] = Outcome.of(start) if trainer.is_global_zero else Outcome()
+        # Rank 0 decides, every rank does the same: warn about failed saves, or raise them;
+        # then raise this save's error, if it could not start.
+        report, message = trainer.strategy.broadcast(
+            (self.failure_report(), outcome.message()), src=0
+        )
         if report is not None:
             self.raise_failures(report)
-        if error is not None:
-            raise error
-        if text is not None:
-            raise CheckpointError(f"rank 0 failed to save checkpoint step {step}: {text}")
+        outcome.result(message, what=f"save checkpoint step {step}")
         if handle is not None:
             self._pending.append((handle, time.perf_counter() - started))
 
@@ -130,7 +137,7 @@ class Saver:
 
     def failure_text(self) -> str | None:
         """The failed saves not reported yet: ``"step 6: StorageError: ...; ..."``."""
-        return _text_of(self._policy.new)
+        return text_of(self._policy.new)
 
     def failure_report(self) -> Report | None:
         """What the failed saves not reported yet mean (on rank 0, which saves): a warning, or
@@ -189,8 +196,4 @@ class Saver:
 
 def _gather(trainer: pl.Trainer, state: dict[str, Any]) -> list[Any]:
     """Every rank's ``state``, in rank order, on every rank."""
-    if trainer.world_size == 1 or not torch.distributed.is_initialized():
-        return [state]
-    out: list[Any] = [None] * trainer.world_size
-    torch.distributed.all_gather_object(out, state)
-    return out
+    return [state] if trainer.world_size == 1 else collectives.gather(state)

@@ -28,25 +28,21 @@ from typing_extensions import override
 from lightning_incremental import _compat
 from lightning_incremental import _data_position as dp
 from lightning_incremental import _resume as resume
-from lightning_incremental._failures import (
-    DEFAULT_MAX_CONSECUTIVE_FAILURES,
-    check_max_consecutive_failures,
-)
 from lightning_incremental._resume import KEY, ResumeHook
 from lightning_incremental._saver import Saver
 from lightning_incremental._schedule import Schedule
 from lightning_incremental.core import (
-    CheckpointError,
     CheckpointStore,
     ConfigError,
     SaveResult,
     StoreConfig,
-    Watchdog,
-    WatchdogConfig,
     fencing,
-    replicas,
 )
-from lightning_incremental.core.watchdog import watch_job
+from lightning_incremental.runtime import replica_policy
+from lightning_incremental.runtime.coordinate import coordinated
+from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
+from lightning_incremental.runtime.options import RecoveryOptions
+from lightning_incremental.runtime.watchdog import Watchdog, WatchdogConfig
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +96,7 @@ class IncrementalCheckpoint(Checkpoint):
             the store and the error) and training goes on from the previous committed
             checkpoint. This many failed saves in a row raise ``CheckpointError`` on every rank
             instead; a committed save resets the count. 1: stop at the first failure.
-        watchdog: run the heartbeat watchdog (see :mod:`lightning_incremental.core.watchdog`):
+        watchdog: run the heartbeat watchdog (see :mod:`lightning_incremental.runtime.watchdog`):
             a rank that dies, hangs or loses the job's TCPStore ends every process with a
             distinct exit code (86 dead peer, 87 hung peer, 88 isolated) instead of waiting out
             a collective timeout, so ``torchrun --max-restarts`` restarts the group, which
@@ -112,13 +108,17 @@ class IncrementalCheckpoint(Checkpoint):
             than the slowest legitimate pause (a long validation, data loading, a checkpoint).
         replica_check: under DDP, before each checkpoint, compare a fingerprint of every rank's
             weights and optimizer state (one hash per tensor, gathered; see
-            :mod:`lightning_incremental.core.replicas`). On a divergence: ``"warn"`` logs which
+            :mod:`lightning_incremental.runtime.replicas`). On a divergence: ``"warn"`` logs which
             rank and which tensors differ (and skips the checkpoint if rank 0's copy is the odd
             one out); ``"repair"`` broadcasts the reference copy (the majority's; rank 0's when
             two ranks disagree) to every rank, records the repair in the checkpoint's audit
             trail and goes on; ``"stop"`` ends every process with exit code 89 so the group
             restarts from the last good checkpoint; ``"off"`` skips the check. A diverged copy
             is never committed.
+        recovery: all of ``watchdog``, the three timings, ``replica_check`` and
+            ``max_consecutive_failures`` as one
+            :class:`~lightning_incremental.runtime.RecoveryOptions` (then leave those at their
+            defaults).
 
     In multi-process runs (and under torchrun) every start of ``fit`` also claims a new fencing
     generation in the store: checkpoints a previous incarnation of the job writes afterwards — a
@@ -128,6 +128,8 @@ class IncrementalCheckpoint(Checkpoint):
     Raises:
         TypeError: an argument of the wrong type.
         ConfigError: an invalid value or a conflicting combination (a ``ValueError``).
+        CoordinatorError: at ``fit``'s setup, on the other ranks, rank 0 could not open the
+            store (rank 0 raises its own error).
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class IncrementalCheckpoint(Checkpoint):
         heartbeat_timeout: float = 60.0,
         progress_timeout: float = 900.0,
         replica_check: str = "warn",
+        recovery: RecoveryOptions | None = None,
     ) -> None:
         super().__init__()
         if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
@@ -174,22 +177,25 @@ class IncrementalCheckpoint(Checkpoint):
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         self.storage_options = storage_options
-        self.max_consecutive_failures = check_max_consecutive_failures(max_consecutive_failures)
+        self.recovery = RecoveryOptions.resolve(
+            recovery,
+            watchdog=watchdog,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            progress_timeout=progress_timeout,
+            replica_check=replica_check,
+            max_consecutive_failures=max_consecutive_failures,
+        )
+        self.max_consecutive_failures = self.recovery.max_consecutive_failures
         self.store_config = _store_config(
             keep_last, full_every, max_chain, allow_pickle, store_options
         )
         # Lightning reads it from its first checkpoint callback: there is no "best" checkpoint
         # here, so `ckpt_path="best"` explains that it needs a ModelCheckpoint.
         self.best_model_path = ""
-        if watchdog is not None and not isinstance(watchdog, bool):
-            raise TypeError(f"watchdog must be True, False or None, got {watchdog!r}")
-        self.watchdog = watchdog
-        self.watchdog_config = WatchdogConfig(
-            heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout,
-            progress_timeout=progress_timeout,
-        )
-        self.replica_check = replicas.check_action(replica_check)
+        self.watchdog = self.recovery.watchdog
+        self.watchdog_config: WatchdogConfig = self.recovery.watchdog_config
+        self.replica_check = self.recovery.replica_check
         self._reset_run_state()
         self._last_saved_step: int | None = None
         self._totals = {"saves": 0, "bytes_written": 0, "bytes_logical": 0, "blocked_s": 0.0}
@@ -340,41 +346,42 @@ class IncrementalCheckpoint(Checkpoint):
                 f"dirpath {self._url} is in-process memory, which other ranks cannot read: "
                 "use a path or URL every rank can reach"
             )
-        # Rank 0 opens the store; whatever happens there, every rank learns it through the
-        # broadcast below, so a failure never leaves the other ranks waiting in a collective.
-        store, error = None, None
-        if trainer.is_global_zero:
+        # Rank 0 opens the store; whatever happens there, every rank learns it, so a failure
+        # never leaves the other ranks waiting in a collective.
+        store: CheckpointStore | None = None
+
+        def open_store() -> tuple[int | None, int | None]:
+            nonlocal store
+            store = self._open_store()
             try:
-                store = self._open_store()
                 steps = store.steps()
-                self._newest = steps[-1] if steps else None
+                newest = steps[-1] if steps else None
+                generation = None
                 # A new incarnation of the job fences off the previous ones — unless this run is
                 # about to refuse the store (resume=False on a store in use: not ours to take).
                 if fencing.should_claim(trainer.world_size) and (
-                    self.resume or self._newest is None
+                    self.resume or newest is None
                 ):  # the claim keeps what is visible
-                    self._generation = store.claim_generation(fencing.restart_count())
-            except Exception as exc:
-                error = exc
-                if store is not None:
-                    store.close()
-        self._newest, self._generation, text = strategy.broadcast(
-            (self._newest, self._generation, resume._describe(error)), src=0
+                    generation = store.claim_generation(fencing.restart_count())
+            except BaseException:
+                store.close()
+                raise
+            return newest, generation
+
+        self._newest, self._generation = coordinated(
+            open_store,
+            what=f"open the checkpoint store {self._url}",
+            is_coordinator=trainer.is_global_zero,
+            broadcast=strategy.broadcast,
         )
-        if error is not None:
-            raise error
-        if text is not None:
-            raise CheckpointError(f"rank 0 could not open the checkpoint store {self._url}: {text}")
         self._saver = Saver(
             store, self._url, self._totals, trainer.loggers, self.max_consecutive_failures
         )
-        if self.watchdog or (self.watchdog is None and trainer.world_size > 1):
-            self._watchdog = watch_job(
-                self.watchdog_config,
-                rank=trainer.global_rank,
-                world_size=trainer.world_size,
-                generation=self._generation or 0,
-            )
+        self._watchdog = self.recovery.start_watchdog(
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            generation=self._generation or 0,
+        )
         if not self.resume and self._newest is not None:
             raise ConfigError(
                 f"IncrementalCheckpoint(resume=False) but {self._url} already holds checkpoints "
@@ -595,19 +602,19 @@ class IncrementalCheckpoint(Checkpoint):
         self._last_time = time.monotonic()
         self._due = self._due_at = None
 
-    def _check_replicas(self, trainer: pl.Trainer) -> replicas.Verdict:
-        """Compare the replicas' weights and optimizer state (every rank at once)."""
-        if trainer.world_size == 1 or self.replica_check == "off":
-            return replicas.Verdict(None)
-        try:
-            return replicas.enforce(replicated_state(trainer), self.replica_check)
-        except replicas.ReplicaDivergedError as exc:
-            if self.replica_check != "stop":
-                raise
-            assert self._saver is not None
-            self._saver.collect(block=True)  # the earlier, good checkpoints commit first ...
-            trainer.strategy.barrier()  # ... before any rank exits and the group is torn down
-            raise SystemExit(replicas.EXIT_REPLICA_DIVERGED) from exc
+    def _check_replicas(self, trainer: pl.Trainer) -> replica_policy.Verdict:
+        """Compare the replicas' weights and optimizer state (every rank at once); see
+        :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
+        if trainer.world_size == 1:
+            return replica_policy.Verdict(None)
+        saver = self._saver
+        assert saver is not None
+        return replica_policy.check_before_save(
+            lambda: replicated_state(trainer),
+            self.replica_check,
+            finish_saves=lambda: saver.collect(block=True),
+            barrier=trainer.strategy.barrier,
+        )
 
     def _collect(self) -> None:
         if self._saver is not None:

@@ -114,11 +114,9 @@ from __future__ import annotations
 import io
 import logging
 import os
-import pickle
 import threading
 import uuid
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -130,12 +128,6 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_incremental._compat import PathLike, torch_load_checkpoint, trainer_stage_running
-from lightning_incremental._failures import (
-    DEFAULT_MAX_CONSECUTIVE_FAILURES,
-    FailurePolicy,
-    check_max_consecutive_failures,
-    describe,
-)
 from lightning_incremental._pointers import (
     CheckpointFile,
     NotATorchCheckpointError,
@@ -157,7 +149,17 @@ from lightning_incremental.core import (
     UnsupportedValueError,
     inflight,
 )
+from lightning_incremental.core.at_exit import drain_at_exit
 from lightning_incremental.core.workers import WorkerPool
+from lightning_incremental.runtime import collectives
+from lightning_incremental.runtime.backpressure import wait_for_room
+from lightning_incremental.runtime.coordinate import Outcome, coordinated
+from lightning_incremental.runtime.failures import (
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    FailurePolicy,
+    check_max_consecutive_failures,
+    describe,
+)
 
 log = logging.getLogger(__name__)
 
@@ -303,8 +305,8 @@ class IncrementalCheckpointIO(CheckpointIO):
         entry = self._store(target.store_url(self.store_name))
         # Back-pressure, as the engine's (max_in_flight): the oldest saves must finish first,
         # and commit, so that their errors are raised here, before this save.
-        while len(entry.saving) >= self.config.max_in_flight:
-            entry.saving.popleft().exception()
+        wait_for_room(entry.saving, self.config.max_in_flight)
+        entry.saving = deque(job for job in entry.saving if not job.done())
         self._raise_failed()
         with entry.lock:
             step = entry.next_step(lambda: target.sibling_pointers(), self.store_name)
@@ -440,6 +442,8 @@ class IncrementalCheckpointIO(CheckpointIO):
 
         Collective under DDP (``torch.distributed`` initialised, world size > 1): every rank
         must call it; global rank 0 decides what is loaded and the other ranks load the same.
+        When rank 0 fails, it raises its own error and the other ranks ``CoordinatorError``
+        naming it.
 
         Raises:
             FileNotFoundError: no file at ``path`` (``CheckpointNotFoundError`` when a pointer
@@ -450,35 +454,29 @@ class IncrementalCheckpointIO(CheckpointIO):
             PickleNotAllowedError: the checkpoint holds pickles and they are not allowed.
             CorruptCheckpointError: the checkpoint cannot be restored bit-exactly.
         """
-        if not _distributed():
+        if not collectives.is_distributed():
             self.wait()
             return self._execute(self._resolve(path), map_location, weights_only)[0]
         # Collective under DDP: only global rank 0 saves, so only it knows which saves are in
         # flight; it resolves what to load and every rank loads exactly that.
-        import torch.distributed as dist
-
-        rank = dist.get_rank()
-        error: BaseException | None = None
-        plan: _Plan | None = None
+        coordinator = collectives.rank() == 0
         loaded: dict[str, Any] | None = None
-        try:
+
+        def resolve() -> _Plan:
+            nonlocal loaded
             self.wait()
-            if rank == 0:
-                plan = self._resolve(path)
-                if plan.step is None and plan.kind == "store":  # newest: fix the exact step
-                    loaded, step = self._execute(plan, map_location, weights_only)
-                    plan = plan._replace(step=step)
-        except BaseException as exc:
-            error = exc
-        message: list[Any] = [plan, _picklable(error) if rank == 0 else None]
-        dist.broadcast_object_list(message, src=0)
-        if error is not None:
-            raise error
-        if message[1] is not None:
-            raise message[1]
+            plan = self._resolve(path)
+            if plan.step is None and plan.kind == "store":  # newest: fix the exact step
+                loaded, step = self._execute(plan, map_location, weights_only)
+                plan = plan._replace(step=step)
+            return plan
+
+        own = Outcome() if coordinator else Outcome.of(self.wait)  # raised after the collective
+        plan = coordinated(resolve, what=f"load {path}", is_coordinator=coordinator)
+        own.result((None, None), what=f"load {path}")
         if loaded is not None:
             return loaded
-        return self._execute(message[0], map_location, weights_only)[0]
+        return self._execute(plan, map_location, weights_only)[0]
 
     @override
     def remove_checkpoint(self, path: PathLike) -> None:
@@ -875,7 +873,8 @@ class IncrementalCheckpointIO(CheckpointIO):
         with self._lock:
             if self._executor is None:
                 self._executor = WorkerPool(1, "li-checkpoint-io")
-                _drain_at_exit(self)
+            # drained at exit before the stores it opened so far (newest registration first)
+            drain_at_exit(self, _finish_jobs)
             # finished jobs stay only while their error is undelivered
             self._jobs = [j for j in self._jobs if not j.done() or j.exception() is not None]
             self._pending = {k: j for k, j in self._pending.items() if not j.done()}
@@ -940,58 +939,17 @@ class _Plan(NamedTuple):
     display: str  # the path as the user wrote it, for messages
 
 
-def _distributed() -> bool:
-    """True when torch.distributed runs more than one process (loads are then collective)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _picklable(error: BaseException | None) -> BaseException | None:
-    """``error``, or an equivalent that pickles (it is broadcast to the other ranks)."""
-    if error is None:
-        return None
-    try:
-        pickle.loads(pickle.dumps(error))  # noqa: S301 - our own bytes: the receivers' check
-        return error
-    except Exception:
-        return CheckpointError(f"{type(error).__name__}: {error}")
-
-
-_LIVE: weakref.WeakSet[IncrementalCheckpointIO] = weakref.WeakSet()
-_LIVE_LOCK = threading.Lock()
-_hooked = False
-
-
-def _drain_at_exit(plugin: IncrementalCheckpointIO) -> None:
-    """Let saves still in flight when the interpreter exits commit and get their pointer file.
+def _finish_jobs(plugin: IncrementalCheckpointIO) -> None:
+    """Let saves still in flight when the interpreter exits commit and get their pointer file
+    (see :mod:`lightning_incremental.core.at_exit`).
 
     A save made after ``teardown`` (``trainer.save_checkpoint`` after ``fit``, ``ddp_spawn``
     handing the weights back to the main process) may still be running when the script ends.
-    Interpreter shutdown first stops thread pools from taking new work, which would fail it;
-    this hook runs before that (``threading``'s exit hooks run last-registered first, after
-    ``concurrent.futures`` registered its own at import).
     """
-    global _hooked
-    with _LIVE_LOCK:
-        _LIVE.add(plugin)
-        if _hooked:
-            return
-        try:
-            threading._register_atexit(_drain_all)  # type: ignore[attr-defined]
-        except (AttributeError, RuntimeError):  # no such hook, or already shutting down
-            return
-        _hooked = True
-
-
-def _drain_all() -> None:
-    with _LIVE_LOCK:
-        plugins = list(_LIVE)
-    for plugin in plugins:
-        with plugin._lock:
-            jobs = list(plugin._jobs)
-        for job in jobs:
-            job.exception()  # failures were logged when they happened
+    with plugin._lock:
+        jobs = list(plugin._jobs)
+    for job in jobs:
+        job.exception()  # failures were logged when they happened
 
 
 def _progress(checkpoint: Any) -> dict[str, int | None]:

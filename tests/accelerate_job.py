@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accelerate_incremental
 from accelerate_incremental import IncrementalCheckpointer
-from lightning_incremental.core import replicas
+from lightning_incremental.runtime import replicas
 
 EPOCHS = 3
 EVERY = 3

@@ -235,12 +235,18 @@ def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="replica_check must be one of"):
         IncrementalCheckpointer(run.acc, str(tmp_path), replica_check="mend")
     ckpt = IncrementalCheckpointer(run.acc, str(tmp_path / "s"))
-    with pytest.raises(TypeError, match="step must be an int"):
+    # a bad step is the engine's StepError, as the engine raises it (also a TypeError or a
+    # ValueError, as before)
+    with pytest.raises(StepError, match="step must be an int") as info:
         ckpt.save("3")  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError)
     with pytest.raises(TypeError, match="step must be an int"):
         ckpt.save(True)
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(StepError, match=">= 0") as info:
         ckpt.save(-1)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(StepError, match="step must be an int"):
+        ckpt.maybe_save(2.0)  # type: ignore[arg-type]
     ckpt.save(5)
     with pytest.raises(StepError):
         ckpt.save(5)

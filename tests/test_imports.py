@@ -1,4 +1,5 @@
-"""The engine and the Accelerate adapter must never import Lightning."""
+"""The layers' imports point down only: adapters -> runtime -> core; the engine, the runtime and
+the Accelerate adapter never import Lightning (nor the Lightning adapter's modules)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,61 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize(
-    "module", ["lightning_incremental.core", "accelerate_incremental", "lightning_incremental"]
-)
-def test_import_does_not_load_lightning(module: str) -> None:
-    code = (
-        f"import sys, {module}\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('lightning', 'pytorch_lightning', 'lightning_fabric', 'accelerate'))\n"
-        "print(','.join(loaded))\n"
-    )
+def _loaded_after_import(module: str) -> list[str]:
+    """The modules a fresh interpreter holds after ``import module``."""
+    code = f"import sys, {module}\nprint(','.join(sorted(sys.modules)))\n"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
-    assert out.stdout.strip() == "", f"importing {module} loaded {out.stdout.strip()}"
+    return out.stdout.strip().split(",")
+
+
+_FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate")
+_ROOT = ("lightning_incremental", "lightning_incremental._version")  # the package and its version
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "lightning_incremental.core",
+        "lightning_incremental.runtime",
+        "accelerate_incremental",
+        "lightning_incremental",
+    ],
+)
+def test_import_does_not_load_lightning(module: str) -> None:
+    frameworks = [m for m in _loaded_after_import(module) if m.split(".")[0] in _FRAMEWORKS]
+    assert frameworks == [], f"importing {module} loaded {frameworks}"
+
+
+def _ours(loaded: list[str]) -> list[str]:
+    return [m for m in loaded if m.split(".")[0] == "lightning_incremental"]
+
+
+def _under(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_engine_does_not_load_the_runtime() -> None:
+    loaded = _ours(_loaded_after_import("lightning_incremental.core"))
+    assert [m for m in loaded if _under(m, "lightning_incremental.runtime")] == []
+
+
+def test_the_runtime_loads_only_the_engine() -> None:
+    loaded = _ours(_loaded_after_import("lightning_incremental.runtime"))
+    allowed = ("lightning_incremental.core", "lightning_incremental.runtime")
+    others = [m for m in loaded if not _under(m, *allowed) and m not in _ROOT]
+    assert others == [], f"the runtime loaded {others}"
+
+
+def test_accelerate_adapter_uses_only_the_engine_and_the_runtime() -> None:
+    """No private module of the Lightning adapter (``lightning_incremental._*``), no Lightning:
+    only the package root (its version), ``core`` and ``runtime``."""
+    loaded = _loaded_after_import("accelerate_incremental")
+    allowed = ("lightning_incremental.core", "lightning_incremental.runtime")
+    others = [m for m in _ours(loaded) if not _under(m, *allowed) and m not in _ROOT]
+    assert others == [], f"accelerate_incremental loaded {others}"
+    assert "lightning" not in loaded
 
 
 def test_public_surface() -> None:

@@ -25,7 +25,7 @@ import torch
 
 from lightning_incremental.core import CheckpointStore, fencing
 from lightning_incremental.core import manifest as mf
-from lightning_incremental.core.watchdog import EXIT_PEER_DEAD, EXIT_PEER_HUNG
+from lightning_incremental.runtime.watchdog import EXIT_PEER_DEAD, EXIT_PEER_HUNG
 
 pytestmark = pytest.mark.slow
 

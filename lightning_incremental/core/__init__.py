@@ -1,6 +1,7 @@
 """The engine: chunked, content-addressed, delta-encoded checkpoints on any fsspec URL.
 
-Framework-free: imports torch, numpy, fsspec and zstandard, never lightning or accelerate.
+Framework-free: imports torch, numpy, fsspec and zstandard, never lightning or accelerate, nor
+the distributed runtime built on it (:mod:`lightning_incremental.runtime`).
 """
 
 from lightning_incremental.core.config import StoreConfig
@@ -15,6 +16,7 @@ from lightning_incremental.core.errors import (
     NotAStoreError,
     PickleNotAllowedError,
     StepError,
+    StepTypeError,
     StorageError,
     UnsupportedValueError,
     WriterLeaseError,
@@ -23,7 +25,6 @@ from lightning_incremental.core.results import GcReport, SaveResult, VerifyRepor
 from lightning_incremental.core.save_queue import SaveHandle
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.store import CheckpointStore
-from lightning_incremental.core.watchdog import Failure, Watchdog, WatchdogConfig
 
 __all__ = [
     "CheckpointError",
@@ -40,13 +41,11 @@ __all__ = [
     "SaveHandle",
     "SaveResult",
     "StepError",
+    "StepTypeError",
     "Storage",
     "StorageError",
     "StoreConfig",
     "UnsupportedValueError",
     "VerifyReport",
     "WriterLeaseError",
-    "Failure",
-    "Watchdog",
-    "WatchdogConfig",
 ]

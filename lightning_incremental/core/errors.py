@@ -20,6 +20,11 @@ class StepError(CheckpointError, ValueError):
     """A step that is not a non-negative int, or not newer than every committed step."""
 
 
+class StepTypeError(StepError, TypeError):
+    """A step that is not an int at all: a :class:`StepError`, and a ``TypeError`` as Python
+    raises for an argument of the wrong type."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """The state holds a value the store cannot save without executing code on load."""
 

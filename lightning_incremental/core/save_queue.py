@@ -11,11 +11,11 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
 
+from lightning_incremental.core import at_exit
 from lightning_incremental.core.results import SaveResult
 from lightning_incremental.core.workers import WorkerPool
 
@@ -167,23 +167,15 @@ class _Closable(Protocol):
     def close(self) -> None: ...
 
 
-# Saves still running when the interpreter exits must finish: Python stops thread pools from
-# accepting work at shutdown, so the stores drain first. Hooks registered with
-# threading._register_atexit run before concurrent.futures' own (they run in reverse order).
-_OPEN: weakref.WeakSet[_Closable] = weakref.WeakSet()
-
-
 def drain_at_exit(store: _Closable) -> None:
-    """Close ``store`` (waiting for its saves) when the interpreter exits, if still open."""
-    _OPEN.add(store)
+    """Close ``store`` (waiting for its saves) when the interpreter exits, if still open (see
+    :mod:`lightning_incremental.core.at_exit`: Python stops thread pools from accepting work at
+    shutdown, so the stores drain first)."""
+    at_exit.drain_at_exit(store, _close)
 
 
-def _drain() -> None:
-    for store in list(_OPEN):
-        try:
-            store.close()
-        except Exception as exc:  # the process is ending: say what was lost, loudly
-            log.error("a checkpoint of %s failed while the process was exiting: %s", store.url, exc)
-
-
-threading._register_atexit(_drain)  # type: ignore[attr-defined]
+def _close(store: _Closable) -> None:
+    try:
+        store.close()
+    except Exception as exc:  # the process is ending: say what was lost, loudly
+        log.error("a checkpoint of %s failed while the process was exiting: %s", store.url, exc)

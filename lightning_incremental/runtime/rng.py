@@ -17,14 +17,25 @@ def capture() -> dict[str, Any]:
     """The global random state of torch (CPU and, when initialised, every CUDA device), numpy's
     legacy global generator and Python's ``random`` module. Every value is plain data (tensors,
     arrays, ints, floats, tuples) that a checkpoint store holds without pickling."""
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
+    return {**capture_torch(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def capture_torch() -> dict[str, Any]:
+    """The global random state of torch alone: ``"torch"`` (the CPU generator) and, when CUDA is
+    initialised, ``"cuda"`` (every device's generator)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def restore_torch(state: dict[str, Any]) -> None:
+    """Make ``state`` (holding :func:`capture_torch`'s keys) torch's global random state; the
+    CUDA generators only where ``state`` holds them and CUDA is available."""
+    torch.set_rng_state(state["torch"].cpu())
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
 
 
 def restore(state: dict[str, Any]) -> None:
@@ -40,10 +51,7 @@ def restore(state: dict[str, Any]) -> None:
         python_state = state["python"]
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a captured random state (missing {exc})") from exc
-    torch.set_rng_state(torch_state.cpu())
-    cuda = state.get("cuda")
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+    restore_torch({"torch": torch_state, "cuda": state.get("cuda")})
     np.random.set_state(tuple(numpy_state))
     version, internal, gauss = python_state
     random.setstate((version, tuple(internal), gauss))

@@ -18,16 +18,16 @@ Only pass *replicated* state (model ``state_dict`` and optimizer ``state_dict`` 
 parallelism): per-rank values such as RNG states, sampler positions or FSDP/DTensor shards
 legitimately differ between ranks and would be reported.
 
-What a caller does with a divergence is policy: warn, repair, or stop. ``EXIT_REPLICA_DIVERGED``
-(89) is the distinct process exit code for the ``stop`` action, so that a supervisor can tell "a
-replica diverged" from a crash or an ordinary failure and, e.g., restart from the last verified
+What a caller does with a divergence is policy (warn, repair, or stop: see
+:mod:`lightning_incremental.runtime.replica_policy`). ``EXIT_REPLICA_DIVERGED`` (89) is the
+distinct process exit code for the ``stop`` action, so that a supervisor can tell "a replica
+diverged" from a crash or an ordinary failure and, e.g., restart from the last verified
 checkpoint instead of retrying blindly.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -37,7 +37,8 @@ import numpy as np
 import torch
 import xxhash
 
-from lightning_incremental.core.errors import CheckpointError, ConfigError
+from lightning_incremental.core.errors import CheckpointError
+from lightning_incremental.runtime import collectives
 
 log = logging.getLogger("lightning_incremental")
 
@@ -319,24 +320,11 @@ def compare(fingerprints_by_rank: Sequence[dict[str, str]], coordinator: int = 0
 # ---------------------------------------------------------------- distributed helpers
 
 
-def _world(group: Any) -> int:
-    """The group's size, or 1 when torch.distributed is unavailable or not initialised."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return int(dist.get_world_size(group))
-
-
 def gather_fingerprints(fp: dict[str, str], group: Any = None) -> list[dict[str, str]]:
     """Every rank's fingerprints, indexed by rank within ``group`` (``[fp]`` without a process
     group). With NCCL the current CUDA device must be set (``torch.cuda.set_device``), as for any
     ``all_gather_object``."""
-    world = _world(group)
-    if world == 1:
-        return [fp]
-    out: list[Any] = [None] * world
-    torch.distributed.all_gather_object(out, fp, group=group)
-    return out
+    return collectives.gather(fp, group)
 
 
 def check_replicas(
@@ -361,7 +349,7 @@ def broadcast_state_(
     (one broadcast per bucket rather than per tensor); a single tensor larger than that goes
     alone, without a copy when contiguous. No-op without a process group.
     """
-    if _world(group) == 1:
+    if not collectives.is_distributed(group):
         return
     dist = torch.distributed
     root = dist.get_global_rank(group, src) if group is not None else src
@@ -457,92 +445,3 @@ def source_of(report: ReplicaReport, key: str) -> int:
         if key not in report.diverged.get(rank, ()):
             return rank
     return report.source
-
-
-# ---------------------------------------------------------------- the adapters' policy
-
-ACTIONS = ("off", "warn", "repair", "stop")
-
-
-def check_action(action: Any) -> str:
-    """Validate an adapter's ``replica_check`` argument.
-
-    Raises:
-        TypeError / ConfigError: not one of :data:`ACTIONS`.
-    """
-    if not isinstance(action, str):
-        raise TypeError(f"replica_check must be one of {ACTIONS}, got {action!r}")
-    if action not in ACTIONS:
-        raise ConfigError(f"replica_check must be one of {ACTIONS}, got {action!r}")
-    return action
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What a replica check found and did: ``report`` (None when not checked), ``repaired``
-    (the keys broadcast from the reference rank), ``skip_save`` (the coordinator's own copy is
-    not the reference one, so its state must not be committed)."""
-
-    report: ReplicaReport | None
-    repaired: tuple[str, ...] = ()
-    skip_save: bool = False
-
-    def audit(self) -> dict[str, Any] | None:
-        """The audit-trail record of a repair (None when nothing was repaired)."""
-        if self.report is None or not self.repaired:
-            return None
-        return {
-            "diverged_ranks": sorted(self.report.diverged),
-            "source_rank": self.report.source,
-            "repaired": list(self.repaired[:20]),
-            "repaired_count": len(self.repaired),
-        }
-
-
-def enforce(state: Any, action: str, *, coordinator: int = 0, group: Any = None) -> Verdict:
-    """Check that replicas agree on ``state`` and act (a collective: call on every rank, with
-    the same ``action``). The outcome is identical on every rank.
-
-    - ``warn``: log and warn; when the coordinator is itself in the minority, ``skip_save``;
-    - ``repair``: broadcast the reference copy into ``state``'s tensors in place, on every rank;
-    - ``stop``: raise :class:`ReplicaDivergedError` (the adapters end the process with
-      :data:`EXIT_REPLICA_DIVERGED` so the group restarts from the last good checkpoint).
-
-    Raises:
-        ReplicaDivergedError: ``stop``, or ``repair`` of a divergence a broadcast cannot fix.
-    """
-    if action == "off" or _world(group) <= 1:
-        return Verdict(None)
-    report = check_replicas(state, coordinator=coordinator, group=group)
-    if report.ok:
-        return Verdict(report)
-    message = report.describe()
-    if action == "stop":
-        log.error("%s Stopping (exit code %d).", message, EXIT_REPLICA_DIVERGED)
-        raise ReplicaDivergedError(report)
-    if action == "repair":
-        repaired = repair_(state, report, group=group)
-        log.warning("%s Repaired %d values from the majority's copies.", message, len(repaired))
-        if _rank(group) == coordinator:
-            warnings.warn(
-                f"{message} Repaired: {len(repaired)} values broadcast from the ranks holding "
-                "the majority's version; training continues from a common state.",
-                stacklevel=2,
-            )
-        return Verdict(report, tuple(repaired))
-    skip = coordinator in report.diverged
-    suffix = (
-        " This checkpoint is skipped: the coordinator's copy is not the reference one."
-        if skip
-        else ""
-    )
-    log.warning("%s%s", message, suffix)
-    if _rank(group) == coordinator:
-        warnings.warn(message + suffix, stacklevel=2)
-    return Verdict(report, skip_save=skip)
-
-
-def _rank(group: Any) -> int:
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return 0
-    return int(torch.distributed.get_rank(group))

@@ -24,9 +24,21 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from lightning_incremental.core import CheckpointError, ConfigError, FencedError
+from lightning_incremental.core.errors import CheckpointError, ConfigError, FencedError
+from lightning_incremental.runtime import collectives
+from lightning_incremental.runtime.coordinate import describe
 
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_MAX_CONSECUTIVE_FAILURES",
+    "FailurePolicy",
+    "Report",
+    "check_max_consecutive_failures",
+    "describe",
+    "share_report",
+    "text_of",
+]
 
 DEFAULT_MAX_CONSECUTIVE_FAILURES = 3
 
@@ -50,10 +62,6 @@ def check_max_consecutive_failures(value: Any) -> int:
             f"max_consecutive_failures must be >= 1 (1: stop at the first failed save), got {value}"
         )
     return value
-
-
-def describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
 
 
 class _Handle(Protocol):
@@ -219,11 +227,4 @@ def text_of(failures: Sequence[tuple[str, BaseException]]) -> str | None:
 def share_report(report: Report | None) -> Report | None:
     """Process 0's ``report`` on every process of an initialised ``torch.distributed`` group
     (a collective: call it on every process); ``report`` itself otherwise."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return report
-    box: list[Any] = [report]
-    dist.broadcast_object_list(box, src=0)
-    shared: Report | None = box[0]
-    return shared
+    return collectives.broadcast(report)

@@ -299,7 +299,7 @@ def test_a_hung_rank_is_found_by_the_watchdog_and_the_run_recovers(
     (hang,) = [e for e in run["events"] if e["event"] == "signal" and e["kind"] == "hang"]
     found = [e for e in run["events"] if e["event"] == "watchdog" and e["restart"] == 1]
     assert found, run["events"]
-    assert all("rank 1 made no training progress" in e["message"] for e in found)
+    assert all("rank 1 made no training progress" in e["message"] for e in found), found
     assert f"exitcode: {EXIT_PEER_HUNG}" in run["log"]
     latency = min(e["time"] for e in found) - hang["time"]
     assert 6.0 <= latency < 6.0 + 10.0, latency  # progress_timeout, plus a check interval

@@ -109,5 +109,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The fault-injection suite's S3 variants repeat, over HTTP, what the S3 suite already
     covers with faults at the HTTP level: they run in the full suite, not the quick subset."""
     for item in items:
-        if item.nodeid.startswith("tests/test_faults.py") and "[s3" in item.nodeid:
+        if item.nodeid.startswith("tests/engine/test_faults.py") and "[s3" in item.nodeid:
             item.add_marker(pytest.mark.slow)

@@ -1,4 +1,4 @@
-"""Tiny Lightning training jobs for ``tests/test_callback.py``.
+"""Tiny Lightning training jobs for ``tests/lightning/test_callback.py``.
 
 Importable (the model, its data, the interrupting callbacks, ``fit``) and runnable as a script for
 the runs that need their own processes:

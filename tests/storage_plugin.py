@@ -1,9 +1,9 @@
 """A storage backend as another package would write one: objects in a dict, only the abstract
 methods of :class:`Storage` implemented (``listdir`` and ``get_view`` are the interface's own).
 
-The conformance suite runs on it (registered by code), and the entry-point tests install it as a
-plug-in (``tests/test_storage_registry.py``). URLs: ``dictmem://<name>/<path>``; every storage
-opened on the same ``<name>`` sees the same objects, in this process.
+The conformance suite runs on it (registered by code), and the entry-point tests install it as
+a plug-in (``tests/storage/test_storage_registry.py``). URLs: ``dictmem://<name>/<path>``; every
+storage opened on the same ``<name>`` sees the same objects, in this process.
 """
 
 from __future__ import annotations

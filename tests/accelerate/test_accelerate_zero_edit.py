@@ -24,9 +24,9 @@ import accelerate_incremental
 from accelerate_incremental import _launch, _tracking
 from lightning_incremental.core import CheckpointStore
 from tests.accelerate_results import assert_identical
-from tests.test_accelerate_launch import _free_port, _why
+from tests.multiprocess.test_accelerate_launch import _free_port, _why
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "plain_accelerate_job.py"
 
 
@@ -126,6 +126,7 @@ def test_installed_integration_enables_each_accelerator_once_it_prepares_a_model
     ckpt.close()
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_module_runs_the_script_as_main(tmp_path: Path) -> None:
     """``python -m accelerate_incremental --dirpath D script.py ARGS`` (what ``accelerate
     launch -m`` runs in each process): the script sees its own argv, __file__, __name__ and

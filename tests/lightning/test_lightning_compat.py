@@ -38,7 +38,7 @@ from lightning_incremental.core.storage import open_storage
 from lightning_incremental.core.workers import WorkerPool
 from tests.conftest import assert_state_equal
 from tests.faulty import FaultyStorage
-from tests.test_checkpoint_io import (
+from tests.lightning.test_checkpoint_io import (
     STEPS_PER_EPOCH,
     Net,
     RecordingIO,

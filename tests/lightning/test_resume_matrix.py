@@ -19,8 +19,8 @@ import pytest
 
 from tests.resume_matrix import Case, cases
 
-DRIVER = Path(__file__).with_name("resume_matrix.py")
-REPO = Path(__file__).resolve().parents[1]
+DRIVER = Path(__file__).resolve().parents[1] / "resume_matrix.py"
+REPO = Path(__file__).resolve().parents[2]
 
 # The configurations first seen to resume wrong: checkpoints taken at an epoch's end of an
 # iteration-based run (160 samples, batch 16: 10 batches per epoch, max_steps=40), a

@@ -32,7 +32,7 @@ from lightning_incremental.core.storage import (
 )
 from tests import storage_plugin
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

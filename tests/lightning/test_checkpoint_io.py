@@ -607,6 +607,7 @@ def test_remove_right_after_save_waits_for_that_pointer(tmp_path: Path) -> None:
     assert CheckpointStore(tmp_path / ".incremental").steps() == []
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_save_in_flight_when_the_script_ends_still_lands(tmp_path: Path) -> None:
     """``trainer.save_checkpoint`` after ``fit`` (no teardown follows), then the script ends."""
     import subprocess
@@ -618,7 +619,7 @@ def test_save_in_flight_when_the_script_ends_still_lands(tmp_path: Path) -> None
         "io = IncrementalCheckpointIO()\n"
         "io.save_checkpoint({'global_step': 1, 'w': torch.ones(512, 512)}, sys.argv[1])\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     path = str(tmp_path / "a.ckpt")
     subprocess.run([sys.executable, "-c", code, path], check=True, timeout=120, cwd=root)
     loaded = IncrementalCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")

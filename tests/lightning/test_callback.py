@@ -39,8 +39,8 @@ from tests.lightning_job import (
     weights,
 )
 
-JOB = Path(__file__).with_name("lightning_job.py")
-REPO = Path(__file__).resolve().parents[1]
+JOB = Path(__file__).resolve().parents[1] / "lightning_job.py"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def background_threads() -> list[threading.Thread]:
@@ -196,7 +196,14 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+#: Scenarios that start processes of their own (DataLoader workers): the slow subset.
+SLOW_SCENARIOS = {"worker-processes"}
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SCENARIOS else s for s in SCENARIOS],
+)
 def test_interrupted_run_resumes_bit_identical(scenario: str, tmp_path: Path, reference) -> None:
     model, trainer, args, crashes, resumed = SCENARIOS[scenario]
     args = {"save_on_exception": False, **args}
@@ -240,6 +247,7 @@ def test_persistent_workers_resume_warns_what_is_not_exact(tmp_path: Path) -> No
     assert ckpt.resumed_from == 10
 
 
+@pytest.mark.slow  # two Python processes of their own
 def test_sigkilled_process_rerun_with_same_command_is_bit_identical(tmp_path: Path) -> None:
     command = [sys.executable, str(JOB), "single", "--dir", str(tmp_path / "d")]
     command += ["--out", str(tmp_path / "out")]

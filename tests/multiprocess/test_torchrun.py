@@ -29,7 +29,7 @@ from lightning_incremental.runtime.watchdog import EXIT_PEER_DEAD, EXIT_PEER_HUN
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "torchrun_job.py"
 LAUNCH_TIMEOUT_S = 420
 

@@ -14,7 +14,7 @@ from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader, IterableDataset
 
 from accelerate_incremental import IncrementalCheckpointer, _tracking, enable
-from tests.test_accelerate import Run, make_run, same, weights
+from tests.accelerate.test_accelerate import Run, make_run, same, weights
 
 
 @pytest.fixture(autouse=True)

@@ -33,7 +33,7 @@ from lightning_incremental.core.storage import open_storage
 from tests.conftest import assert_state_equal, small_store
 from tests.faulty import FaultyStorage
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def state(value: float) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from lightning_incremental.core import manifest as mf
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "sharded_job.py"
 
 

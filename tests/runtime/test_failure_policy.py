@@ -172,7 +172,7 @@ def test_plugin_raises_at_the_kth_failure_in_a_row_and_a_commit_resets(tmp_path:
 
 
 def test_plugin_under_a_trainer_goes_on_and_resumes(tmp_path: Path) -> None:
-    from tests.test_checkpoint_io import data, net, trainer
+    from tests.lightning.test_checkpoint_io import data, net, trainer
 
     plugin = FaultyIO([{"nth": 1}])  # the first ModelCheckpoint save (step 2) fails
     mc = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
@@ -211,7 +211,7 @@ def faulty_accelerate_store(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_accelerate_warns_goes_on_and_resumes(tmp_path: Path, faulty_accelerate_store) -> None:
-    from tests.test_accelerate import make_run, same, weights
+    from tests.accelerate.test_accelerate import make_run, same, weights
 
     faulty_accelerate_store.extend([{"nth": 2, "times": 2}, {"nth": 5}])  # 2, 3 and 5 fail
     url = str(tmp_path / "store")
@@ -244,7 +244,7 @@ def test_accelerate_warns_goes_on_and_resumes(tmp_path: Path, faulty_accelerate_
 def test_accelerate_raises_at_the_kth_failure_in_a_row(
     tmp_path: Path, faulty_accelerate_store
 ) -> None:
-    from tests.test_accelerate import make_run
+    from tests.accelerate.test_accelerate import make_run
 
     faulty_accelerate_store.append({"nth": 2, "times": None})  # from the second save on
     run = make_run()
@@ -262,7 +262,7 @@ def test_accelerate_raises_at_the_kth_failure_in_a_row(
 
 
 def test_accelerate_wait_applies_the_policy(tmp_path: Path, faulty_accelerate_store) -> None:
-    from tests.test_accelerate import make_run
+    from tests.accelerate.test_accelerate import make_run
 
     faulty_accelerate_store.append({"nth": 1})
     run = make_run()

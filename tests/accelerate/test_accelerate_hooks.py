@@ -15,7 +15,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import ProjectConfiguration
 
 from accelerate_incremental import enable
-from tests.test_accelerate import _fresh_state, make_run, same, weights  # noqa: F401
+from tests.accelerate.test_accelerate import _fresh_state, make_run, same, weights  # noqa: F401
 
 
 def _randomize(model: torch.nn.Module) -> None:

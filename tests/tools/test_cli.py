@@ -171,6 +171,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_the_command_in_a_subprocess(store_dir: Path, tmp_path: Path) -> None:
     listed = _cli("ls", str(store_dir))
     assert listed.returncode == 0 and "30" in listed.stdout

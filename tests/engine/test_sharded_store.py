@@ -1,6 +1,6 @@
 """Sharded tensors in one process: the piece reader (which chunks, where their elements go), the
 format's piece table and its validator, and a store round trip of DTensors on a one-process mesh.
-Several ranks: tests/test_sharded_torchrun.py."""
+Several ranks: tests/multiprocess/test_sharded_torchrun.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from lightning_incremental.core.decoder import Regions
 from lightning_incremental.core.format import ChunkRecipe, PieceEntry, TensorEntry
 from lightning_incremental.core.pieces import Box, flat_runs, relative
 from lightning_incremental.core.scatter import piece_targets
-from tests.test_pieces import grid, guillotine, region
+from tests.engine.test_pieces import grid, guillotine, region
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64]
 

@@ -11,7 +11,6 @@ with ``threading._register_atexit`` run before ``concurrent.futures``' own.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import weakref
@@ -31,9 +30,12 @@ def drain_at_exit(owner: object, drain: Callable[[Any], object]) -> None:
     the newest registration (drained first)."""
     global _hooked
     key = id(owner)
+    ref = weakref.ref(owner)  # no callback: one would run at any allocation, under the lock
     with _lock:
+        for dead in [k for k, (r, _) in _owners.items() if r() is None]:
+            del _owners[dead]  # owners gone since (an id may be reused: purge before adding)
         _owners.pop(key, None)
-        _owners[key] = (weakref.ref(owner, functools.partial(_forget, key)), drain)
+        _owners[key] = (ref, drain)
         if _hooked:
             return
         try:
@@ -41,13 +43,6 @@ def drain_at_exit(owner: object, drain: Callable[[Any], object]) -> None:
         except (AttributeError, RuntimeError):  # no such hook, or already shutting down
             return
         _hooked = True
-
-
-def _forget(key: int, ref: weakref.ref[Any]) -> None:
-    with _lock:
-        entry = _owners.get(key)
-        if entry is not None and entry[0] is ref:  # not a newer owner under a reused id
-            del _owners[key]
 
 
 def _drain_all() -> None:

@@ -254,6 +254,10 @@ def shard_indices(
 
 def runs_of(indices: Sequence[int]) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive global indices: (local start, global start, length)."""
+    if indices and indices[-1] - indices[0] == len(indices) - 1:
+        first = indices[0]
+        if list(indices) == list(range(first, first + len(indices))):  # one run: the usual case
+            return [(0, first, len(indices))]
     runs: list[tuple[int, int, int]] = []
     for pos, g in enumerate(indices):
         if runs and runs[-1][1] + runs[-1][2] == g:

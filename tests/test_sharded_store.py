@@ -309,3 +309,85 @@ def test_dcp_export_of_a_non_sharded_checkpoint(tmp_path):
     for key in ("w", "n"):
         assert torch.equal(back["model"][key], state["model"][key])
     assert torch.equal(back["optim"]["step"], state["optim"]["step"])
+
+
+# ------------------------------------------------------------------ ShardedTensor, compaction
+
+
+def _sharded_tensor(full: torch.Tensor, rows: tuple[int, ...]):
+    """A ``ShardedTensor`` (FSDP1's sharded state dict leaf) of ``full`` cut into row blocks
+    starting at ``rows``, every block a local shard of this one process."""
+    import warnings
+
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    stops = (*rows[1:], full.shape[0])
+    shards = [
+        Shard(
+            full[a:b].clone(),
+            ShardMetadata(
+                [a, *(0 for _ in full.shape[1:])], [b - a, *full.shape[1:]], "rank:0/cpu"
+            ),
+        )
+        for a, b in zip(rows, stops)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor is deprecated
+        return init_from_local_shards(shards, list(full.shape))
+
+
+def _local_rows(st) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    return torch.cat([s.tensor for s in st.local_shards()])
+
+
+def test_sharded_tensor_state_round_trip_in_one_process(tmp_path, world_of_one):
+    """FSDP1's ``ShardedTensor`` leaves: each local shard stored as a piece (here two in one
+    process), loaded whole and into another ``ShardedTensor`` bit-exactly."""
+    w = torch.randn(6, 4)
+    state = {"w": _sharded_tensor(w, (0, 2)), "m": _sharded_tensor(w.double() * 3, (0, 3))}
+    with CheckpointStore(tmp_path, chunk_size=32) as store:
+        store.save(state, 1).wait()
+        pieces = store.manifest(1).tensors[0].pieces
+        assert [(p.offsets, p.sizes) for p in pieces] == [((0, 0), (2, 4)), ((2, 0), (4, 4))]
+        loaded = store.load(1)
+        assert torch.equal(loaded["w"], w) and torch.equal(loaded["m"], w.double() * 3)
+        live = {"w": _sharded_tensor(torch.zeros(6, 4), (0, 3))}  # another layout
+        store.load(1, keys="w", into=live)
+        assert torch.equal(_local_rows(live["w"]), w)
+
+
+def test_compact_keeps_the_pieces_and_the_next_save_writes_deltas(tmp_path, world_of_one):
+    """Compacting a sharded checkpoint rewrites every piece as a full base with the same box:
+    it loads bit-exactly, and a job that resumes from it writes XOR deltas of its pieces against
+    the rewritten ones (their keys still match)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 16, generator=g)
+    options = {"chunk_size": 256, "max_chain_ratio": 100.0}
+    with CheckpointStore(tmp_path, **options) as store:
+        for step in range(1, 4):
+            w = w + 1e-4 * torch.randn(w.shape, generator=g)
+            store.save({"w": _sharded_tensor(w, (0, 24)), "n": step}, step).wait()
+        before = store.manifest(3)
+        assert any(r.depth for r in before.chunks.values()), "needs delta chains"
+        assert store.compact() is not None
+        after = store.manifest(3)
+    assert not any(r.depth for r in after.chunks.values())
+    boxes = [(p.offsets, p.sizes) for p in after.tensors[0].pieces]
+    assert boxes == [(p.offsets, p.sizes) for p in before.tensors[0].pieces]
+    assert boxes == [((0, 0), (24, 16)), ((24, 0), (40, 16))]
+    with CheckpointStore(tmp_path, **options) as store:  # a new run resumes
+        live = {"w": _sharded_tensor(torch.zeros(64, 16), (0, 24)), "n": 0}
+        store.load(into=live)
+        assert torch.equal(_local_rows(live["w"]), w)
+        w = w + 1e-4 * torch.randn(w.shape, generator=g)
+        result = store.save({"w": _sharded_tensor(w, (0, 24)), "n": 4}, 4).wait()
+        assert result.chunks_delta == result.chunks_total > 0
+        assert torch.equal(store.load(4)["w"], w)
+
+
+def test_compact_refuses_a_store_opened_for_a_distributed_job(tmp_path, world_of_one):
+    with CheckpointStore(tmp_path, distributed=True) as store:
+        store.save({"w": _dtensor(torch.randn(4, 3))}, 1).wait()
+        with pytest.raises(ConfigError, match="one process"):
+            store.compact()

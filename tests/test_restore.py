@@ -256,3 +256,14 @@ def test_a_chunk_several_destinations_want_is_decoded_once(tmp_path: Path) -> No
     assert a.tobytes() == b.tobytes() == expect
     assert doubled.tobytes() == expect * 2
     store.close()
+
+
+def test_scratch_buffers_are_reused_per_thread_up_to_a_size() -> None:
+    scratch = dec._Scratch()
+    first = scratch.get(0, 1000)
+    assert np.shares_memory(scratch.get(0, 800), first)  # reused, smaller views of it
+    assert not np.shares_memory(scratch.get(1, 1000), first)  # another slot, another buffer
+    assert scratch.get(0, 2000).size == 2000  # grown
+    big = dec.KEEP_MAX + 16
+    assert not np.shares_memory(scratch.get(2, big), scratch.get(2, big))  # not kept
+    assert all(b is None or b.size <= dec.KEEP_MAX for b in scratch.buffers)

@@ -92,13 +92,16 @@ Chunks = Mapping[str, ChunkRecipe]
 class _Scratch(threading.local):
     """Buffers a worker thread reuses from chunk to chunk: fresh multi-megabyte buffers cost a
     page fault per 4 KiB on first touch, about a third of a chunk's decoding time. At most
-    ``SLOTS`` buffers of the largest chunk this thread decoded, freed when the thread ends (the
-    worker pool's threads end when idle)."""
+    ``SLOTS`` buffers of the largest chunk this thread decoded (chunks past ``KEEP_MAX`` get
+    buffers of their own, not kept), freed when the thread ends (the worker pool's threads end
+    when idle)."""
 
     def __init__(self) -> None:
         self.buffers: list[np.ndarray | None] = [None] * SLOTS
 
     def get(self, slot: int, size: int) -> np.ndarray:
+        if size > KEEP_MAX:
+            return np.empty(size, dtype=np.uint8)
         buffer = self.buffers[slot]
         if buffer is None or buffer.size < size:
             buffer = self.buffers[slot] = np.empty(size, dtype=np.uint8)
@@ -106,6 +109,7 @@ class _Scratch(threading.local):
 
 
 SLOTS = 3  # a chain's accumulator or second buffer, and a staged chunk's decoded bytes
+KEEP_MAX = 64 << 20  # larger scratch buffers are not kept between chunks
 _ACC, _STAGED = 0, 2
 _scratch = _Scratch()
 

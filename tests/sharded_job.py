@@ -11,10 +11,17 @@ Faults, each ``KIND:ATTEMPT:STEP:RANK`` (attempt = torchrun's restart count):
 
 - ``before-commit``: the rank exits (``os._exit``) once its part of checkpoint STEP is durable,
   before reporting it to the coordinator;
-- ``kill``: the rank SIGKILLs itself after the optimizer step STEP (mid-training).
+- ``kill``: the rank SIGKILLs itself after the optimizer step STEP (mid-training), once the
+  checkpoints it saved before have committed (so the resume point does not depend on timing).
 
 ``load`` builds the model on this job's world size (uneven shards), loads the newest checkpoint
 into its sharded state dicts and compares every value with ``--ref``, writing OUT/load<rank>.json.
+
+With ``--fsdp1 STORE``, each mode also runs the same model under FSDP1 (``FullyShardedDataParallel``
+on CPU), whose sharded state dicts hold ``ShardedTensor`` leaves: ``train`` trains it a few steps
+saving each one and loads the newest checkpoint into a fresh FSDP1 model (same layout); ``load``
+loads it into FSDP1 on this world size. Both write each rank's local shards for the test to
+compare with a one-process load.
 """
 
 from __future__ import annotations
@@ -134,6 +141,7 @@ def train(args: argparse.Namespace) -> None:
     for step in range(start + 1, args.steps + 1):
         train_step(model, opt, step)
         if any(kind == "kill" and s == step for kind, _, s, _ in faults):
+            store.wait()  # the checkpoints saved so far commit first: a deterministic resume
             os.kill(os.getpid(), signal.SIGKILL)
         if step % args.every == 0:
             store.save(sharded_state(model, opt), step)
@@ -179,6 +187,75 @@ def load(args: argparse.Namespace) -> None:
     )
 
 
+def build_fsdp1() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(Net(), device_id=torch.device("cpu"))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+
+
+def local_shards(tree: Any) -> Any:
+    """A state with each ``ShardedTensor`` as its local shards: ``[(offsets, tensor), ...]``."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(tree, dict):
+        return {k: local_shards(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [local_shards(v) for v in tree]
+    if isinstance(tree, ShardedTensor):
+        return [(tuple(s.metadata.shard_offsets), s.tensor.clone()) for s in tree.local_shards()]
+    return tree.clone() if isinstance(tree, torch.Tensor) else tree
+
+
+def fsdp1_train(args: argparse.Namespace) -> None:
+    """FSDP1 (``ShardedTensor`` state dicts): train and save 3 steps (a full checkpoint, then
+    deltas), reload into a fresh model of the same layout; each rank writes its live shards to
+    ``OUT/fsdp1_rank<rank>.pt``."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    model, opt = build_fsdp1()
+    with CheckpointStore(args.fsdp1, distributed=True, chunk_size=64) as store:
+        for step in range(1, 4):
+            train_step(model, opt, step)
+            state = sharded_state(model, opt)
+            assert isinstance(state["model"]["up.weight"], ShardedTensor)
+            store.save(state, step)
+    expect = local_shards(sharded_state(model, opt))
+    fresh, fresh_opt = build_fsdp1()
+    with CheckpointStore(args.fsdp1) as store:
+        assert restore(store, fresh, fresh_opt) == 3
+    _same(local_shards(sharded_state(fresh, fresh_opt)), expect)
+    torch.save(expect, Path(args.out) / f"fsdp1_rank{dist.get_rank()}.pt")
+
+
+def fsdp1_load(args: argparse.Namespace) -> None:
+    """Load the FSDP1 checkpoint on this world size; each rank writes its shards to
+    ``OUT/fsdp1_load<rank>.pt``."""
+    model, opt = build_fsdp1()
+    with CheckpointStore(args.fsdp1) as store:
+        assert restore(store, model, opt) == 3
+    shards = local_shards(sharded_state(model, opt))
+    torch.save(shards, Path(args.out) / f"fsdp1_load{dist.get_rank()}.pt")
+
+
+def _same(a: Any, b: Any, path: str = "") -> None:
+    """Bit-identical nested states."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for key in a:
+            _same(a[key], b[key], f"{path}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}/{i}")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+    else:
+        assert a == b, (path, a, b)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "load"])
@@ -188,10 +265,13 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--fault", action="append", default=[])
     parser.add_argument("--ref")
+    parser.add_argument("--fsdp1")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     try:
         (train if args.mode == "train" else load)(args)
+        if args.fsdp1:
+            (fsdp1_train if args.mode == "train" else fsdp1_load)(args)
         dist.barrier()
     finally:
         dist.destroy_process_group()

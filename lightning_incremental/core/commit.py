@@ -31,7 +31,7 @@ import torch
 from lightning_incremental.core import format as fmt
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.config import StoreConfig
-from lightning_incremental.core.decoder import restore_arrays
+from lightning_incremental.core.decoder import ChunkTarget, restore_chunks
 from lightning_incremental.core.delta_base import DeltaBase, Parent
 from lightning_incremental.core.encoder import Encoded, encode
 from lightning_incremental.core.errors import (
@@ -41,7 +41,7 @@ from lightning_incremental.core.errors import (
     StepError,
 )
 from lightning_incremental.core.fencing import Fencing
-from lightning_incremental.core.format import ChunkRecipe, Manifest, TensorEntry
+from lightning_incremental.core.format import ChunkRecipe, Manifest, PieceEntry, TensorEntry
 from lightning_incremental.core.history import History
 from lightning_incremental.core.lease import Lease
 from lightning_incremental.core.maintenance import damaged_objects
@@ -375,6 +375,10 @@ def rewrite_as_base(
     code as a save; returns the new manifest's commit, its part, the decoded leaves and the old
     manifest — or None when it is a full base already. The caller holds the write lock.
 
+    A sharded tensor keeps its layout: each stored piece is decoded and rewritten as a piece
+    with the same offsets and sizes (never gathered into a whole tensor), so every rank of the
+    next distributed save finds its own piece, under the same key, as its delta base.
+
     Raises:
         CorruptCheckpointError: the checkpoint does not restore (it is then quarantined).
     """
@@ -383,9 +387,16 @@ def rewrite_as_base(
     if all(r.depth == 0 for r in doc.chunks.values()):
         return None
     where = f"step {step} of {storage.url}"
+    arrays = [(slot, t, a) for slot, t in enumerate(doc.tensors) for a in t.arrays()]
     try:
-        buffers = [allocating(t, where, _flat_buffer)[1] for t in doc.tensors]
-        restore_arrays(storage, doc, pool, where, list(buffers))
+        buffers = [allocating(a, where, _flat_buffer)[1] for _, _, a in arrays]
+        restore_chunks(
+            storage,
+            doc,
+            pool,
+            where,
+            [ChunkTarget(a.chunks, raw) for (_, _, a), raw in zip(arrays, buffers)],
+        )
     except CorruptCheckpointError:
         history.saw_damage(step)
         raise
@@ -394,14 +405,16 @@ def rewrite_as_base(
             path=t.path,
             data=torch.from_numpy(raw),
             dtype=t.dtype,
-            shape=list(t.shape),
+            shape=list(a.shape),
             device=t.device,
             width=t.width,
             is_numpy=t.numpy,
             parameter=t.param,
             requires_grad=t.requires_grad,
+            slot=slot,
+            offsets=None if piece is None else piece.offsets,
         )
-        for t, raw in zip(doc.tensors, buffers)
+        for (slot, t, a), raw, piece in zip(arrays, buffers, _pieces_of(doc))
     ]
     part = committer.write_part(step, leaves, parent=Parent(step, doc), full=True)
     manifest = assemble(
@@ -414,6 +427,7 @@ def rewrite_as_base(
         pickled=doc.pickled,
         created=doc.created,
         extra=doc.extra,
+        tensors=_same_layout(doc.tensors, part.tensors),
     )
     manifest = dataclasses.replace(manifest, parent=doc.parent)
     fmt.validate(manifest, where)
@@ -423,6 +437,31 @@ def rewrite_as_base(
     storage.put(mf.manifest_path(step), data, overwrite=True)
     history.trust(manifest.packs)
     return Committed(manifest, len(data), time.perf_counter() - start), part, leaves, doc
+
+
+def _pieces_of(doc: Manifest) -> list[PieceEntry | None]:
+    """For each array of ``doc`` (in :meth:`TensorEntry.arrays` order), its piece or None."""
+    return [p for t in doc.tensors for p in (t.pieces if t.pieces is not None else [None])]
+
+
+def _same_layout(
+    tensors: Sequence[TensorEntry], encoded: Sequence[TensorEntry]
+) -> list[TensorEntry]:
+    """The tensor table of ``tensors`` with the chunks of ``encoded`` (one entry per array, in
+    :meth:`TensorEntry.arrays` order): whole tensors as encoded, pieces in place."""
+    arrays = iter(encoded)
+    out = []
+    for entry in tensors:
+        if entry.pieces is None:
+            out.append(next(arrays))
+            continue
+        pieces = tuple(dataclasses.replace(p, chunks=next(arrays).chunks) for p in entry.pieces)
+        out.append(
+            dataclasses.replace(
+                entry, pieces=pieces, chunks=tuple(d for p in pieces for d in p.chunks)
+            )
+        )
+    return out
 
 
 def _flat_buffer(entry: TensorEntry) -> tuple[None, np.ndarray]:

@@ -12,6 +12,7 @@ corrupt object is named, never returned. Every payload is decoded by its codec f
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
@@ -88,6 +89,31 @@ class ObjectReader:
 Chunks = Mapping[str, ChunkRecipe]
 
 
+class _Scratch(threading.local):
+    """Buffers a worker thread reuses from chunk to chunk: fresh multi-megabyte buffers cost a
+    page fault per 4 KiB on first touch, about a third of a chunk's decoding time. At most
+    ``SLOTS`` buffers of the largest chunk this thread decoded (chunks past ``KEEP_MAX`` get
+    buffers of their own, not kept), freed when the thread ends (the worker pool's threads end
+    when idle)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[np.ndarray | None] = [None] * SLOTS
+
+    def get(self, slot: int, size: int) -> np.ndarray:
+        if size > KEEP_MAX:
+            return np.empty(size, dtype=np.uint8)
+        buffer = self.buffers[slot]
+        if buffer is None or buffer.size < size:
+            buffer = self.buffers[slot] = np.empty(size, dtype=np.uint8)
+        return buffer[:size]
+
+
+SLOTS = 3  # a chain's accumulator or second buffer, and a staged chunk's decoded bytes
+KEEP_MAX = 64 << 20  # larger scratch buffers are not kept between chunks
+_ACC, _STAGED = 0, 2
+_scratch = _Scratch()
+
+
 def decode_chunk(
     digest: str, chunks: Chunks, blobs: Mapping[str, memoryview], out: np.ndarray, where: str
 ) -> None:
@@ -96,29 +122,46 @@ def decode_chunk(
     When every link has a byte-grouped form in which links combine by XOR (``Codec.planes``)
     and one grouping width, the chain is accumulated in that domain and ungrouped once; the
     final hash then proves every link right. Otherwise, or when it does not match, the chain is
-    decoded link by link (naming the bad one).
+    decoded link by link (naming the bad one). Intermediate results live in this thread's
+    scratch buffers: nothing of the chunk's size is allocated.
     """
     chain = closure(digest, chunks)
     widths = {chunks[link].width for link in chain}
     if len(chain) > 1 and len(widths) == 1:
         try:
-            acc: np.ndarray | None = None
-            for link in chain:
-                planes = _call(codecs.get(chunks[link].kind).planes, link, chunks, blobs, where)
-                if planes is None:
-                    break
-                if acc is None:
-                    acc = planes.copy()
-                else:
-                    np.bitwise_xor(acc, planes, out=acc)
-            else:
-                assert acc is not None
-                codecs.ungroup_bytes(acc, widths.pop(), out)
-                if chunk_hash(out) == chunks[digest].expected(digest):
-                    return
+            if _decode_planes(chain, chunks, blobs, out, widths.pop(), where):
+                return
         except CorruptCheckpointError:
             pass  # diagnose below, link by link
     _decode_links(chain, chunks, blobs, out, where)
+
+
+def _decode_planes(
+    chain: list[str],
+    chunks: Chunks,
+    blobs: Mapping[str, memoryview],
+    out: np.ndarray,
+    width: int,
+    where: str,
+) -> bool:
+    """The XOR-of-planes decoding of ``chain`` into ``out``; False when a link has no planes or
+    the result fails the chunk's hash."""
+    first: np.ndarray | None = None
+    acc: np.ndarray | None = None
+    for link in chain:
+        planes = _call(codecs.get(chunks[link].kind).planes, link, chunks, blobs, where)
+        if planes is None:
+            return False
+        if first is None:
+            first = planes
+        elif acc is None:  # XOR the first two links into scratch: no copy of the first
+            acc = _scratch.get(_ACC, out.size)
+            np.bitwise_xor(first, planes, out=acc)
+        else:
+            np.bitwise_xor(acc, planes, out=acc)
+    assert acc is not None
+    codecs.ungroup_bytes(acc, width, out)
+    return chunk_hash(out) == chunks[chain[-1]].expected(chain[-1])
 
 
 def _call(
@@ -148,25 +191,25 @@ def _decode_links(
     out: np.ndarray,
     where: str,
 ) -> None:
-    """Decode a chain link by link, checking each link's hash: names the first bad object."""
-    scratch: np.ndarray | None = None
+    """Decode a chain link by link, checking each link's hash: names the first bad object.
+
+    Each link decodes against the previous one's result into the other of two buffers (``out``
+    and one scratch buffer), chosen so that the last link lands in ``out``: no copies."""
+    other = _scratch.get(_ACC, out.size) if len(chain) > 1 else out
+    base: np.ndarray | None = None
     for position, link in enumerate(chain):
         recipe = chunks[link]
-        base = None
-        if position:  # the chain so far is this link's base
-            if scratch is None:
-                scratch = np.empty_like(out)
-            np.copyto(scratch, out)
-            base = scratch
+        into = out if (len(chain) - 1 - position) % 2 == 0 else other
         try:
-            codecs.decode(blobs[link], recipe.kind, recipe.width, recipe.size, base=base, out=out)
+            codecs.decode(blobs[link], recipe.kind, recipe.width, recipe.size, base=base, out=into)
         except ValueError as exc:
             raise _undecodable(link, recipe, exc, where) from exc
-        if chunk_hash(out) != recipe.expected(link):
+        if chunk_hash(into) != recipe.expected(link):
             raise CorruptCheckpointError(
                 f"checkpoint {where}: chunk {link} in {recipe.pack} fails its checksum "
                 "(corrupted object)"
             )
+        base = into
 
 
 @dataclass(frozen=True)
@@ -197,11 +240,13 @@ Target = Union[np.ndarray, Staged, Regions, None]
 @dataclass(frozen=True)
 class ChunkTarget:
     """The chunks of one stored array and where they go; ``wanted``: the indices of the chunks
-    to decode (None: all)."""
+    to hand to ``target`` (None: all); ``direct``: chunks (also) decoded straight into the
+    given bytes (a chunk that lands whole in one contiguous run of a destination)."""
 
     chunks: tuple[str, ...]
     target: np.ndarray | Staged
     wanted: frozenset[int] | None = None
+    direct: Mapping[int, np.ndarray] | None = None
 
 
 def restore_arrays(
@@ -252,40 +297,61 @@ def restore_chunks(
     read_ahead: int = READ_AHEAD,
 ) -> None:
     """Decode the chunks of ``items`` into their targets, within the memory window of
-    :func:`restore_arrays`.
+    :func:`restore_arrays`. A chunk that several destinations want (the same bytes in two
+    tensors, or in two places of one) is read and decoded once, then copied.
 
     Raises:
         CorruptCheckpointError: naming the first bad object.
     """
     chunks = manifest.chunks
-    reader = ObjectReader(storage, manifest, where)
-    jobs: list[_Job] = []
-    users: dict[str, int] = defaultdict(int)  # link -> jobs not yet decoded that need it
+    jobs: dict[str, _Job] = {}
     for item in items:
         target, offset = item.target, 0
+        direct = item.direct or {}
         for index, digest in enumerate(item.chunks):
             size = chunks[digest].size
-            if item.wanted is not None and index not in item.wanted:
-                offset += size
-                continue
-            links = tuple(dict.fromkeys(closure(digest, chunks)))
-            for link in links:
-                users[link] += 1
-            out = target[offset : offset + size] if isinstance(target, np.ndarray) else None
-            jobs.append(_Job(digest, links, out, target, offset, size))
+            dests: list[_Dest] = [(direct[index], None, 0)] if index in direct else []
+            if item.wanted is None or index in item.wanted:
+                if isinstance(target, np.ndarray):
+                    dests.append((target[offset : offset + size], None, 0))
+                else:
+                    dests.append((None, target, offset))
             offset += size
+            if not dests:
+                continue
+            job = jobs.get(digest)
+            if job is None:
+                links = tuple(dict.fromkeys(closure(digest, chunks)))
+                job = jobs[digest] = _Job(digest, links, size, [])
+            job.dests += dests
     if jobs:
-        _Schedule(reader, pool, jobs, users, read_ahead, chunks, where).run()
+        reader = ObjectReader(storage, manifest, where)
+        _Schedule(reader, pool, list(jobs.values()), read_ahead, chunks, where).run()
+
+
+_Dest = tuple[Union[np.ndarray, None], Union[Staged, None], int]  # flat bytes, or staged at offset
 
 
 @dataclass
 class _Job:
+    """One chunk to decode, and every destination that wants its bytes."""
+
     digest: str
     links: tuple[str, ...]
-    out: np.ndarray | None  # decode straight into this, or ...
-    target: Target  # ... into scratch handed to a Staged target
-    offset: int
     size: int
+    dests: list[_Dest]
+
+    def run(self, blobs: Mapping[str, memoryview], chunks: Chunks, where: str) -> None:
+        first = self.dests[0][0]
+        out = first if first is not None else _scratch.get(_STAGED, self.size)
+        decode_chunk(self.digest, chunks, blobs, out, where)
+        for flat, staged, offset in self.dests:
+            if flat is not None:
+                if flat is not out:
+                    np.copyto(flat, out)
+            else:
+                assert staged is not None
+                staged.put(offset, out)
 
 
 class _Schedule:
@@ -296,14 +362,17 @@ class _Schedule:
         reader: ObjectReader,
         pool: Executor,
         jobs: list[_Job],
-        users: dict[str, int],
         read_ahead: int,
         chunks: Chunks,
         where: str,
     ) -> None:
-        self.reader, self.pool, self.jobs, self.users = reader, pool, jobs, users
+        self.reader, self.pool, self.jobs = reader, pool, jobs
         self.read_ahead, self.chunks, self.where = read_ahead, chunks, where
-        plans = reader.plan(set(users))
+        self.users: dict[str, int] = defaultdict(int)  # link -> jobs not yet decoded needing it
+        for job in jobs:
+            for link in job.links:
+                self.users[link] += 1
+        plans = reader.plan(set(self.users))
         read_of = {digest: i for i, plan in enumerate(plans) for _, _, digest in plan[3]}
         order: list[int] = []  # reads in the order the jobs first need them
         seen: set[int] = set()
@@ -370,10 +439,7 @@ class _Schedule:
             raise
 
     def _decode(self, job: _Job) -> None:
-        out = job.out if job.out is not None else np.empty(job.size, dtype=np.uint8)
-        decode_chunk(job.digest, self.chunks, self.reader.blobs, out, self.where)
-        if isinstance(job.target, Staged):
-            job.target.put(job.offset, out)
+        job.run(self.reader.blobs, self.chunks, self.where)
 
     def _release(self, link: str) -> None:
         if self.reader.blobs.pop(link, None) is None:

@@ -209,10 +209,11 @@ def shard_indices(
     mesh_shape: Sequence[int],
     coordinate: Sequence[int],
     placements: Sequence[Any],
-) -> list[list[int]]:
+) -> list[Sequence[int]]:
     """For each dim of the global tensor, the global indices a mesh coordinate holds, in the
-    order of its local tensor. DTensor's own rules (``torch.chunk`` splits: uneven splits give
-    the last ranks less, possibly nothing; ``_StridedShard`` interleaves). Exact where DTensor's
+    order of its local tensor (a ``range`` when they are consecutive, the usual case).
+    DTensor's own rules (``torch.chunk`` splits: uneven splits give the last ranks less,
+    possibly nothing; ``_StridedShard`` interleaves). Exact where DTensor's
     ``compute_local_shape_and_global_offset`` (first index only) is not: ``(Shard(d),
     _StridedShard(d))`` layouts, whose rows are interleaved.
 
@@ -222,7 +223,7 @@ def shard_indices(
     from torch.distributed.tensor._utils import _get_shard_size_and_offsets
     from torch.distributed.tensor.placement_types import Partial, Shard, _StridedShard
 
-    indices: list[list[int]] = [list(range(n)) for n in global_shape]
+    indices: list[Sequence[int]] = [range(n) for n in global_shape]
     local = list(global_shape)
     previous: dict[int, torch.Tensor] = {}
     for mesh_dim, placement in enumerate(placements):
@@ -248,12 +249,20 @@ def shard_indices(
             offsets if size and offsets is not None else torch.empty(0, dtype=torch.long)
         )
     for dim, offsets in previous.items():
-        indices[dim] = [int(i) for i in offsets[: local[dim]].tolist()] if local[dim] else []
+        held = offsets[: local[dim]]
+        first = int(held[0]) if local[dim] else 0
+        consecutive = range(first, first + local[dim])
+        if local[dim] and torch.equal(held, torch.arange(first, consecutive.stop)):
+            indices[dim] = consecutive
+        else:
+            indices[dim] = [int(i) for i in held.tolist()]
     return indices
 
 
 def runs_of(indices: Sequence[int]) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive global indices: (local start, global start, length)."""
+    if isinstance(indices, range) and indices.step == 1:
+        return [(0, indices.start, len(indices))] if len(indices) else []
     runs: list[tuple[int, int, int]] = []
     for pos, g in enumerate(indices):
         if runs and runs[-1][1] + runs[-1][2] == g:

@@ -12,6 +12,7 @@ is one tensor copy. Memory: one chunk of scratch per decode in flight, never a w
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -74,10 +75,38 @@ def _direct(view: torch.Tensor) -> np.ndarray | None:
     return view.reshape(-1).view(torch.uint8).numpy()
 
 
+def direct_chunks(
+    sizes: tuple[int, ...],
+    chunk_bytes: Sequence[int],
+    itemsize: int,
+    want: Box,
+    flat: np.ndarray,
+) -> dict[int, np.ndarray]:
+    """The chunks of a piece of ``sizes`` whose elements all fall in ``want`` (piece
+    coordinates) where ``want`` is whole rows of the piece (full extent in every dim but the
+    first), each with the part of ``flat`` (the destination's bytes of ``want``, row-major) it
+    decodes straight into: those chunks need no scratch and no scatter."""
+    if tuple(want.offsets[1:]) != tuple(0 for _ in sizes[1:]) or want.sizes[1:] != sizes[1:]:
+        return {}
+    row = math.prod(sizes[1:]) * itemsize
+    lo = (want.offsets[0] if sizes else 0) * row
+    hi = lo + flat.size
+    out = {}
+    start = 0
+    for index, nbytes in enumerate(chunk_bytes):
+        if lo <= start and start + nbytes <= hi:
+            out[index] = flat[start - lo : start - lo + nbytes]
+        start += nbytes
+    return out
+
+
 def piece_targets(
     entry: TensorEntry, regions: Regions, chunks: Mapping[str, ChunkRecipe]
 ) -> list[ChunkTarget]:
-    """What to decode, and where, to fill ``regions`` with the tensor ``entry`` stores.
+    """What to decode, and where, to fill ``regions`` with the tensor ``entry`` stores. A chunk
+    that lands whole in one contiguous run of a destination in host memory (a piece read whole,
+    or rows of it) is decoded straight into it; the others are decoded into scratch and their
+    overlapping parts copied into place.
 
     Raises:
         CorruptCheckpointError: the stored pieces do not cover a wanted box.
@@ -99,18 +128,22 @@ def piece_targets(
     items = []
     for index, wanted in sorted(copies.items()):
         piece, hashes = stored[index]
-        if len(wanted) == 1 and wanted[0][0] == piece:
-            flat = _direct(wanted[0][1])
-            if flat is not None:
-                items.append(ChunkTarget(hashes, flat))
-                continue
         local = tuple((_local(box, piece), view) for box, view in wanted)
         sizes = [chunks[d].size for d in hashes]
-        items.append(
-            ChunkTarget(
-                hashes,
-                Staged(sum(sizes), _Scatter(piece.sizes, dtype, itemsize, local)),
-                wanted_chunks(piece.sizes, sizes, itemsize, [box for box, _ in local]),
+        direct: dict[int, np.ndarray] = {}
+        staged: set[int] = set()
+        for box, view in local:
+            flat = _direct(view)
+            mine = (
+                direct_chunks(piece.sizes, sizes, itemsize, box, flat) if flat is not None else {}
             )
+            mine = {i: part for i, part in mine.items() if i not in direct}
+            direct.update(mine)
+            staged |= wanted_chunks(piece.sizes, sizes, itemsize, [box]) - set(mine)
+        target = (
+            Staged(sum(sizes), _Scatter(piece.sizes, dtype, itemsize, local))
+            if staged
+            else np.empty(0, dtype=np.uint8)
         )
+        items.append(ChunkTarget(hashes, target, frozenset(staged), direct))
     return items

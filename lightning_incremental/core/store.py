@@ -489,9 +489,23 @@ class CheckpointStore:
         """Rewrite the newest checkpoint as a full base (no chunk depends on a delta), so the
         checkpoints before it can be removed. Returns None when it already is one.
 
+        A sharded checkpoint keeps its layout: every stored piece is rewritten as a piece of the
+        same box, one at a time in this process (never gathered), so each rank's next save finds
+        its own pieces as delta bases. Run it from one process while no distributed job saves
+        to the store (e.g. ``lightning-incremental compact`` between runs): the ranks of a
+        running job build on the checkpoint as they last saw it.
+
         Raises:
             CheckpointNotFoundError: empty store. CorruptCheckpointError: the newest is corrupt.
+            ConfigError: a store opened with ``distributed=True`` (see above).
         """
+        if self.distributed:
+            raise ConfigError(
+                f"compact {self.url} from one process while no distributed job saves to it "
+                "(e.g. `lightning-incremental compact`), not from a store opened with "
+                "distributed=True: the other ranks would build their next save on the "
+                "checkpoint as it was before"
+            )
         self.wait()
         with self._write_lock, self._history.lock:
             step = self._history.resolve(None)
@@ -501,7 +515,10 @@ class CheckpointStore:
             if done is None:
                 return None
             committed, part, leaves, before = done
-            self._base.committed(committed.manifest, leaves)
+            if committed.manifest.sharded:  # the ranks' pieces: bases read from storage
+                self._base.set(Parent(step, committed.manifest), [x.data for x in leaves])
+            else:
+                self._base.committed(committed.manifest, leaves, part.tensors)
             result = save_result(
                 [part], committed, previous=before, snapshot_s=0.0, wait_s=0.0, total_s=0.0
             )

@@ -328,7 +328,7 @@ class _Flattener:
             dtype=dtype_name(t.dtype),
             shape=global_shape(t),
             device=str(local.device if local is not None else t.device),
-            width=group_width(t.element_size(), t.is_complex()),
+            width=group_width(t.dtype.itemsize, t.dtype.is_complex),
             parameter=isinstance(t, torch.nn.Parameter),
             requires_grad=bool(t.requires_grad),
         )
@@ -347,7 +347,7 @@ class _Flattener:
                     dtype=dtype_name(t.dtype),
                     shape=list(piece.box.sizes),
                     device=str(src.device),
-                    width=group_width(t.element_size(), t.is_complex()),
+                    width=group_width(t.dtype.itemsize, t.dtype.is_complex),
                     slot=slot,
                     offsets=piece.box.offsets,
                 )

@@ -187,3 +187,83 @@ def test_first_save_after_a_restore_writes_deltas_with_bases_read_from_storage(
     plain.load()
     assert plain.save(second, 2).wait().bytes_written > 1.1 * restored  # standalone chunks
     plain.close()
+
+
+def _chain_store(url: str, steps: int) -> tuple[CheckpointStore, dict[str, torch.Tensor]]:
+    """A store whose newest checkpoint's chunks are XOR chains of ``steps`` links."""
+    store = small_store(url, xor_delta=True, max_chain_ratio=100.0)
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(3000, generator=g) for i in range(3)}
+    for step in range(1, steps + 1):
+        state = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+        store.save(state, step).wait()
+    return store, state
+
+
+@pytest.mark.parametrize("links", [1, 2, 3, 4])
+def test_chains_decode_link_by_link_as_by_planes(tmp_path: Path, links: int) -> None:
+    """The link-by-link decoding (each link against the previous result, alternating between
+    the output and one scratch buffer) gives the chunk exactly, for odd and even chain lengths,
+    as the XOR-of-planes decoding does."""
+    store, _ = _chain_store(str(tmp_path / "s"), links)
+    doc = store.manifest()
+    reader = dec.ObjectReader(store.storage, doc, "t")
+    for plan in reader.plan(set(doc.chunks)):
+        reader.read(plan)
+    lengths = set()
+    for entry in doc.tensors:
+        for digest in entry.chunks:
+            chain = dec.closure(digest, doc.chunks)
+            lengths.add(len(chain))
+            size = doc.chunks[digest].size
+            by_links = np.full(size, 7, dtype=np.uint8)
+            dec._decode_links(chain, doc.chunks, reader.blobs, by_links, "t")
+            whole = np.zeros(size, dtype=np.uint8)
+            dec.decode_chunk(digest, doc.chunks, reader.blobs, whole, "t")
+            assert dec.chunk_hash(by_links) == doc.chunks[digest].expected(digest)
+            assert by_links.tobytes() == whole.tobytes()
+    assert links in lengths
+    store.close()
+
+
+def test_a_chunk_several_destinations_want_is_decoded_once(tmp_path: Path) -> None:
+    """Two targets of the same chunks (and one tensor holding the same chunk twice): each chunk
+    is decoded once and copied to every destination."""
+    store, state = _chain_store(str(tmp_path / "s"), 2)
+    doc = store.manifest()
+    entry = doc.tensors[0]
+    calls: list[str] = []
+    original = dec.decode_chunk
+
+    def counting(digest, *args):  # type: ignore[no-untyped-def]
+        calls.append(digest)
+        original(digest, *args)
+
+    a, b = (np.zeros(entry.nbytes, np.uint8) for _ in range(2))
+    doubled = np.zeros(2 * entry.nbytes, np.uint8)
+    items = [
+        dec.ChunkTarget(entry.chunks, a),
+        dec.ChunkTarget(entry.chunks, b),
+        dec.ChunkTarget(entry.chunks + entry.chunks, doubled),
+    ]
+    dec.decode_chunk = counting  # type: ignore[assignment]
+    try:
+        dec.restore_chunks(store.storage, doc, store._pool, "t", items)
+    finally:
+        dec.decode_chunk = original  # type: ignore[assignment]
+    assert sorted(calls) == sorted(set(entry.chunks))
+    expect = state[entry.path[len("state['") : -2]].numpy().tobytes()
+    assert a.tobytes() == b.tobytes() == expect
+    assert doubled.tobytes() == expect * 2
+    store.close()
+
+
+def test_scratch_buffers_are_reused_per_thread_up_to_a_size() -> None:
+    scratch = dec._Scratch()
+    first = scratch.get(0, 1000)
+    assert np.shares_memory(scratch.get(0, 800), first)  # reused, smaller views of it
+    assert not np.shares_memory(scratch.get(1, 1000), first)  # another slot, another buffer
+    assert scratch.get(0, 2000).size == 2000  # grown
+    big = dec.KEEP_MAX + 16
+    assert not np.shares_memory(scratch.get(2, big), scratch.get(2, big))  # not kept
+    assert all(b is None or b.size <= dec.KEEP_MAX for b in scratch.buffers)

@@ -21,7 +21,7 @@ from lightning_incremental.core.codecs import chunk_hash
 from lightning_incremental.core.decoder import Regions
 from lightning_incremental.core.format import ChunkRecipe, PieceEntry, TensorEntry
 from lightning_incremental.core.pieces import Box, flat_runs, relative
-from lightning_incremental.core.scatter import piece_targets
+from lightning_incremental.core.scatter import direct_chunks, piece_targets
 from tests.engine.test_pieces import grid, guillotine, region
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64]
@@ -84,19 +84,71 @@ def test_piece_reader_fills_wanted_boxes_from_only_the_needed_chunks(layout, dty
             if a * itemsize < (i + 1) * chunk_bytes and b * itemsize > i * chunk_bytes
         }
         offset = 0
+        direct = item.direct or {}
         for i, digest in enumerate(item.chunks):
             size = recipes[digest].size
+            if i in direct:
+                direct[i][:] = blobs[digest]
             if item.wanted is None or i in item.wanted:
                 if isinstance(item.target, np.ndarray):
                     item.target[offset : offset + size] = blobs[digest]
                 else:
                     item.target.put(offset, blobs[digest].copy())
             offset += size
-        if item.wanted is not None:
-            assert set(item.wanted) == needed
+        staged = set(range(len(item.chunks))) if item.wanted is None else set(item.wanted)
+        assert staged | set(direct) == needed
     for box, out in zip(wanted, outs):
         expect = full[box.slices()].contiguous()
         assert torch.equal(out.reshape(-1).view(torch.uint8), expect.reshape(-1).view(torch.uint8))
+
+
+def test_chunks_inside_whole_rows_of_a_destination_are_decoded_into_it():
+    """A piece of 8 rows of 4 float32 in chunks of 2 rows: the chunks that lie inside the wanted
+    rows map onto their bytes of the destination; a partial row range or a column range does
+    not."""
+    rows = [32] * 4
+    flat = np.arange(4 * 16, dtype=np.uint8)  # the destination's bytes of rows 2..5
+    got = direct_chunks((8, 4), rows, 4, Box((2, 0), (4, 4)), flat)
+    assert sorted(got) == [1, 2]
+    assert got[1].tobytes() == flat[:32].tobytes() and got[2].tobytes() == flat[32:].tobytes()
+    assert np.shares_memory(got[1], flat)
+    assert sorted(direct_chunks((8, 4), rows, 4, Box((1, 0), (4, 4)), flat)) == [1]
+    assert direct_chunks((8, 4), rows, 4, Box((0, 0), (8, 2)), np.zeros(64, np.uint8)) == {}
+    whole = direct_chunks((8, 4), rows, 4, Box((0, 0), (8, 4)), np.zeros(128, np.uint8))
+    assert sorted(whole) == [0, 1, 2, 3]
+
+
+def test_resharding_rows_decodes_straight_into_the_destinations():
+    """Pieces of 4 rows read into shards of 2 rows (2 -> 4 ranks): every chunk lands in one
+    destination's memory, nothing goes through scratch."""
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    recipes: dict[str, ChunkRecipe] = {}
+    blobs: dict[str, np.ndarray] = {}
+    pieces = []
+    for start in (0, 4):
+        raw = full[start : start + 4].reshape(-1).view(torch.uint8).numpy().copy()
+        hashes = []
+        for offset in range(0, raw.size, 32):
+            data = raw[offset : offset + 32]
+            hashes.append(chunk_hash(data))
+            blobs[hashes[-1]] = data
+            recipes[hashes[-1]] = ChunkRecipe("z", "p", 0, 0, 32, 4)
+        pieces.append(PieceEntry((start, 0), (4, 4), tuple(hashes)))
+    entry = TensorEntry(
+        path="state['w']", dtype="float32", shape=(8, 4), nbytes=128, width=4, device="cpu",
+        numpy=False, param=False, requires_grad=False,
+        chunks=tuple(d for p in pieces for d in p.chunks), pieces=tuple(pieces),
+    )  # fmt: skip
+    outs = [torch.zeros(2, 4) for _ in range(4)]
+    items = piece_targets(
+        entry, Regions(tuple((o, Box((2 * i, 0), (2, 4))) for i, o in enumerate(outs))), recipes
+    )
+    for item in items:
+        assert not item.wanted and item.direct is not None
+        assert sorted(item.direct) == list(range(len(item.chunks)))
+        for index, digest in enumerate(item.chunks):
+            item.direct[index][:] = blobs[digest]
+    assert torch.equal(torch.cat(outs), full)
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -257,3 +309,85 @@ def test_dcp_export_of_a_non_sharded_checkpoint(tmp_path):
     for key in ("w", "n"):
         assert torch.equal(back["model"][key], state["model"][key])
     assert torch.equal(back["optim"]["step"], state["optim"]["step"])
+
+
+# ------------------------------------------------------------------ ShardedTensor, compaction
+
+
+def _sharded_tensor(full: torch.Tensor, rows: tuple[int, ...]):
+    """A ``ShardedTensor`` (FSDP1's sharded state dict leaf) of ``full`` cut into row blocks
+    starting at ``rows``, every block a local shard of this one process."""
+    import warnings
+
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    stops = (*rows[1:], full.shape[0])
+    shards = [
+        Shard(
+            full[a:b].clone(),
+            ShardMetadata(
+                [a, *(0 for _ in full.shape[1:])], [b - a, *full.shape[1:]], "rank:0/cpu"
+            ),
+        )
+        for a, b in zip(rows, stops)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor is deprecated
+        return init_from_local_shards(shards, list(full.shape))
+
+
+def _local_rows(st) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    return torch.cat([s.tensor for s in st.local_shards()])
+
+
+def test_sharded_tensor_state_round_trip_in_one_process(tmp_path, world_of_one):
+    """FSDP1's ``ShardedTensor`` leaves: each local shard stored as a piece (here two in one
+    process), loaded whole and into another ``ShardedTensor`` bit-exactly."""
+    w = torch.randn(6, 4)
+    state = {"w": _sharded_tensor(w, (0, 2)), "m": _sharded_tensor(w.double() * 3, (0, 3))}
+    with CheckpointStore(tmp_path, chunk_size=32) as store:
+        store.save(state, 1).wait()
+        pieces = store.manifest(1).tensors[0].pieces
+        assert [(p.offsets, p.sizes) for p in pieces] == [((0, 0), (2, 4)), ((2, 0), (4, 4))]
+        loaded = store.load(1)
+        assert torch.equal(loaded["w"], w) and torch.equal(loaded["m"], w.double() * 3)
+        live = {"w": _sharded_tensor(torch.zeros(6, 4), (0, 3))}  # another layout
+        store.load(1, keys="w", into=live)
+        assert torch.equal(_local_rows(live["w"]), w)
+
+
+def test_compact_keeps_the_pieces_and_the_next_save_writes_deltas(tmp_path, world_of_one):
+    """Compacting a sharded checkpoint rewrites every piece as a full base with the same box:
+    it loads bit-exactly, and a job that resumes from it writes XOR deltas of its pieces against
+    the rewritten ones (their keys still match)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 16, generator=g)
+    options = {"chunk_size": 256, "max_chain_ratio": 100.0}
+    with CheckpointStore(tmp_path, **options) as store:
+        for step in range(1, 4):
+            w = w + 1e-4 * torch.randn(w.shape, generator=g)
+            store.save({"w": _sharded_tensor(w, (0, 24)), "n": step}, step).wait()
+        before = store.manifest(3)
+        assert any(r.depth for r in before.chunks.values()), "needs delta chains"
+        assert store.compact() is not None
+        after = store.manifest(3)
+    assert not any(r.depth for r in after.chunks.values())
+    boxes = [(p.offsets, p.sizes) for p in after.tensors[0].pieces]
+    assert boxes == [(p.offsets, p.sizes) for p in before.tensors[0].pieces]
+    assert boxes == [((0, 0), (24, 16)), ((24, 0), (40, 16))]
+    with CheckpointStore(tmp_path, **options) as store:  # a new run resumes
+        live = {"w": _sharded_tensor(torch.zeros(64, 16), (0, 24)), "n": 0}
+        store.load(into=live)
+        assert torch.equal(_local_rows(live["w"]), w)
+        w = w + 1e-4 * torch.randn(w.shape, generator=g)
+        result = store.save({"w": _sharded_tensor(w, (0, 24)), "n": 4}, 4).wait()
+        assert result.chunks_delta == result.chunks_total > 0
+        assert torch.equal(store.load(4)["w"], w)
+
+
+def test_compact_refuses_a_store_opened_for_a_distributed_job(tmp_path, world_of_one):
+    with CheckpointStore(tmp_path, distributed=True) as store:
+        store.save({"w": _dtensor(torch.randn(4, 3))}, 1).wait()
+        with pytest.raises(ConfigError, match="one process"):
+            store.compact()

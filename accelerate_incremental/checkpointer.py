@@ -78,6 +78,10 @@ class IncrementalCheckpointer:
             seconds (see :class:`~lightning_incremental.core.WatchdogConfig`); progress is a
             prepared optimizer step, a batch from :meth:`iterate` (or from a plain loop over a
             loader tracked after :meth:`take_over`) or a :meth:`save`.
+        optimizer_state: ``"exact"`` (default: lossless, restored bit-exact), ``"bf16"`` or
+            ``"int8"``: optimizer moments (``exp_avg``, ``exp_avg_sq``) stored quantized; a
+            resume from such a checkpoint is not bit-exact (see
+            :mod:`lightning_incremental.core.optimizer_state`). Weights stay lossless.
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
@@ -107,6 +111,7 @@ class IncrementalCheckpointer:
         heartbeat_timeout: float = 60.0,
         progress_timeout: float = 900.0,
         replica_check: str = "warn",
+        optimizer_state: str = "exact",
         **options: Any,
     ) -> None:
         from accelerate import Accelerator
@@ -142,6 +147,7 @@ class IncrementalCheckpointer:
             heartbeat_timeout=heartbeat_timeout,
             progress_timeout=progress_timeout,
             replica_check=replica_check,
+            optimizer_state=optimizer_state,
             **options,
         )
         if keep_last is None:
@@ -149,7 +155,11 @@ class IncrementalCheckpointer:
         self.accelerator = accelerator
         self.every_n_steps = every_n_steps
         self.store = CheckpointStore(
-            dirpath, storage_options=storage_options, keep_last=keep_last, **options
+            dirpath,
+            storage_options=storage_options,
+            keep_last=keep_last,
+            optimizer_state=optimizer_state,
+            **options,
         )
         self._positions: dict[int, LoaderPosition] = {}
         self._saved_rng: dict[str, Any] | None = None  # this process's RNG at the loaded save

@@ -25,6 +25,7 @@ from lightning_incremental.core.delta_base import Parent
 from lightning_incremental.core.errors import CorruptCheckpointError
 from lightning_incremental.core.format import ChunkRecipe, Manifest, TensorEntry, closure
 from lightning_incremental.core.manifest import pack_path
+from lightning_incremental.core.optimizer_state import codec_kind
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.tree import Leaf
 
@@ -153,13 +154,16 @@ class _PackWriter:
                 fut.exception()  # wait; the first error is already being raised
 
 
-def lossy_codec(path: str, config: StoreConfig) -> Codec | None:
-    """The lossy codec ``config.lossy_codecs`` names for the tensor at key path ``path`` (the
-    longest matching prefix), None for lossless encoding."""
-    if not config.lossy_codecs:
-        return None
-    matches = [p for p in config.lossy_codecs if path == p or path.startswith(p)]
-    return codecs.get(config.lossy_codecs[max(matches, key=len)]) if matches else None
+def lossy_codec(path: str, config: StoreConfig, dtype: str = "float32") -> Codec | None:
+    """The lossy codec for the tensor at key path ``path``: the one ``config.lossy_codecs``
+    names (the longest matching prefix), else the one ``config.optimizer_state`` gives an
+    optimizer moment of dtype float32; None for lossless encoding."""
+    if config.lossy_codecs:
+        matches = [p for p in config.lossy_codecs if path == p or path.startswith(p)]
+        if matches:
+            return codecs.get(config.lossy_codecs[max(matches, key=len)])
+    kind = codec_kind(path, config.optimizer_state) if dtype == "float32" else None
+    return codecs.get(kind) if kind else None
 
 
 def _reusable(known: ChunkRecipe, lossy: Codec | None, full_base: bool) -> bool:
@@ -245,7 +249,7 @@ def encode(
         for leaf in leaves:
             raw = leaf.raw()
             width = leaf.width
-            lossy = lossy_codec(leaf.path, config)
+            lossy = lossy_codec(leaf.path, config, leaf.dtype)
             xor_base = parent.base.get(leaf.path) if (parent and config.uses_xor) else None
             if xor_base is not None and (xor_base[0].size != raw.size or not same_chunking):
                 xor_base = None  # different size or chunking: chunk i is not chunk i any more

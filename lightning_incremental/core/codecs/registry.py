@@ -26,13 +26,20 @@ class Codec(ABC):
     Attributes:
         kind: the short name manifests record (``"z"``, ``"x"``); unique in the registry.
         lossless: whether ``decode_into`` restores the raw bytes exactly.
-        needs_base: whether payloads are relative to a base chunk (an XOR delta): the manifest
+        needs_base: whether payloads are relative to a base chunk (a delta): the manifest
             then names the base, and restore decodes the base first.
+        raced: whether the encoder tries this codec on changed chunks (see :func:`automatic`);
+            False for a codec kept to read the checkpoints of earlier versions.
+        standalone: for a delta codec that already weighs itself against coding the chunk
+            standalone by the codec of this kind (and declines, returning None, when that is
+            smaller): the encoder then tries the delta alone and falls back to that codec.
     """
 
     kind: ClassVar[str]
     lossless: ClassVar[bool] = True
     needs_base: ClassVar[bool] = False
+    raced: ClassVar[bool] = True
+    standalone: ClassVar[str | None] = None
 
     @abstractmethod
     def encode(
@@ -115,10 +122,10 @@ def kinds() -> list[str]:
 
 
 def automatic() -> list[Codec]:
-    """The codecs the encoder races for a changed chunk: every lossless one, in registration
-    order (standalone codecs first by convention, so that ties go to them)."""
+    """The codecs the encoder races for a changed chunk: every lossless one that is ``raced``, in
+    registration order (standalone codecs first by convention, so that ties go to them)."""
     with _lock:
-        return [c for c in _codecs.values() if c.lossless]
+        return [c for c in _codecs.values() if c.lossless and c.raced]
 
 
 def decode(

@@ -263,3 +263,74 @@ def test_a_lossy_checkpoint_reads_back_without_the_setting(local_url: str) -> No
         store.save(state, 2).wait()
         assert store.manifest(2).lossless
         assert_state_equal(store.load(2), state)
+
+
+def _as_coded(t: torch.Tensor, codec: codecs.Codec, chunk: int = 4096) -> torch.Tensor:
+    """``t`` as ``codec`` decodes it chunk by chunk (the values a lossy checkpoint restores)."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    out = np.empty_like(raw)
+    for at in range(0, raw.size, chunk):
+        blob = codec.encode(raw[at : at + chunk], None, width=4, level=1)
+        assert blob is not None
+        codecs.decode(blob, codec.kind, 4, raw[at : at + chunk].size, out=out[at : at + chunk])
+    return torch.from_numpy(out.view(np.float32).copy()).reshape(t.shape)
+
+
+@pytest.mark.parametrize("policy", ["int8", "bf16"])
+def test_second_moments_chain_as_lossy_deltas(local_url: str, policy: str) -> None:
+    """``exp_avg_sq`` barely moves between checkpoints: its codes are stored as deltas against
+    the previous checkpoint's decoded chunk — in memory, and after a restart from storage — and
+    every step restores exactly the values its standalone code would."""
+    model, opt = _adam_state(steps=40)
+    second = codecs.LOG8 if policy == "int8" else codecs.BF16
+    expected = {}
+    for session in range(2):  # the second session reads its bases from storage
+        with small_store(local_url, optimizer_state=policy, max_chain_ratio=10.0) as store:
+            for step in range(3 * session + 1, 3 * session + 4):
+                opt.param_groups[0]["lr"] = 1e-5  # slow moments, as late in training
+                _train(model, opt)
+                state = _state(model, opt)
+                store.save(state, step).wait()
+                expected[step] = {
+                    pid: _as_coded(entry["exp_avg_sq"], second)
+                    for pid, entry in state["optimizer"]["state"].items()
+                }
+            doc = store.manifest(3 * session + 3)
+            kinds = {r.kind for r in doc.chunks.values()}
+            assert codecs.delta_of(second).kind in kinds  # type: ignore[union-attr]
+            deltas = [r for r in doc.chunks.values() if not r.lossless and r.base is not None]
+            assert all(not doc.chunks[r.base].lossless for r in deltas)
+    with small_store(local_url) as store:
+        for step, moments in expected.items():
+            assert store.verify(step).ok
+            back = store.load(step)["optimizer"]["state"]
+            for pid, want in moments.items():
+                assert torch.equal(back[pid]["exp_avg_sq"], want)
+
+
+def test_the_validator_keeps_lossless_and_lossy_chains_apart() -> None:
+    from lightning_incremental.core.errors import ManifestError
+    from lightning_incremental.core.format import ChunkRecipe, _check_base
+
+    def recipe(kind: str, base: str | None = None, depth: int = 0) -> ChunkRecipe:
+        lossless = codecs.get(kind).lossless
+        return ChunkRecipe(
+            kind=kind,
+            pack="p",
+            offset=0,
+            length=1,
+            size=8,
+            width=4,
+            base=base,
+            depth=depth,
+            chain=1,
+            lossless=lossless,
+            decoded=None if lossless else "0" * 32,
+        )
+
+    chunks = {"a": recipe("l8"), "b": recipe("p"), "c": recipe("q8")}
+    _check_base("d", recipe("l8d", "a", 1), chunks, "test")  # a lossy delta on its own code
+    _check_base("d", recipe("pd", "b", 1), chunks, "test")
+    for bad in (recipe("pd", "a", 1), recipe("l8d", "b", 1), recipe("l8d", "c", 1)):
+        with pytest.raises(ManifestError, match="inconsistent base"):
+            _check_base("d", bad, chunks, "test")

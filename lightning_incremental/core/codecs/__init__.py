@@ -15,6 +15,7 @@ from lightning_incremental.core.codecs.registry import (
     Codec,
     automatic,
     decode,
+    delta_of,
     get,
     kinds,
     register,
@@ -28,12 +29,16 @@ PLANES_DELTA = planes.PLANES_DELTA
 INT8 = lossy.INT8
 LOG8 = lossy.LOG8
 BF16 = lossy.BF16
+LOG8_DELTA = lossy.LOG8_DELTA
+BF16_DELTA = lossy.BF16_DELTA
 
 __all__ = [
     "BF16",
+    "BF16_DELTA",
     "HASH_LEN",
     "INT8",
     "LOG8",
+    "LOG8_DELTA",
     "PLANES",
     "PLANES_DELTA",
     "STANDALONE",
@@ -42,6 +47,7 @@ __all__ = [
     "automatic",
     "chunk_hash",
     "decode",
+    "delta_of",
     "encode_best",
     "get",
     "group_bytes",

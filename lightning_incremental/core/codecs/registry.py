@@ -8,7 +8,8 @@ registered kinds — so adding a codec is registering one class (see :mod:`.zstd
 A codec that is not ``lossless`` decodes to bytes that differ from what was saved: its chunks
 are recorded with ``lossless: false`` and the hash of their *decoded* bytes, which restore
 verifies instead of the raw hash. Lossy codecs are never chosen automatically; a store uses one
-only for the keys its configuration names (``StoreConfig.lossy_codecs``).
+only for the keys its configuration names (``StoreConfig.lossy_codecs``, ``optimizer_state``).
+A lossy delta codec takes the decoded bytes of a lossy chunk as its base (see :func:`delta_of`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class Codec(ABC):
             False for a codec kept to read the checkpoints of earlier versions.
         standalone: for a delta codec that already weighs itself against coding the chunk
             standalone by the codec of this kind (and declines, returning None, when that is
-            smaller): the encoder then tries the delta alone and falls back to that codec.
+            smaller): the encoder then tries the delta alone and falls back to that codec. A
+            lossy delta codec must name one: its base is a chunk of that codec (or of itself)
+            as it decodes, and it decodes to what that codec would.
     """
 
     kind: ClassVar[str]
@@ -86,8 +89,11 @@ def register(codec: Codec, *, replace: bool = False) -> Codec:
         raise ValueError(f"codec kind must be a short printable name, got {kind!r}")
     if len(kind) > 32:
         raise ValueError(f"codec kind {kind!r} is longer than 32 characters")
-    if codec.needs_base and not codec.lossless:
-        raise ValueError(f"codec {kind!r}: a lossy codec cannot be a delta (needs_base)")
+    if codec.needs_base and not codec.lossless and not codec.standalone:
+        raise ValueError(
+            f"codec {kind!r}: a lossy codec cannot be a delta (needs_base) unless it names the "
+            "lossy standalone codec whose decoded chunks are its bases (standalone)"
+        )
     with _lock:
         if kind in _codecs and not replace and _codecs[kind] is not codec:
             raise ValueError(f"a codec of kind {kind!r} is registered already")
@@ -126,6 +132,15 @@ def automatic() -> list[Codec]:
     registration order (standalone codecs first by convention, so that ties go to them)."""
     with _lock:
         return [c for c in _codecs.values() if c.lossless and c.raced]
+
+
+def delta_of(codec: Codec) -> Codec | None:
+    """The lossy delta codec whose bases are ``codec``'s decoded chunks, if one is registered."""
+    with _lock:
+        for other in _codecs.values():
+            if other.needs_base and not other.lossless and other.standalone == codec.kind:
+                return other
+    return None
 
 
 def decode(

@@ -334,3 +334,26 @@ def test_the_validator_keeps_lossless_and_lossy_chains_apart() -> None:
     for bad in (recipe("pd", "a", 1), recipe("l8d", "b", 1), recipe("l8d", "c", 1)):
         with pytest.raises(ManifestError, match="inconsistent base"):
             _check_base("d", bad, chunks, "test")
+
+
+def test_a_delta_past_the_chain_bound_is_coded_on_its_sample_only() -> None:
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal(1 << 16).astype(np.float32)
+    moved = (base + rng.standard_normal(base.size).astype(np.float32) * 1e-4).view(np.uint8)
+    sizes: list[int] = []
+
+    class Counting(codecs.PLANES_DELTA.__class__):
+        def encode(self, raw, base, *, width, level):  # type: ignore[no-untyped-def]
+            sizes.append(raw.size)
+            return super().encode(raw, base, width=width, level=level)
+
+    delta = Counting()
+    chosen, _ = codecs.encode_best(
+        moved, base.view(np.uint8), 4, 1, delta_budget=1000, candidates=[codecs.PLANES, delta]
+    )
+    assert chosen.kind == "p" and sizes and max(sizes) < moved.size
+    sizes.clear()
+    chosen, blob = codecs.encode_best(
+        moved, base.view(np.uint8), 4, 1, delta_budget=moved.size, candidates=[codecs.PLANES, delta]
+    )
+    assert chosen is delta and max(sizes) == moved.size and len(blob) < moved.size

@@ -55,6 +55,14 @@ def encode_best(
     covered = {c.standalone for c in pool if c.needs_base and c.standalone}
     fallback = [c for c in pool if c.kind in covered]
     pool = [c for c in pool if c.kind not in covered]
+    if fallback and math.isfinite(delta_budget) and raw.size >= SAMPLE_MIN:
+        # Near the chain bound: a delta whose sample already projects past it is not coded.
+        s_raw, s_base = _sample(raw), _sample(base) if base is not None else None
+        scale = raw.size / s_raw.size
+        for codec in [c for c in pool if c.needs_base and c.standalone in covered]:
+            payload = codec.encode(s_raw, s_base, width=width, level=level)
+            if payload is None or len(payload) * scale > delta_budget * (1 + SAMPLE_MARGIN):
+                pool.remove(codec)
     if len(pool) > 1 and raw.size >= SAMPLE_MIN:
         s_raw = _sample(raw)
         s_base = _sample(base) if base is not None else None

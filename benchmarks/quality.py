@@ -184,12 +184,24 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for p, r in result["summary"].items():
         lines.append(
-            f"| {p} | {r['max_rel_diff']:.3%} | {r['final_rel_diff_last20_mean']:.3%} | "
-            f"{r['final_rel_diff_last_step']:.3%} | {r['bytes_per_checkpoint'] / 1e6:.2f} MB | "
+            f"| {p} | {_pct(r['max_rel_diff'])} | {_pct(r['final_rel_diff_last20_mean'])} | "
+            f"{_pct(r['final_rel_diff_last_step'])} | {r['bytes_per_checkpoint'] / 1e6:.2f} MB | "
             f"{r['fewer_bytes_than_torch_save']:.2f}x |"
         )
-    lines += ["", f"Wall time {result['wall_s']:.0f} s.", ""]
+    exact = result["summary"].get("exact", {})
+    lines += [
+        "",
+        "The exact resume reproduces every loss of the uninterrupted run bit for bit: "
+        + ("yes." if exact.get("max_rel_diff") == 0.0 else "NO."),
+        "Bytes per checkpoint: the mean over the checkpoints after the first (a full base).",
+        f"Wall time {result['wall_s']:.0f} s.",
+        "",
+    ]
     return "\n".join(lines)
+
+
+def _pct(x: float) -> str:
+    return "0 (identical)" if x == 0 else f"{x * 100:.4f}%"
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:

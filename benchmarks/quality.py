@@ -54,6 +54,11 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), -math.inf), 1))
+        for module in self.modules():  # GPT-2's initialisation
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         n = idx.shape[1]
@@ -222,6 +227,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         top.plot(xs, [c[s] for s in xs], lw=1, label=f"resumed ({p})")
         bottom.plot(xs, [(c[s] - base[s]) / base[s] * 100 for s in xs], lw=1, label=p)
     top.axvline(result["settings"]["resume_at"], color="grey", ls=":")
+    top.set_yscale("log")
     top.set_ylabel("training loss")
     top.legend()
     bottom.set_ylabel("loss difference vs uninterrupted, %")

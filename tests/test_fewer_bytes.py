@@ -185,6 +185,12 @@ def test_only_float32_moments_are_coded_lossily() -> None:
     assert lossy_codec(path, StoreConfig(), "float32") is None
 
 
+def test_lossy_codecs_config_names_standalone_codecs_only() -> None:
+    assert StoreConfig(lossy_codecs={"state['opt']": "l8"}).lossy_codecs
+    with pytest.raises(ConfigError, match="is a delta; name its standalone codec 'l8'"):
+        StoreConfig(lossy_codecs={"state['opt']": "l8d"})
+
+
 def test_default_is_exact_and_bad_policies_are_refused() -> None:
     assert StoreConfig().optimizer_state == "exact"
     for bad in ("int4", "INT8", "", None, True):

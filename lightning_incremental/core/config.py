@@ -202,3 +202,8 @@ def _lossy_codecs(value: object) -> None:
                 f"lossy_codecs[{prefix!r}]: codec {kind!r} is lossless; name a lossy codec "
                 "(lossless ones are chosen automatically)"
             )
+        if codec.needs_base:
+            raise ConfigError(
+                f"lossy_codecs[{prefix!r}]: codec {kind!r} is a delta; name its standalone "
+                f"codec {codec.standalone!r} (its deltas are chosen automatically)"
+            )

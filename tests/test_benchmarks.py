@@ -146,5 +146,5 @@ def test_quality_and_durable_benchmarks_run(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stdout + out.stderr
     quality = json.loads((tmp_path / "quality.json").read_text())
     assert quality["summary"]["exact"]["max_rel_diff"] == 0.0  # an exact resume is exact
-    assert set(quality["summary"]) == {"exact", "bf16", "int8"}
+    assert {"exact", "bf16", "int8"} < set(quality["summary"])
     assert json.loads((tmp_path / "durable.json").read_text())[0]["fewer_bytes"] > 1.0

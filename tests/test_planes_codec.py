@@ -141,8 +141,10 @@ def _decaying(n: int, itemsize: int, seed: int) -> tuple[np.ndarray, np.ndarray]
     base = (10.0 ** rng.uniform(-12, -4, n)).astype(np.float32)
     cur = (base * 0.99 * (1 + 1e-4 * rng.standard_normal(n))).astype(np.float32)
     if itemsize == 2:
+
         def to16(a):
             return (a.view(np.uint32) >> 16).astype(np.uint16)
+
         return to16(cur).view(np.uint8), to16(base).view(np.uint8)
     return cur.view(np.uint8), base.view(np.uint8)
 

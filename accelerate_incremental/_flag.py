@@ -42,6 +42,7 @@ _KEYS = {
     "progress_timeout",
     "max_consecutive_failures",
     "replica_check",
+    "optimizer_state",
 }
 _NOT_PATHS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
 

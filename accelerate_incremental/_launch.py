@@ -40,6 +40,7 @@ from accelerate_incremental._flag import (
 )
 from accelerate_incremental.checkpointer import IncrementalCheckpointer, check_arguments
 from lightning_incremental.core import ConfigError
+from lightning_incremental.core.optimizer_state import POLICIES
 
 USAGE = (
     "accelerate launch [accelerate options] -m accelerate_incremental "
@@ -67,6 +68,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help='a JSON file of settings: {"dirpath": URL, "keep_last": 3, "every_n_steps": ..., '
         '"storage_options": {...}, "options": {...}, "replica_check": ..., ...}',
+    )
+    out.add_argument(
+        "--optimizer-state",
+        choices=POLICIES,
+        default=None,
+        help="how optimizer moments are stored: exact (default, bit-exact), bf16 or int8 "
+        "(quantized: fewer bytes, resumes are not bit-exact)",
     )
     out.add_argument("script", help="the training script, run as __main__")
     out.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -99,6 +107,8 @@ def parse(argv: Sequence[str]) -> tuple[dict[str, Any], str, list[str]]:
                 f"no checkpoint store: give --dirpath URL or --config FILE (or set {ENV_DIR} / "
                 f"{ENV_CONFIG})"
             )
+        if args.optimizer_state is not None:
+            found["optimizer_state"] = args.optimizer_state
         check_arguments(**found)
     except (ConfigError, TypeError, ValueError) as exc:
         cli.error(str(exc))

@@ -82,6 +82,10 @@ class IncrementalCheckpointer:
             ``max_consecutive_failures`` as one
             :class:`~lightning_incremental.runtime.RecoveryOptions` (then leave those at their
             defaults).
+        optimizer_state: ``"exact"`` (default: lossless, restored bit-exact), ``"bf16"`` or
+            ``"int8"``: optimizer moments (``exp_avg``, ``exp_avg_sq``) stored quantized; a
+            resume from such a checkpoint is not bit-exact (see
+            :mod:`lightning_incremental.core.optimizer_state`). Weights stay lossless.
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
@@ -115,6 +119,7 @@ class IncrementalCheckpointer:
         progress_timeout: float = 900.0,
         replica_check: str = "warn",
         recovery: RecoveryOptions | None = None,
+        optimizer_state: str = "exact",
         **options: Any,
     ) -> None:
         from accelerate import Accelerator
@@ -151,6 +156,7 @@ class IncrementalCheckpointer:
             progress_timeout=progress_timeout,
             replica_check=replica_check,
             recovery=recovery,
+            optimizer_state=optimizer_state,
             **options,
         )
         self.replica_check = self.recovery.replica_check
@@ -159,7 +165,11 @@ class IncrementalCheckpointer:
         self.accelerator = accelerator
         self.every_n_steps = every_n_steps
         self.store = CheckpointStore(
-            dirpath, storage_options=storage_options, keep_last=keep_last, **options
+            dirpath,
+            storage_options=storage_options,
+            keep_last=keep_last,
+            optimizer_state=optimizer_state,
+            **options,
         )
         self._positions: dict[int, LoaderPosition] = {}
         self._saved_rng: dict[str, Any] | None = None  # this process's RNG at the loaded save

@@ -1,20 +1,23 @@
-"""Where the bytes and the encode time go: the engine's chunk codec applied directly to the
-tensors of two consecutive checkpoints, grouped by what the tensors are (model weights, AdamW
-``exp_avg``, ``exp_avg_sq``, other).
+"""Where the bytes and the encode time go, per tensor kind (model weights, AdamW ``exp_avg``,
+``exp_avg_sq``, other), with the codecs applied directly to the chunks of two consecutive
+checkpoints.
 
-For every chunk: unchanged chunks cost nothing; changed ones are encoded standalone and as XOR
-against the previous checkpoint's chunk, and the smaller counts (the engine's choice, without
-its chain-length bound).
+For every changed chunk (unchanged ones cost nothing): *before*, the earlier engine's race of
+byte-grouped zstd standalone (``z``) or XOR delta (``x``); *after*, today's default race (byte
+planes, ``p``/``pd``). Each encoded and decoded on one thread, timed. Where the optional
+packages are importable, the peers code the same chunks' XOR delta the same way: zipnn (Huffman)
+and blosc2 (byte shuffle + zstd level 1), codec only.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
-import xxhash
 
 from benchmarks.state import tensors
 from lightning_incremental.core import codecs as codec
@@ -36,20 +39,72 @@ def _raw(t: torch.Tensor) -> Any:
     return t.view(torch.uint8).numpy()
 
 
+def _peers() -> dict[str, tuple[Callable[..., bytes], Callable[..., Any]]]:
+    """The importable peer coders: name -> (encode(xor, width), decode(blob, width))."""
+    out: dict[str, tuple[Callable[..., bytes], Callable[..., Any]]] = {}
+    try:
+        import blosc2
+
+        def bl_enc(x: np.ndarray, w: int) -> bytes:
+            return bytes(
+                blosc2.compress2(
+                    x,
+                    typesize=w,
+                    clevel=1,
+                    codec=blosc2.Codec.ZSTD,
+                    filters=[blosc2.Filter.SHUFFLE],
+                    nthreads=1,
+                )
+            )
+
+        out["blosc2 shuffle+zstd-1"] = (bl_enc, lambda b, w: blosc2.decompress2(b, nthreads=1))
+    except ImportError:
+        pass
+    try:
+        from zipnn import ZipNN
+
+        coders: dict[int, Any] = {}
+
+        def zn(w: int) -> Any:
+            if w not in coders:
+                dtype = {4: "float32", 2: "bfloat16"}.get(w, "float32")
+                coders[w] = ZipNN(
+                    method="HUFFMAN", input_format="byte", bytearray_dtype=dtype, threads=1
+                )
+            return coders[w]
+
+        out["zipnn"] = (
+            lambda x, w: bytes(zn(w).compress(x.tobytes())),
+            lambda b, w: zn(w).decompress(b),
+        )
+    except ImportError:
+        pass
+    return out
+
+
+def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    value = fn(*args, **kwargs)
+    return value, time.perf_counter() - start
+
+
 def breakdown(previous: Any, current: Any, *, chunk_size: int, level: int) -> dict[str, Any]:
-    """Per category: logical bytes, unchanged bytes, standalone / XOR / best encoded bytes and
-    single-thread seconds spent hashing and encoding."""
+    """Per kind: logical and unchanged bytes, then for the changed chunks the bytes and the
+    single-thread encode/decode MB/s of the earlier engine (``before``), of today's (``after``)
+    and of each importable peer."""
     prev = dict(tensors(previous))
+    peers = _peers()
+    old = [codec.STANDALONE, codec.XOR]
     rows: dict[str, dict[str, Any]] = defaultdict(lambda: defaultdict(float))
     for path, tensor in tensors(current):
         if tensor.numel() == 0:
             continue
         row = rows[category(path)]
         raw = _raw(tensor)
-        old = prev.get(path)
+        before = prev.get(path)
         base = (
-            _raw(old)
-            if old is not None and old.shape == tensor.shape and (old.dtype == tensor.dtype)
+            _raw(before)
+            if before is not None and before.shape == tensor.shape and before.dtype == tensor.dtype
             else None
         )
         width = codec.group_width(tensor.element_size(), tensor.is_complex())
@@ -58,64 +113,100 @@ def breakdown(previous: Any, current: Any, *, chunk_size: int, level: int) -> di
         for offset in range(0, raw.size, chunk_size):
             piece = raw[offset : offset + chunk_size]
             row["logical"] += piece.size
-            start = time.perf_counter()
-            digest = xxhash.xxh3_128_hexdigest(piece)
-            row["hash_s"] += time.perf_counter() - start
             old_piece = base[offset : offset + chunk_size] if base is not None else None
-            if old_piece is not None and xxhash.xxh3_128_hexdigest(old_piece) == digest:
+            if old_piece is not None and np.array_equal(piece, old_piece):
                 row["unchanged"] += piece.size
                 continue
-            start = time.perf_counter()
-            full = len(codec.STANDALONE.encode(piece, None, width=width, level=level))
-            row["full_s"] += time.perf_counter() - start
-            row["full"] += full
-            best = full
-            if old_piece is not None:
-                start = time.perf_counter()
-                xor = len(codec.XOR.encode(piece, old_piece, width=width, level=level))
-                row["xor_s"] += time.perf_counter() - start
-                row["xor"] += xor
-                row["xor_raw"] += piece.size
-                best = min(full, xor)
-            row["best"] += best
+            row["changed"] += piece.size
+            for name, candidates in (("before", old), ("after", None)):
+                (chosen, blob), enc = _timed(
+                    codec.encode_best, piece, old_piece, width, level, candidates=candidates
+                )
+                _, dec = _timed(codec.decode, blob, chosen.kind, width, piece.size, base=old_piece)
+                row[f"{name}_bytes"] += len(blob)
+                row[f"{name}_enc_s"] += enc
+                row[f"{name}_dec_s"] += dec
+            delta = piece ^ old_piece if old_piece is not None else piece
+            for name, (enc_fn, dec_fn) in peers.items():
+                blob, enc = _timed(enc_fn, delta, width)
+                _, dec = _timed(dec_fn, blob, width)
+                row[f"{name}_bytes"] += len(blob)
+                row[f"{name}_enc_s"] += enc
+                row[f"{name}_dec_s"] += dec
     out: dict[str, Any] = {}
+    coders = ["before", "after", *peers]
     for name, row in sorted(rows.items()):
-        logical = row["logical"]
-        changed = logical - row["unchanged"]
-        out[name] = {
+        changed = row["changed"]
+        entry: dict[str, Any] = {
             "dtype": row["dtype"],
-            "logical_bytes": int(logical),
+            "logical_bytes": int(row["logical"]),
             "unchanged_bytes": int(row["unchanged"]),
-            "full_bytes": int(row["full"]),
-            "xor_bytes": int(row["xor"]),
-            "best_bytes": int(row["best"]),
-            "ratio_full": changed / row["full"] if row["full"] else None,
-            "ratio_xor": row["xor_raw"] / row["xor"] if row["xor"] else None,
-            "ratio_best": logical / row["best"] if row["best"] else None,
-            "hash_MBps": logical / row["hash_s"] / 1e6 if row["hash_s"] else None,
-            "full_MBps": changed / row["full_s"] / 1e6 if row["full_s"] else None,
-            "xor_MBps": row["xor_raw"] / row["xor_s"] / 1e6 if row["xor_s"] else None,
+            "changed_bytes": int(changed),
         }
-    total_best = sum(r["best_bytes"] for r in out.values())
-    for r in out.values():
-        r["share_of_written"] = r["best_bytes"] / total_best if total_best else 0.0
+        for c in coders:
+            written = row[f"{c}_bytes"]
+            entry[c] = {
+                "bytes": int(written),
+                "ratio": row["logical"] / written if written else None,
+                "encode_MBps": changed / row[f"{c}_enc_s"] / 1e6 if row[f"{c}_enc_s"] else None,
+                "decode_MBps": changed / row[f"{c}_dec_s"] / 1e6 if row[f"{c}_dec_s"] else None,
+            }
+        out[name] = entry
+    total = {c: sum(r[c]["bytes"] for r in out.values()) for c in coders}
+    logical = sum(r["logical_bytes"] for r in out.values())
+    out["all"] = {
+        "dtype": "-",
+        "logical_bytes": logical,
+        "unchanged_bytes": sum(r["unchanged_bytes"] for r in out.values()),
+        "changed_bytes": sum(r["changed_bytes"] for r in out.values()),
+        **{
+            c: {
+                "bytes": total[c],
+                "ratio": logical / total[c] if total[c] else None,
+                "encode_MBps": _harmonic(out, c, "encode_MBps"),
+                "decode_MBps": _harmonic(out, c, "decode_MBps"),
+            }
+            for c in coders
+        },
+    }
     return out
 
 
+def _harmonic(rows: dict[str, Any], coder: str, key: str) -> float | None:
+    """Changed bytes over the summed seconds of every kind."""
+    seconds = sum(r["changed_bytes"] / 1e6 / r[coder][key] for r in rows.values() if r[coder][key])
+    changed = sum(r["changed_bytes"] for r in rows.values() if r[coder][key])
+    return changed / 1e6 / seconds if seconds else None
+
+
 def markdown(per_scenario: dict[str, dict[str, Any]]) -> str:
+    """One row per scenario and tensor kind: fewer bytes than the raw tensors (unchanged chunks
+    count as written by none) and single-thread encode / decode MB/s of the changed chunks, for
+    the earlier engine (before), today's (after) and the peers measured."""
+    coders: list[str] = []
+    for rows in per_scenario.values():
+        for r in rows.values():
+            coders += [k for k, v in r.items() if isinstance(v, dict) and k not in coders]
+    head = " | ".join(f"{c}: ratio, enc / dec MB/s" for c in coders)
     lines = [
-        "| scenario | tensors | dtype | MB | unchanged | ratio standalone | ratio XOR | "
-        "ratio best | share of bytes | hash MB/s | standalone MB/s | XOR MB/s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| scenario | tensors | dtype | MB | unchanged | {head} |",
+        "|---|---|---|---:|---:|" + "---:|" * len(coders),
     ]
     for scenario, rows in per_scenario.items():
         for name, r in rows.items():
+            cells = []
+            for c in coders:
+                m = r.get(c)
+                cells.append(
+                    "-"
+                    if not m
+                    else f"{_f(m['ratio'])}x, {_f(m['encode_MBps'], 0)} / {_f(m['decode_MBps'], 0)}"
+                )
             lines.append(
                 f"| {scenario} | {name} | {r['dtype']} | {r['logical_bytes'] / 1e6:.1f} | "
                 f"{r['unchanged_bytes'] / max(r['logical_bytes'], 1):.0%} | "
-                f"{_f(r['ratio_full'])} | {_f(r['ratio_xor'])} | {_f(r['ratio_best'])} | "
-                f"{r['share_of_written']:.0%} | {_f(r['hash_MBps'], 0)} | "
-                f"{_f(r['full_MBps'], 0)} | {_f(r['xor_MBps'], 0)} |"
+                + " | ".join(cells)
+                + " |"
             )
     return "\n".join(lines)
 

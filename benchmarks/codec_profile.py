@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.codec_profile``: trains a scenario's model for two checkpoint intervals,
 then for chunks of each tensor kind (weights, exp_avg, exp_avg_sq) times every stage of encode
-(hash, byte grouping, XOR, zstd) and decode (zstd, ungrouping, XOR, hash check) on one thread,
+(hash, byte grouping, XOR, zstd, the byte-plane codecs) and decode on one thread,
 best of ``--repeats`` (robust to other load on the machine), next to a plain memcpy; and
 compares the compression of alternatives (zstd levels, no grouping, arithmetic delta).
 """
@@ -102,7 +102,18 @@ def profile_kind(chunks: list[tuple], repeats: int) -> dict[str, Any]:
         "encode_xor": each(
             lambda i: codec.XOR.encode(chunks[i][0], chunks[i][1], width=width, level=1)
         ),
-        "engine encode (full + xor)": each(
+        "earlier engine encode (z or x)": each(
+            lambda i: codec.encode_best(
+                chunks[i][0], chunks[i][1], width, 1, candidates=[codec.STANDALONE, codec.XOR]
+            )
+        ),
+        "planes standalone (p)": each(
+            lambda i: codec.PLANES.encode(chunks[i][0], None, width=width, level=1)
+        ),
+        "planes delta (pd, predictor chosen)": each(
+            lambda i: codec.PLANES_DELTA.encode(chunks[i][0], chunks[i][1], width=width, level=1)
+        ),
+        "engine encode (p or pd)": each(
             lambda i: codec.encode_best(chunks[i][0], chunks[i][1], width, 1)
         ),
         "zstd decompress (full blob)": each(lambda i: dctx.decompress(full_blobs[i])),
@@ -123,6 +134,12 @@ def profile_kind(chunks: list[tuple], repeats: int) -> dict[str, Any]:
             )
         ),
     }
+    best = [codec.encode_best(r, b, width, 1) for r, b, _ in chunks]
+    stages["engine decode (p or pd)"] = each(
+        lambda i: codec.decode(
+            best[i][1], best[i][0].kind, width, chunks[i][0].size, base=chunks[i][1], out=outs[i]
+        )
+    )
     speeds = {name: nbytes / best_of(fn, repeats) / 1e6 for name, fn in stages.items()}
 
     def ratio(blobs: list[bytes]) -> float:
@@ -130,8 +147,9 @@ def profile_kind(chunks: list[tuple], repeats: int) -> dict[str, Any]:
 
     subs = [_sub_delta(r, b, w) for r, b, w in chunks]
     ratios = {
-        "standalone, zstd-1 (engine)": ratio(full_blobs),
-        "xor, zstd-1 (engine)": ratio(xor_blobs),
+        "standalone, zstd-1 (earlier engine)": ratio(full_blobs),
+        "xor, zstd-1 (earlier engine)": ratio(xor_blobs),
+        "engine: planes, predictor per chunk": ratio([b for _, b in best]),
         "standalone, zstd-3": ratio([_z(cctx[3], g) for g in grouped]),
         "xor, zstd-3": ratio([_z(cctx[3], g) for g in gx]),
         "xor, zstd-9": ratio([_z(cctx[9], g) for g in gx]),

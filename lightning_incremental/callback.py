@@ -89,6 +89,10 @@ class IncrementalCheckpoint(Checkpoint):
         max_chain: longest chain of deltas a chunk may depend on (engine default: 8).
         storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
         allow_pickle: allow values that need pickling (and loading them, which executes code).
+        optimizer_state: ``"exact"`` (default: lossless, restored bit-exact), ``"bf16"`` or
+            ``"int8"``: optimizer moments (``exp_avg``, ``exp_avg_sq``) stored quantized, about
+            2x or 4x fewer bytes for them; a resume from such a checkpoint is not bit-exact
+            (see :mod:`lightning_incremental.core.optimizer_state`). Weights stay lossless.
         store_options: any other :class:`~lightning_incremental.core.StoreConfig` field
             (``chunk_size``, ``compression_level``, ``xor_base_memory``, ``max_in_flight``, ...).
         max_consecutive_failures: a save that fails in the background (storage error, full
@@ -147,6 +151,7 @@ class IncrementalCheckpoint(Checkpoint):
         max_chain: int | None = None,
         storage_options: dict[str, Any] | None = None,
         allow_pickle: bool = False,
+        optimizer_state: str = "exact",
         store_options: dict[str, Any] | None = None,
         max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
         watchdog: bool | None = None,
@@ -188,7 +193,7 @@ class IncrementalCheckpoint(Checkpoint):
         )
         self.max_consecutive_failures = self.recovery.max_consecutive_failures
         self.store_config = _store_config(
-            keep_last, full_every, max_chain, allow_pickle, store_options
+            keep_last, full_every, max_chain, allow_pickle, store_options, optimizer_state
         )
         # Lightning reads it from its first checkpoint callback: there is no "best" checkpoint
         # here, so `ckpt_path="best"` explains that it needs a ModelCheckpoint.
@@ -757,6 +762,7 @@ def _store_config(
     max_chain: int | None,
     allow_pickle: bool,
     store_options: dict[str, Any] | None,
+    optimizer_state: str = "exact",
 ) -> StoreConfig:
     """The engine's configuration from the callback's arguments (validated by StoreConfig)."""
     if store_options is not None and not isinstance(store_options, dict):
@@ -764,15 +770,16 @@ def _store_config(
     options = dict(store_options or {})
     named = {"keep_last": keep_last, "full_every": full_every, "max_chain": max_chain}
     repeated = sorted(k for k, v in named.items() if v is not None and k in options)
-    if "allow_pickle" in options:
-        repeated.append("allow_pickle")
+    repeated += [k for k in ("allow_pickle", "optimizer_state") if k in options]
     if repeated:
         raise ConfigError(
             f"store_options repeats {', '.join(repeated)}: pass it as an argument of "
             "IncrementalCheckpoint"
         )
     options.update({k: v for k, v in named.items() if v is not None})
-    return StoreConfig().replace(allow_pickle=allow_pickle, **options)
+    return StoreConfig().replace(
+        allow_pickle=allow_pickle, optimizer_state=optimizer_state, **options
+    )
 
 
 def _local(url: str) -> str | None:

@@ -206,6 +206,10 @@ class IncrementalCheckpointIO(CheckpointIO):
             ``best_model_path`` / ``last_model_path`` (of every ModelCheckpoint) is replaced by
             the complete checkpoint (tensors on the CPU), and its step is released from the
             store unless another pointer file names it. Default ``False``: pointer files only.
+        optimizer_state: ``"exact"`` (default: lossless, restored bit-exact), ``"bf16"`` or
+            ``"int8"``: optimizer moments (``exp_avg``, ``exp_avg_sq``) stored quantized; a
+            checkpoint loaded from them is not bit-exact (see
+            :mod:`lightning_incremental.core.optimizer_state`). Weights stay lossless.
         **options: :class:`~lightning_incremental.core.StoreConfig` fields (``chunk_size``,
             ``full_every``, ``xor_base_memory``, ``max_in_flight``, ``fsync``, ...).
             ``keep_last`` is not accepted: what is kept is decided by ModelCheckpoint's
@@ -226,6 +230,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         store_name: str = ".incremental",
         max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
         materialize: bool | str | tuple[str, ...] | list[str] = False,
+        optimizer_state: str = "exact",
         **options: Any,
     ) -> None:
         super().__init__()
@@ -252,7 +257,9 @@ class IncrementalCheckpointIO(CheckpointIO):
         self.allow_pickle = allow_pickle
         self.store_name = store_name
         self.max_consecutive_failures = check_max_consecutive_failures(max_consecutive_failures)
-        self.config = StoreConfig(allow_pickle=allow_pickle).replace(**options)
+        self.config = StoreConfig(
+            allow_pickle=allow_pickle, optimizer_state=optimizer_state
+        ).replace(**options)
         self._init_runtime()
 
     def _init_runtime(self) -> None:  # the names are listed in _RUNTIME

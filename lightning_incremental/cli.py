@@ -238,6 +238,7 @@ def _inspect(store: CheckpointStore, args: argparse.Namespace, console: Console)
             "device": t.device,
             "changed": changed[t.path],
             "lossless": t.path not in lossy,
+            "codecs": sorted({doc.chunks[d].kind for d in t.chunks}),
         }
         for t in doc.tensors
     ]
@@ -258,6 +259,12 @@ def _inspect(store: CheckpointStore, args: argparse.Namespace, console: Console)
         f"[bold]checkpoint step {doc.step}[/] of {store.url} "
         f"(parent: {doc.parent}, chain depth {_depth(doc)})"
     )
+    if lossy:
+        kinds = sorted({k for t in tensors if not t["lossless"] for k in t["codecs"]})
+        console.print(
+            f"[yellow]{len(lossy)} tensor(s) stored lossily ({', '.join(kinds)}): they restore "
+            "approximately, not bit-exact[/]"
+        )
     audit = Table(title="audit trail", show_header=False)
     for key, value in sorted(doc.audit.items()):
         audit.add_row(key, json.dumps(value) if isinstance(value, (dict, list)) else str(value))
@@ -299,11 +306,12 @@ def _verify(store: CheckpointStore, args: argparse.Namespace, console: Console) 
             "chunks": r.chunks_checked,
             "bytes": r.bytes_checked,
             "errors": r.errors + [f"{o.path}: {o.error}" for o in r.objects if not o.ok],
+            "lossy_tensors": r.lossy,
         }
         for r in reports
     ]
     table = Table(title=f"verify {store.url}")
-    for name in ("step", "result", "objects", "chunks", "MB read", "problems"):
+    for name in ("step", "result", "objects", "chunks", "MB read", "lossy", "problems"):
         table.add_column(name, justify="right" if name != "problems" else "left")
     for r in doc:
         table.add_row(
@@ -312,6 +320,7 @@ def _verify(store: CheckpointStore, args: argparse.Namespace, console: Console) 
             str(r["objects"]),
             str(r["chunks"]),
             _mb(r["bytes"]),
+            f"[yellow]{len(r['lossy_tensors'])} tensors[/]" if r["lossy_tensors"] else "",
             "\n".join(r["errors"][:5]),
         )
     _emit(console, args, {"url": store.url, "checkpoints": doc}, table)

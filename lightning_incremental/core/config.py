@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning_incremental.core import codecs
 from lightning_incremental.core.errors import ConfigError
+from lightning_incremental.core.optimizer_state import POLICIES
 
 MiB = 1 << 20
 MAX_CHUNK_SIZE = 1 << 30  # manifests naming larger chunks are rejected (manifest.py)
@@ -70,6 +71,12 @@ class StoreConfig:
             longest prefix wins). Its chunks are labelled lossy in the manifest and verified
             against the hash of their decoded bytes; it does not restore bit-exact. Default
             None: everything is lossless.
+        optimizer_state: how optimizer moments are stored (see
+            :mod:`~lightning_incremental.core.optimizer_state`): ``"exact"`` (lossless, the
+            default), ``"bf16"`` or ``"int8"`` (int8 blocks for ``exp_avg``, 8-bit log blocks for
+            ``exp_avg_sq``; about 4x fewer bytes for them). Lossy settings restore those tensors
+            approximately, not bit-exact: labelled in the manifest, reported on load. Keys named
+            in ``lossy_codecs`` take precedence.
         generation: the writer's fencing generation, recorded in every manifest (see
             :mod:`~lightning_incremental.core.fencing`). Default None: the newest generation
             claimed in the store (0 when none was), taken at the first save;
@@ -93,6 +100,7 @@ class StoreConfig:
     generation: int | None = None
     lease_ttl_s: float = 60.0
     lossy_codecs: Mapping[str, str] | None = None
+    optimizer_state: str = "exact"
 
     def __post_init__(self) -> None:
         _int("chunk_size", self.chunk_size, minimum=16)
@@ -134,6 +142,11 @@ class StoreConfig:
             raise ConfigError(f"lease_ttl_s must be a number > 0, got {self.lease_ttl_s!r}")
         if self.lossy_codecs is not None:
             _lossy_codecs(self.lossy_codecs)
+        if self.optimizer_state not in POLICIES:
+            raise ConfigError(
+                f"optimizer_state must be one of {', '.join(map(repr, POLICIES))}, got "
+                f"{self.optimizer_state!r}"
+            )
 
     @property
     def base_every(self) -> int:
@@ -188,4 +201,9 @@ def _lossy_codecs(value: object) -> None:
             raise ConfigError(
                 f"lossy_codecs[{prefix!r}]: codec {kind!r} is lossless; name a lossy codec "
                 "(lossless ones are chosen automatically)"
+            )
+        if codec.needs_base:
+            raise ConfigError(
+                f"lossy_codecs[{prefix!r}]: codec {kind!r} is a delta; name its standalone "
+                f"codec {codec.standalone!r} (its deltas are chosen automatically)"
             )

@@ -25,6 +25,7 @@ from lightning_incremental.core.delta_base import Parent
 from lightning_incremental.core.errors import CorruptCheckpointError
 from lightning_incremental.core.format import ChunkRecipe, Manifest, TensorEntry, closure
 from lightning_incremental.core.manifest import pack_path
+from lightning_incremental.core.optimizer_state import codec_kind
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.tree import Leaf
 
@@ -77,7 +78,15 @@ def _encode_task(task: _Task, level: int, max_chain_ratio: float) -> _Payload:
         if blob is not None:
             out = np.empty(raw.size, dtype=np.uint8)
             task.lossy.decode_into(blob, out, None, width=task.width)
-            return _Payload(task.lossy, blob, chunk_hash(out), _since(start))
+            codec: Codec = task.lossy
+            delta = _lossy_delta(task, task.lossy, level, max_chain_ratio)
+            if delta is not None and len(delta[1]) < len(blob):
+                codec, blob = delta
+            return _Payload(codec, blob, chunk_hash(out), _since(start))
+        # Not codable that way (a NaN, a negative second moment): stored losslessly, standalone
+        # (the parent's chunk is lossy: no base for a lossless delta).
+        codec, blob = codecs.encode_best(raw, None, task.width, level)
+        return _Payload(codec, blob, None, _since(start))
     base = task.base
     if base is None and task.fetch is not None and task.base_digest is not None:
         base = task.fetch(task.base_digest)
@@ -86,6 +95,41 @@ def _encode_task(task: _Task, level: int, max_chain_ratio: float) -> _Payload:
     budget = max_chain_ratio * raw.size - (task.base_recipe.chain if task.base_recipe else 0)
     codec, blob = codecs.encode_best(raw, base, task.width, level, delta_budget=budget)
     return _Payload(codec, blob, None, _since(start))
+
+
+def _lossy_delta(
+    task: _Task, lossy: Codec, level: int, max_chain_ratio: float
+) -> tuple[Codec, bytes] | None:
+    """The chunk as a lossy delta against the parent's chunk as it decodes (see
+    :mod:`~lightning_incremental.core.codecs.lossy`), or None. The parent's chunk is taken from
+    its raw bytes in memory (coded and decoded again) or decoded from storage, and used only
+    when it matches the hash of its decoded bytes in the parent's manifest: a restore decodes
+    exactly that base."""
+    delta = codecs.delta_of(lossy)
+    recipe = task.base_recipe
+    if delta is None or recipe is None or task.base_digest is None:
+        return None
+    if max_chain_ratio * task.raw.size - recipe.chain <= 0:
+        return None
+    if task.base is not None:
+        again = lossy.encode(task.base, None, width=task.width, level=level)
+        if again is None:
+            return None
+        base = np.empty(task.base.size, dtype=np.uint8)
+        lossy.decode_into(again, base, None, width=task.width)
+    elif task.fetch is not None:
+        fetched = task.fetch(task.base_digest)
+        if fetched is None:
+            return None
+        base = fetched
+    else:
+        return None
+    if chunk_hash(base) != recipe.decoded:
+        return None
+    blob = delta.encode(task.raw, base, width=task.width, level=level)
+    if blob is None or len(blob) > max_chain_ratio * task.raw.size - recipe.chain:
+        return None
+    return delta, blob
 
 
 def _since(start: float) -> float:
@@ -153,19 +197,28 @@ class _PackWriter:
                 fut.exception()  # wait; the first error is already being raised
 
 
-def lossy_codec(path: str, config: StoreConfig) -> Codec | None:
-    """The lossy codec ``config.lossy_codecs`` names for the tensor at key path ``path`` (the
-    longest matching prefix), None for lossless encoding."""
-    if not config.lossy_codecs:
-        return None
-    matches = [p for p in config.lossy_codecs if path == p or path.startswith(p)]
-    return codecs.get(config.lossy_codecs[max(matches, key=len)]) if matches else None
+def lossy_codec(path: str, config: StoreConfig, dtype: str = "float32") -> Codec | None:
+    """The lossy codec for the tensor at key path ``path``: the one ``config.lossy_codecs``
+    names (the longest matching prefix), else the one ``config.optimizer_state`` gives an
+    optimizer moment of dtype float32; None for lossless encoding."""
+    if config.lossy_codecs:
+        matches = [p for p in config.lossy_codecs if path == p or path.startswith(p)]
+        if matches:
+            return codecs.get(config.lossy_codecs[max(matches, key=len)])
+    kind = codec_kind(path, config.optimizer_state) if dtype == "float32" else None
+    return codecs.get(kind) if kind else None
+
+
+def _family(lossy: Codec) -> set[str]:
+    """The kinds of a lossy codec's chunks: its own and its delta codec's."""
+    delta = codecs.delta_of(lossy)
+    return {lossy.kind} | ({delta.kind} if delta else set())
 
 
 def _reusable(known: ChunkRecipe, lossy: Codec | None, full_base: bool) -> bool:
     """Whether a parent's chunk of the same raw hash may be referenced as it is: encoded the
-    way this tensor is now (lossless, or by the same lossy codec), and no delta in a full base."""
-    same = known.lossless if lossy is None else known.kind == lossy.kind
+    way this tensor is now (lossless, or by the same lossy code), and no delta in a full base."""
+    same = known.lossless if lossy is None else known.kind in _family(lossy)
     return same and (not full_base or known.depth == 0)
 
 
@@ -250,7 +303,7 @@ def encode(
         for leaf in leaves:
             raw = leaf.raw()
             width = leaf.width
-            lossy = lossy_codec(leaf.path, config)
+            lossy = lossy_codec(leaf.path, config, leaf.dtype)
             xor_base = parent.base.get(leaf.key) if (parent and config.uses_xor) else None
             if xor_base is not None and (xor_base[0].size != raw.size or not same_chunking):
                 xor_base = None  # different size or chunking: chunk i is not chunk i any more
@@ -278,17 +331,16 @@ def encode(
                 task = _Task(digest, piece, width, None, None, None, lossy=lossy)
                 index = offset // config.chunk_size
                 base_digests = xor_base[1] if xor_base is not None else stored_base
-                if (
-                    lossy is None
-                    and base_digests is not None
-                    and not full_base
-                    and index < len(base_digests)
-                ):
+                if base_digests is not None and not full_base and index < len(base_digests):
                     base_digest = base_digests[index]
                     base_recipe = parent_chunks.get(base_digest)
                     if (
                         base_recipe is not None
-                        and base_recipe.lossless
+                        and (
+                            base_recipe.lossless
+                            if lossy is None
+                            else base_recipe.kind in _family(lossy)
+                        )
                         and base_recipe.depth < config.max_chain
                         and base_recipe.size == piece.size
                     ):
@@ -332,9 +384,10 @@ def encode(
 
 
 class BaseReader:
-    """A parent checkpoint's chunks, decoded from storage on demand (as XOR bases when the
-    parent's bytes are not in memory). A chunk that cannot be read or fails its hash is no base:
-    the chunk it would have been the base of is stored standalone instead."""
+    """A parent checkpoint's chunks, decoded from storage on demand (as delta bases when the
+    parent's bytes are not in memory; a lossy chunk as it decodes). A chunk that cannot be read
+    or fails its hash is no base: the chunk it would have been the base of is stored standalone
+    instead."""
 
     def __init__(
         self, storage: Storage, manifest: Manifest, chunks: Mapping[str, ChunkRecipe]
@@ -343,7 +396,7 @@ class BaseReader:
 
     def read(self, digest: str) -> np.ndarray | None:
         recipe = self.chunks.get(digest)
-        if recipe is None or not recipe.lossless:
+        if recipe is None:
             return None
         reader = ObjectReader(self.storage, self.manifest, f"step {self.manifest.step}")
         out = np.empty(recipe.size, dtype=np.uint8)

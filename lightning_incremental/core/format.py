@@ -508,7 +508,11 @@ def _check_base(
         raise ManifestError(
             f"manifest {where}: delta chunk {digest} lacks its base {recipe.base!r}"
         )
-    if base.depth != recipe.depth - 1 or base.size != recipe.size or not base.lossless:
+    if base.depth != recipe.depth - 1 or base.size != recipe.size:
+        raise ManifestError(f"manifest {where}: delta chunk {digest} has an inconsistent base")
+    # A lossless delta needs a lossless base; a lossy one a chunk of its own code family.
+    family = {recipe.kind, codecs.get(recipe.kind).standalone}
+    if not (base.lossless if recipe.lossless else base.kind in family):
         raise ManifestError(f"manifest {where}: delta chunk {digest} has an inconsistent base")
 
 

@@ -68,6 +68,9 @@ class VerifyReport:
     chunks_checked: int = 0
     bytes_checked: int = 0
     errors: list[str] = field(default_factory=list)
+    # Key paths of the tensors stored lossily (an opt-in codec): their chunks are checked against
+    # the hash of their decoded bytes, and they do not restore bit-exact.
+    lossy: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -97,6 +97,14 @@ class CheckpointStore:
             raise ConfigError(f"distributed must be True or False, got {distributed!r}")
         self.distributed = distributed
         self._group: Group = GlooGroup(collective_timeout_s) if distributed else Alone()
+        if self.config.optimizer_state != "exact":
+            log.warning(
+                "store %s keeps optimizer moments as %s (optimizer_state=%r): fewer bytes, but a "
+                "resume from its checkpoints is not bit-exact",
+                self.url,
+                self.config.optimizer_state,
+                self.config.optimizer_state,
+            )
         # Held while a save writes and commits, and while gc or compact deletes or rewrites:
         # objects a save is about to reference are never swept from under it.
         self._write_lock = threading.RLock()
@@ -480,6 +488,7 @@ class CheckpointStore:
         except CheckpointError as exc:
             report.errors.append(str(exc))
         else:
+            report.lossy = doc.lossy_tensors
             verify_manifest(self.storage, doc, report, f"step {step} of {self.url}")
         if not report.ok:
             self._history.saw_damage(step)

@@ -50,7 +50,9 @@ def test_builtins_are_registered_lossless() -> None:
     assert {"z", "x"} <= set(codecs.kinds())
     assert codecs.get("z").lossless and not codecs.get("z").needs_base
     assert codecs.get("x").lossless and codecs.get("x").needs_base
-    assert [c.kind for c in codecs.automatic()][:2] == ["z", "x"]
+    # New saves race the byte-plane codecs; "z"/"x" stay registered to read older checkpoints.
+    assert [c.kind for c in codecs.automatic()][:2] == ["p", "pd"]
+    assert not {"z", "x"} & {c.kind for c in codecs.automatic()}
 
 
 def test_registry_rejects_duplicates_unknown_kinds_and_lossy_deltas(lossy: Codec) -> None:

@@ -294,7 +294,7 @@ def _forge_absurd(local_url: str, single_chunk: bool) -> None:
     path = Path(local_url, *mf.manifest_path(2).split("/"))
     doc = json.loads(path.read_bytes())
     doc.pop("checksum")
-    recipe = next(r for r in doc["chunks"].values() if r["kind"] == "z")
+    recipe = next(r for r in doc["chunks"].values() if r.get("base") is None)
     digest = "0" * 32
     size = 1 << 42 if single_chunk else 1 << 30
     doc["chunks"][digest] = dict(recipe, size=size)

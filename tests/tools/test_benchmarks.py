@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,3 +104,62 @@ def test_peak_rss_counts_memory_freed_before_the_block_ends() -> None:
         del temporary
     assert 90 << 20 <= peak.extra < 150 << 20
     del held
+
+
+def test_analysis_compares_the_codecs_per_tensor_kind() -> None:
+    from benchmarks import analysis
+
+    g = torch.Generator().manual_seed(0)
+
+    def state(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> dict:
+        return {
+            "state_dict": {"w": w},
+            "optimizer_states": [{"state": {0: {"exp_avg": m, "exp_avg_sq": v}}}],
+        }
+
+    w, m, v = (torch.randn(1 << 16, generator=g) for _ in range(3))
+    before = state(w, m, v.square())
+    after = state(w + 1e-4 * torch.randn(w.shape, generator=g), 0.9 * m, 0.999 * v.square())
+    rows = analysis.breakdown(before, after, chunk_size=1 << 16, level=1)
+    assert {"weights", "exp_avg", "exp_avg_sq", "all"} <= set(rows)
+    for name in ("weights", "exp_avg", "exp_avg_sq"):
+        row = rows[name]
+        assert row["changed_bytes"] == row["logical_bytes"] == 1 << 18
+        for coder in ("before", "after"):
+            assert row[coder]["ratio"] > 1.0 and row[coder]["encode_MBps"] > 0
+        assert row["after"]["bytes"] <= row["before"]["bytes"] * 1.02
+    table = analysis.markdown({"toy": rows})
+    assert "before: ratio" in table and "| toy | weights |" in table
+
+
+@pytest.mark.slow
+def test_quality_and_durable_benchmarks_run(tmp_path: Path) -> None:
+    for args in (
+        [
+            "benchmarks.quality",
+            "--layers",
+            "1",
+            "--dim",
+            "32",
+            "--every",
+            "5",
+            "--resume-at",
+            "10",
+            "--after",
+            "10",
+        ],
+        ["benchmarks.durable", "--sizes", "8", "--repeats", "1", "--interval", "2"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", *args, "--out", str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+    quality = json.loads((tmp_path / "quality.json").read_text())
+    assert quality["summary"]["exact"]["max_rel_diff"] == 0.0  # an exact resume is exact
+    assert {"exact", "bf16", "int8"} < set(quality["summary"])
+    assert json.loads((tmp_path / "durable.json").read_text())[0]["fewer_bytes"] > 1.0

@@ -1,7 +1,8 @@
-"""Chunk codecs: a registry of encodings (see :mod:`.registry`), the built-in byte-grouped zstd
-codecs, and the choice between them. Importing this package registers the built-ins."""
+"""Chunk codecs: a registry of encodings (see :mod:`.registry`), the built-in lossless codecs
+(byte planes; byte-grouped zstd for earlier checkpoints), the opt-in lossy codecs for optimizer
+state, and the choice between them. Importing this package registers the built-ins."""
 
-from lightning_incremental.core.codecs import zstd
+from lightning_incremental.core.codecs import lossy, planes, zstd
 from lightning_incremental.core.codecs.bytes import (
     HASH_LEN,
     chunk_hash,
@@ -14,6 +15,7 @@ from lightning_incremental.core.codecs.registry import (
     Codec,
     automatic,
     decode,
+    delta_of,
     get,
     kinds,
     register,
@@ -22,15 +24,30 @@ from lightning_incremental.core.codecs.registry import (
 
 STANDALONE = zstd.STANDALONE
 XOR = zstd.XOR
+PLANES = planes.PLANES
+PLANES_DELTA = planes.PLANES_DELTA
+INT8 = lossy.INT8
+LOG8 = lossy.LOG8
+BF16 = lossy.BF16
+LOG8_DELTA = lossy.LOG8_DELTA
+BF16_DELTA = lossy.BF16_DELTA
 
 __all__ = [
+    "BF16",
+    "BF16_DELTA",
     "HASH_LEN",
+    "INT8",
+    "LOG8",
+    "LOG8_DELTA",
+    "PLANES",
+    "PLANES_DELTA",
     "STANDALONE",
     "XOR",
     "Codec",
     "automatic",
     "chunk_hash",
     "decode",
+    "delta_of",
     "encode_best",
     "get",
     "group_bytes",

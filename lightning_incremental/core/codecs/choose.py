@@ -4,6 +4,10 @@ Compressing with every codec costs that many times the CPU. For a chunk of at le
 ``SAMPLE_MIN`` bytes each codec is first tried on a sample (``SAMPLE_SLICES`` slices spread over
 the chunk); a codec that loses by more than ``SAMPLE_MARGIN`` there is not tried in full. Either
 way the result is exact — only the choice between lossless encodings is estimated.
+
+A delta codec that names a ``standalone`` codec makes that choice itself (see
+:class:`~.registry.Codec`): with a base, the standalone codec is not raced beside it; it codes
+the chunk only when the delta declines or would pass the chain bound.
 """
 
 from __future__ import annotations
@@ -46,11 +50,19 @@ def encode_best(
     Raises:
         ValueError: no candidate applies (there is no standalone codec among them).
     """
-    pool = [
-        c
-        for c in (registry.automatic() if candidates is None else candidates)
-        if base is not None or not c.needs_base
-    ]
+    everything = registry.automatic() if candidates is None else list(candidates)
+    pool = [c for c in everything if base is not None or not c.needs_base]
+    covered = {c.standalone for c in pool if c.needs_base and c.standalone}
+    fallback = [c for c in pool if c.kind in covered]
+    pool = [c for c in pool if c.kind not in covered]
+    if fallback and math.isfinite(delta_budget) and raw.size >= SAMPLE_MIN:
+        # Near the chain bound: a delta whose sample already projects past it is not coded.
+        s_raw, s_base = _sample(raw), _sample(base) if base is not None else None
+        scale = raw.size / s_raw.size
+        for codec in [c for c in pool if c.needs_base and c.standalone in covered]:
+            payload = codec.encode(s_raw, s_base, width=width, level=level)
+            if payload is None or len(payload) * scale > delta_budget * (1 + SAMPLE_MARGIN):
+                pool.remove(codec)
     if len(pool) > 1 and raw.size >= SAMPLE_MIN:
         s_raw = _sample(raw)
         s_base = _sample(base) if base is not None else None
@@ -69,8 +81,8 @@ def encode_best(
             continue
         if chosen is None or len(payload) < len(chosen[1]):
             chosen = codec, payload
-    if chosen is None:  # every sampled winner was a delta past the chain bound
-        for codec in registry.automatic() if candidates is None else candidates:
+    if chosen is None:  # declined, or every sampled winner was a delta past the chain bound
+        for codec in [*fallback, *everything]:
             if not codec.needs_base:
                 payload = codec.encode(raw, None, width=width, level=level)
                 if payload is not None:

@@ -8,7 +8,8 @@ registered kinds — so adding a codec is registering one class (see :mod:`.zstd
 A codec that is not ``lossless`` decodes to bytes that differ from what was saved: its chunks
 are recorded with ``lossless: false`` and the hash of their *decoded* bytes, which restore
 verifies instead of the raw hash. Lossy codecs are never chosen automatically; a store uses one
-only for the keys its configuration names (``StoreConfig.lossy_codecs``).
+only for the keys its configuration names (``StoreConfig.lossy_codecs``, ``optimizer_state``).
+A lossy delta codec takes the decoded bytes of a lossy chunk as its base (see :func:`delta_of`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,22 @@ class Codec(ABC):
     Attributes:
         kind: the short name manifests record (``"z"``, ``"x"``); unique in the registry.
         lossless: whether ``decode_into`` restores the raw bytes exactly.
-        needs_base: whether payloads are relative to a base chunk (an XOR delta): the manifest
+        needs_base: whether payloads are relative to a base chunk (a delta): the manifest
             then names the base, and restore decodes the base first.
+        raced: whether the encoder tries this codec on changed chunks (see :func:`automatic`);
+            False for a codec kept to read the checkpoints of earlier versions.
+        standalone: for a delta codec that already weighs itself against coding the chunk
+            standalone by the codec of this kind (and declines, returning None, when that is
+            smaller): the encoder then tries the delta alone and falls back to that codec. A
+            lossy delta codec must name one: its base is a chunk of that codec (or of itself)
+            as it decodes, and it decodes to what that codec would.
     """
 
     kind: ClassVar[str]
     lossless: ClassVar[bool] = True
     needs_base: ClassVar[bool] = False
+    raced: ClassVar[bool] = True
+    standalone: ClassVar[str | None] = None
 
     @abstractmethod
     def encode(
@@ -79,8 +89,11 @@ def register(codec: Codec, *, replace: bool = False) -> Codec:
         raise ValueError(f"codec kind must be a short printable name, got {kind!r}")
     if len(kind) > 32:
         raise ValueError(f"codec kind {kind!r} is longer than 32 characters")
-    if codec.needs_base and not codec.lossless:
-        raise ValueError(f"codec {kind!r}: a lossy codec cannot be a delta (needs_base)")
+    if codec.needs_base and not codec.lossless and not codec.standalone:
+        raise ValueError(
+            f"codec {kind!r}: a lossy codec cannot be a delta (needs_base) unless it names the "
+            "lossy standalone codec whose decoded chunks are its bases (standalone)"
+        )
     with _lock:
         if kind in _codecs and not replace and _codecs[kind] is not codec:
             raise ValueError(f"a codec of kind {kind!r} is registered already")
@@ -115,10 +128,19 @@ def kinds() -> list[str]:
 
 
 def automatic() -> list[Codec]:
-    """The codecs the encoder races for a changed chunk: every lossless one, in registration
-    order (standalone codecs first by convention, so that ties go to them)."""
+    """The codecs the encoder races for a changed chunk: every lossless one that is ``raced``, in
+    registration order (standalone codecs first by convention, so that ties go to them)."""
     with _lock:
-        return [c for c in _codecs.values() if c.lossless]
+        return [c for c in _codecs.values() if c.lossless and c.raced]
+
+
+def delta_of(codec: Codec) -> Codec | None:
+    """The lossy delta codec whose bases are ``codec``'s decoded chunks, if one is registered."""
+    with _lock:
+        for other in _codecs.values():
+            if other.needs_base and not other.lossless and other.standalone == codec.kind:
+                return other
+    return None
 
 
 def decode(

@@ -1,5 +1,7 @@
-"""The built-in lossless codecs: byte-grouped zstd, standalone (``z``) or as an XOR delta
-against the same chunk of the previous checkpoint (``x``)."""
+"""The first built-in lossless codecs: byte-grouped zstd, standalone (``z``) or as an XOR delta
+against the same chunk of the previous checkpoint (``x``). New saves use the byte-plane codecs
+(:mod:`.planes`); these stay registered, outside the encoder's race, to read earlier checkpoints
+(and a new delta may take one of their chunks as its base)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ class Standalone(Codec):
     """The chunk's bytes grouped by significance, then zstd."""
 
     kind = "z"
+    raced = False
 
     def encode(
         self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int

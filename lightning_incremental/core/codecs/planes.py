@@ -1,0 +1,314 @@
+"""The default lossless codec: a predictor, byte planes, zstd only on the planes that shrink.
+
+One chunk becomes a self-describing payload:
+
+1. *Predictor* (:mod:`.predict`) against the same chunk of the previous checkpoint when there is
+   one: ``xor``, ``sub`` (zigzag integer difference) or ``scaled``, chosen per chunk on a sample
+   (a few spread slices, every candidate coded as in step 3), or ``none``.
+2. *Byte planes*: plane ``k`` holds byte ``k`` of every element. After a small update of a float
+   tensor the sign/exponent plane is almost constant while the low mantissa planes are noise.
+3. *Per-plane coding*: each plane is zstd-compressed, and stored raw when zstd saves less than
+   ``MIN_SAVING`` of it — the low mantissa planes: no entropy coder runs on them at decode, and
+   zstd gives up on them early at encode.
+
+At the default compression level (1) the planes are coded with zstd's fast strategy tuned for
+them (``PLANE_PARAMS``): as small as level 1 and up to twice as fast on sign/exponent planes.
+
+Registered as two codecs: ``p`` (standalone) and ``pd`` (against a base). ``pd`` weighs its
+predictors against coding the chunk standalone and declines (returns None) when standalone
+wins, so the encoder never codes a chunk both ways (see ``Codec.standalone``). A ``pd`` chain
+does not combine by XOR (``planes`` returns None): restore decodes it link by link.
+
+Payload layout (little endian)::
+
+    magic "LPZ1" | itemsize u8 | predictor u8 | planes u8 | tail u8 | size u64
+    [scaled predictor only: factor f32]
+    per plane: method u8 (0 raw, 1 zstd) | length u32
+    tail bytes | plane payloads in order
+
+A chunk whose length is not a multiple of ``itemsize`` keeps its last ``len % itemsize`` bytes
+raw (the tail).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
+import zstandard
+
+from lightning_incremental.core.codecs import predict as pr
+from lightning_incremental.core.codecs.bytes import compress, decompress
+from lightning_incremental.core.codecs.registry import Codec, register
+
+MAGIC = b"LPZ1"
+RAW, ZSTD = 0, 1
+MIN_SAVING = 0.02  # a plane is stored compressed only when that saves this fraction of it
+# Predictor choice: SAMPLE_SLICES slices of SAMPLE_SLICE elements when the chunk has at least
+# SAMPLE_MIN elements; smaller chunks are tried whole.
+SAMPLE_MIN = 1 << 16
+SAMPLE_SLICES = 4
+SAMPLE_SLICE = 4096
+TUNED_LEVEL = 1  # the compression level coded with PLANE_PARAMS
+
+# A sign/exponent plane is mostly an i.i.d. stream of a few symbols: its gain comes from zstd's
+# Huffman-coded literals, and short matches only cost time.
+PLANE_PARAMS = {
+    "strategy": zstandard.STRATEGY_FAST,
+    "min_match": 7,
+    "hash_log": 12,
+    "chain_log": 12,
+    "search_log": 1,
+    "window_log": 17,
+    "target_length": 0,  # > 0 would turn off Huffman-coded literals for the fast strategy
+}
+
+_HEAD = struct.Struct("<4sBBBBQ")
+_SCALE = struct.Struct("<f")
+_PLANE = struct.Struct("<BI")
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_local = threading.local()
+
+
+def _compress(plane: np.ndarray, level: int) -> bytes:
+    if level != TUNED_LEVEL:
+        return compress(plane, level)
+    cctx = getattr(_local, "cctx", None)
+    if cctx is None:
+        params = zstandard.ZstdCompressionParameters(write_content_size=1, **PLANE_PARAMS)
+        cctx = _local.cctx = zstandard.ZstdCompressor(compression_params=params)
+    return cctx.compress(plane.data)
+
+
+def to_planes(elems: np.ndarray) -> np.ndarray:
+    """``(itemsize, n)`` uint8: plane ``k`` is byte ``k`` of every element."""
+    width = elems.itemsize
+    as_bytes = elems.view(np.uint8).reshape(-1, width)
+    planes = np.empty((width, as_bytes.shape[0]), dtype=np.uint8)
+    for k in range(width):
+        planes[k] = as_bytes[:, k]
+    return planes
+
+
+def _code_plane(plane: np.ndarray, level: int) -> tuple[int, bytes | memoryview]:
+    blob = _compress(plane, level)
+    if len(blob) <= plane.size * (1 - MIN_SAVING):
+        return ZSTD, blob
+    return RAW, plane.data
+
+
+def _coded_size(resid: np.ndarray, level: int) -> int:
+    return sum(len(_code_plane(p, level)[1]) for p in to_planes(resid))
+
+
+def _sample(elems: np.ndarray) -> np.ndarray:
+    if elems.size < SAMPLE_MIN:
+        return np.arange(elems.size)
+    stride = elems.size // SAMPLE_SLICES
+    return np.concatenate(
+        [np.arange(i * stride, i * stride + SAMPLE_SLICE) for i in range(SAMPLE_SLICES)]
+    )
+
+
+def choose_predictor(
+    elems: np.ndarray, base: np.ndarray | None, level: int = TUNED_LEVEL
+) -> tuple[int, float]:
+    """The predictor (and scale factor) whose residual codes smallest on a sample of the chunk;
+    ties go to ``none`` (no dependency on the base), then ``sub``, then ``xor``."""
+    if base is None:
+        return pr.NONE, 1.0
+    idx = _sample(elems)
+    e, b = elems[idx], base[idx]
+    candidates = [(pr.NONE, 1.0), (pr.SUB, 1.0), (pr.XOR, 1.0)]
+    if elems.itemsize in (2, 4):
+        factor = pr.estimate_scale(e, b)
+        if factor != 1.0:
+            candidates.append((pr.SCALED, factor))
+    sizes = [_coded_size(pr.predict(e, b, p, f), level) for p, f in candidates]
+    return candidates[sizes.index(min(sizes))]
+
+
+def encode(
+    raw: np.ndarray,
+    base: np.ndarray | None,
+    itemsize: int,
+    *,
+    level: int = TUNED_LEVEL,
+    predictor: int | None = None,
+    factor: float | None = None,
+) -> bytes:
+    """The payload of one chunk (``raw``, uint8) against ``base`` (same length) or standalone.
+
+    ``predictor`` forces one (``factor`` for the scaled one, estimated when not given); by
+    default both are chosen on a sample of the chunk. An ``itemsize`` other than 1, 2, 4 or 8
+    codes single bytes.
+
+    Raises:
+        ValueError: ``base`` of another length, or a forced predictor that does not apply.
+    """
+    if itemsize not in _UINT:
+        itemsize = 1
+    if base is not None and base.size != raw.size:
+        raise ValueError(f"base has {base.size} bytes, chunk has {raw.size}")
+    tail = raw.size % itemsize
+    body = raw.size - tail
+    elems = raw[:body].view(_UINT[itemsize])
+    base_elems = base[:body].view(_UINT[itemsize]) if base is not None else None
+    if predictor is None:
+        predictor, factor = choose_predictor(elems, base_elems, level)
+    elif predictor != pr.NONE and base_elems is None:
+        raise ValueError("a predictor against a base needs a base")
+    elif predictor == pr.SCALED and factor is None:
+        assert base_elems is not None
+        idx = _sample(elems)
+        factor = pr.estimate_scale(elems[idx], base_elems[idx])
+    factor = 1.0 if factor is None else float(np.float32(factor))  # as stored
+    if predictor == pr.SCALED and itemsize not in (2, 4):
+        raise ValueError("the scaled predictor needs 2- or 4-byte elements")
+    resid = pr.predict(elems, base_elems, predictor, factor)
+    coded = [_code_plane(p, level) for p in to_planes(resid)] if body else []
+    parts: list[bytes | memoryview] = [
+        _HEAD.pack(MAGIC, itemsize, predictor, len(coded), tail, raw.size)
+    ]
+    if predictor == pr.SCALED:
+        parts.append(_SCALE.pack(factor))
+    parts += [_PLANE.pack(method, len(blob)) for method, blob in coded]
+    parts.append(raw[body:].tobytes())
+    parts += [blob for _, blob in coded]
+    return b"".join(parts)
+
+
+def header(payload: bytes | memoryview) -> dict[str, int | float]:
+    """The fields of a payload's header.
+
+    Raises:
+        ValueError: not a valid header.
+    """
+    if len(payload) < _HEAD.size:
+        raise ValueError("payload shorter than its header")
+    magic, itemsize, predictor, planes, tail, size = _HEAD.unpack_from(payload)
+    if magic != MAGIC:
+        raise ValueError(f"bad magic {bytes(magic)!r}")
+    if itemsize not in _UINT or predictor not in pr.NAMES or tail >= itemsize:
+        raise ValueError("bad header")
+    if planes != (itemsize if size - tail else 0) or (size - tail) % itemsize:
+        raise ValueError("bad header: plane count or size")
+    factor = 1.0
+    if predictor == pr.SCALED:
+        if itemsize not in (2, 4) or len(payload) < _HEAD.size + _SCALE.size:
+            raise ValueError("bad header: scaled predictor")
+        (factor,) = _SCALE.unpack_from(payload, _HEAD.size)
+        if not 0.5 <= factor <= 2.0:
+            raise ValueError(f"bad header: scale factor {factor}")
+    return {
+        "itemsize": itemsize,
+        "predictor": predictor,
+        "planes": planes,
+        "tail": tail,
+        "size": size,
+        "factor": factor,
+    }
+
+
+def decode_into(
+    payload: bytes | memoryview, out: np.ndarray, base: np.ndarray | None = None
+) -> np.ndarray:
+    """Decode ``payload`` into ``out`` (uint8, exactly the chunk's size); returns ``out``.
+
+    Raises:
+        ValueError: not a valid payload of ``out.size`` bytes, or a delta without its base.
+    """
+    h = header(payload)
+    view = memoryview(payload)
+    size, itemsize, tail = int(h["size"]), int(h["itemsize"]), int(h["tail"])
+    predictor = int(h["predictor"])
+    if out.size != size:
+        raise ValueError(f"payload holds {size} bytes, out has {out.size}")
+    if predictor != pr.NONE and (base is None or base.size != size):
+        raise ValueError("delta payload without a base of the same size")
+    body = size - tail
+    n = body // itemsize
+    pos = _HEAD.size + (_SCALE.size if predictor == pr.SCALED else 0)
+    count = int(h["planes"])
+    if len(view) < pos + count * _PLANE.size + tail:
+        raise ValueError("payload truncated")
+    table = [_PLANE.unpack_from(view, pos + i * _PLANE.size) for i in range(count)]
+    pos += count * _PLANE.size
+    out[body:] = np.frombuffer(view[pos : pos + tail], dtype=np.uint8)
+    pos += tail
+    grid = out[:body].reshape(-1, itemsize)
+    for k, (method, length) in enumerate(table):  # each plane into its byte column of out
+        blob = view[pos : pos + length]
+        pos += length
+        if len(blob) != length:
+            raise ValueError("payload truncated")
+        if method == RAW:
+            if length != n:
+                raise ValueError(f"raw plane of {length} bytes, expected {n}")
+            grid[:, k] = np.frombuffer(blob, dtype=np.uint8)
+        elif method == ZSTD:
+            grid[:, k] = np.frombuffer(decompress(blob, n), dtype=np.uint8)
+        else:
+            raise ValueError(f"unknown plane method {method}")
+    if pos != len(view):
+        raise ValueError("trailing bytes after the last plane")
+    if body and predictor != pr.NONE:
+        assert base is not None
+        elems = out[:body].view(_UINT[itemsize])
+        pr.unpredict(elems, base[:body].view(_UINT[itemsize]), predictor, float(h["factor"]))
+    return out
+
+
+class Planes(Codec):
+    """Byte planes of the chunk, each zstd-compressed when that shrinks it."""
+
+    kind = "p"
+
+    def encode(
+        self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
+    ) -> bytes | None:
+        return encode(raw, None, width, level=level, predictor=pr.NONE)
+
+    def decode_into(
+        self, payload: bytes | memoryview, out: np.ndarray, base: np.ndarray | None, *, width: int
+    ) -> None:
+        if header(payload)["predictor"] != pr.NONE:
+            raise ValueError("a standalone chunk holds a delta payload")
+        decode_into(payload, out, None)
+
+
+class PlanesDelta(Codec):
+    """The residual of a predictor against the base chunk, in byte planes like :class:`Planes`;
+    None (declined) when coding the chunk standalone is smaller on the sample."""
+
+    kind = "pd"
+    needs_base = True
+    standalone = "p"
+
+    def encode(
+        self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
+    ) -> bytes | None:
+        if base is None:
+            return None
+        if base.size != raw.size:
+            raise ValueError(f"base has {base.size} bytes, chunk has {raw.size}")
+        itemsize = width if width in _UINT else 1
+        body = raw.size - raw.size % itemsize
+        predictor, factor = choose_predictor(
+            raw[:body].view(_UINT[itemsize]), base[:body].view(_UINT[itemsize]), level
+        )
+        if predictor == pr.NONE:
+            return None
+        return encode(raw, base, itemsize, level=level, predictor=predictor, factor=factor)
+
+    def decode_into(
+        self, payload: bytes | memoryview, out: np.ndarray, base: np.ndarray | None, *, width: int
+    ) -> None:
+        if header(payload)["predictor"] == pr.NONE:
+            raise ValueError("a delta chunk holds a standalone payload")
+        decode_into(payload, out, base)
+
+
+PLANES = register(Planes())
+PLANES_DELTA = register(PlanesDelta())

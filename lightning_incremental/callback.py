@@ -122,6 +122,12 @@ class IncrementalCheckpoint(Checkpoint):
             :class:`~lightning_incremental.runtime.RecoveryOptions` (then leave those at their
             defaults).
 
+    Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` every rank
+    saves its own shards (the sharded state dicts of ``torch.distributed.checkpoint.state_dict``,
+    nothing gathered) and a resume fills the live shards in place, from a checkpoint of any
+    number of ranks (see :mod:`lightning_incremental._sharded`); there ``replica_check`` does not
+    apply. DeepSpeed is refused.
+
     In multi-process runs (and under torchrun) every start of ``fit`` also claims a new fencing
     generation in the store: checkpoints a previous incarnation of the job writes afterwards — a
     frozen or cut-off rank 0 that wakes up — are never visible (see

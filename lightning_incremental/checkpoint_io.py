@@ -91,8 +91,15 @@ gives a ``CheckpointIO`` no setup hook, so it cannot see the strategy; these are
 - ``FSDPStrategy``/``ModelParallelStrategy`` with sharded state (their default): the same, with
   ``torch.distributed.checkpoint``;
 - ``FSDPStrategy(state_dict_type="full")`` / ``ModelParallelStrategy(save_distributed_checkpoint
-  =False)``: saves through the plug-in but loads with ``torch.load`` directly, which fails on a
-  pointer file — do not combine them with this plug-in.
+  =False)``: gathers the whole state to rank 0 and saves it through the plug-in (a complete
+  checkpoint, saved as any other), but loads paths itself with ``torch.load(path, mmap=True)``,
+  which fails on a pointer file ("mmap can only be used with files saved with torch.save").
+
+The plug-in warns where it can tell: at the first save a full-state sharded strategy makes
+through it (``materialize`` makes the best/last files plain ones when ``fit`` ends), and at the
+end of a ``fit`` under ``FSDPStrategy`` that saved nothing through it
+(``ModelParallelStrategy`` does not even call a CheckpointIO's ``teardown``, so nothing tells
+the plug-in there). See :mod:`lightning_incremental._sharded`.
 
 The ``IncrementalCheckpoint`` callback covers these strategies where it can.
 

@@ -129,3 +129,19 @@ def test_a_pointer_file_is_what_full_state_strategies_cannot_load(tmp_path: Path
     plugin.teardown()
     with pytest.raises(RuntimeError, match="mmap can only be used with files saved"):
         torch.load(tmp_path / "last.ckpt", mmap=True, map_location="cpu", weights_only=False)
+
+
+def test_the_dump_takes_the_sharded_state_in_place_of_the_strategys_own(tmp_path: Path) -> None:
+    from lightning_incremental import _compat
+    from tests.lightning_job import fit
+
+    _, trainer, _ = fit(tmp_path / "store", trainer={"max_epochs": 1}, every_n_epochs=0)
+    checkpoint = _compat.dump_checkpoint(
+        trainer,
+        model_state=lambda: {"sharded": torch.zeros(1)},
+        optimizer_state=lambda optimizer: {"of": type(optimizer).__name__},
+    )
+    assert list(checkpoint["state_dict"]) == ["sharded"]
+    assert checkpoint["optimizer_states"] == [{"of": "SGD"}]
+    assert "lightning_module_state_dict" not in vars(trainer.strategy)  # the strategy's again
+    assert "net.0.weight" in _compat.dump_checkpoint(trainer)["state_dict"]

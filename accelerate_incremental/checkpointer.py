@@ -95,13 +95,18 @@ class IncrementalCheckpointer:
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
+    Under FSDP (FSDP2 or FSDP1) every process saves its own shards of the models and optimizers
+    (their sharded state dicts, whatever ``state_dict_type`` the plugin has) and :meth:`load`
+    fills them in place; resume with the same number of processes. When FSDP was asked for but
+    Accelerate fell back to DDP (no GPUs), a ``UserWarning`` says so.
+
     With more than one process (or under torchrun) the main process claims a new fencing
     generation when the checkpointer is created: checkpoints a previous incarnation of the job
     writes afterwards are never visible. Create it on every process.
 
     Raises:
         TypeError: ``accelerator`` is not an Accelerator, or an argument has the wrong type.
-        ValueError: an FSDP, DeepSpeed, Megatron-LM or XLA accelerator (not covered), an
+        ValueError: a DeepSpeed, Megatron-LM or XLA accelerator (not covered), an
             Accelerator that sees one process in a multi-process launch, or a bad
             ``every_n_steps``.
         ConfigError: an invalid store option or URL, or ``recovery`` given together with one of

@@ -36,7 +36,8 @@ METRIC_PREFIX = "incremental_checkpoint/"
 
 
 class Saver:
-    """One ``fit``'s saves: ``store`` is the engine on global rank 0 (None on the other ranks),
+    """One ``fit``'s saves: ``store`` is the engine on global rank 0 (None on the other ranks;
+    every rank's own in a sharded run over several ranks),
     ``totals`` the running figures kept across runs (updated in place), ``loggers`` where the
     figures of each committed save go. A failed save is warned about on every rank; the
     ``max_consecutive_failures``-th failed save in a row raises on every rank.

@@ -282,14 +282,16 @@ class IncrementalCheckpoint(Checkpoint):
 
     @property
     def results(self) -> list[tuple[SaveResult, float]]:
-        """This ``fit``'s committed saves so far (on global rank 0): each engine
+        """This ``fit``'s committed saves so far (on global rank 0; in a sharded run on every
+        rank, each its own part): each engine
         :class:`~lightning_incremental.core.SaveResult` with the seconds the training loop was
         blocked for it."""
         return list(self._saver.results) if self._saver is not None else []
 
     def wait(self) -> list[SaveResult]:
         """Wait for the saves running in the background; returns their results (and logs their
-        figures). Only global rank 0 saves: elsewhere this returns ``[]``. A failed save is
+        figures). Only global rank 0 saves (elsewhere this returns ``[]``), except in a sharded
+        run, where every rank saves its shards and gets its own figures. A failed save is
         warned about (see ``max_consecutive_failures``).
 
         Raises:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import pickle
 import random
+import threading
 from typing import Any
 
 import numpy as np
@@ -207,6 +208,7 @@ class _Owner:
 def drains(monkeypatch: pytest.MonkeyPatch) -> None:
     """A registry of its own, whose interpreter hook is not installed."""
     monkeypatch.setattr(at_exit, "_owners", {})
+    monkeypatch.setattr(at_exit, "_dead", [])
     monkeypatch.setattr(at_exit, "_hooked", True)
 
 
@@ -227,6 +229,25 @@ def test_drains_run_newest_registration_first(drains: None, caplog: Any) -> None
         at_exit._drain_all()
     assert ran == ["first again", "second"]
     assert "failed while the process was exiting: lost" in caplog.text
+
+
+def test_an_owner_collected_while_the_registry_is_locked_does_not_deadlock(drains: None) -> None:
+    """The garbage collector may end an owner inside a registration, on the same thread, with
+    the registry's lock held: its weak reference's callback must not wait for that lock."""
+    owner = _Owner("collected")
+    at_exit.drain_at_exit(owner, lambda o: None)
+    ref = at_exit._owners[id(owner)][0]
+
+    def collected_inside_a_registration() -> None:
+        with at_exit._lock:
+            at_exit._forget(id(owner), ref)  # what the callback does, the lock held
+
+    thread = threading.Thread(target=collected_inside_a_registration, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive(), "the weak reference's callback waited for the held lock"
+    at_exit.drain_at_exit(_Owner("next"), lambda o: None)  # sweeps the collected owner
+    assert id(owner) not in at_exit._owners
 
 
 # ---------------------------------------------------------------- random state, generators

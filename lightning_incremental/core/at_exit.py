@@ -22,6 +22,10 @@ log = logging.getLogger("lightning_incremental")
 
 _lock = threading.Lock()
 _owners: dict[int, tuple[weakref.ref[Any], Callable[[Any], object]]] = {}  # registration order
+# Owners collected since: their weak references' callbacks run wherever the garbage collector
+# runs, also inside a section holding _lock on the same thread, so they only note the owner here
+# (list.append takes no lock) and _sweep removes it under the lock.
+_dead: list[tuple[int, weakref.ref[Any]]] = []
 _hooked = False
 
 
@@ -32,6 +36,7 @@ def drain_at_exit(owner: object, drain: Callable[[Any], object]) -> None:
     global _hooked
     key = id(owner)
     with _lock:
+        _sweep()
         _owners.pop(key, None)
         _owners[key] = (weakref.ref(owner, functools.partial(_forget, key)), drain)
         if _hooked:
@@ -44,7 +49,13 @@ def drain_at_exit(owner: object, drain: Callable[[Any], object]) -> None:
 
 
 def _forget(key: int, ref: weakref.ref[Any]) -> None:
-    with _lock:
+    _dead.append((key, ref))
+
+
+def _sweep() -> None:
+    """Drop the owners collected since the last sweep (call with ``_lock`` held)."""
+    while _dead:
+        key, ref = _dead.pop()
         entry = _owners.get(key)
         if entry is not None and entry[0] is ref:  # not a newer owner under a reused id
             del _owners[key]
@@ -52,6 +63,7 @@ def _forget(key: int, ref: weakref.ref[Any]) -> None:
 
 def _drain_all() -> None:
     with _lock:
+        _sweep()
         registered = list(_owners.values())
     for ref, drain in reversed(registered):
         owner = ref()

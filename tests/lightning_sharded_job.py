@@ -127,10 +127,16 @@ def _fsdp(root: Path, out: Path) -> None:
 
     from tests.lightning_job import Crash, Interrupted
 
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # for deterministic=True
+
     def run(name: str, crash_at: int | None) -> tuple[TinyModel, L.Trainer, IncrementalCheckpoint]:
         L.seed_everything(0, verbose=False)
         module = TinyModel()
-        ckpt = IncrementalCheckpoint(root / name, every_n_train_steps=3 if name == "run" else 0)
+        ckpt = IncrementalCheckpoint(
+            root / name,
+            every_n_train_steps=3 if name == "run" else 0,
+            save_on_exception=False,  # resume from the scheduled step 9
+        )
         trainer = L.Trainer(
             strategy=FSDPStrategy(auto_wrap_policy={torch.nn.Linear}),
             accelerator="cuda",

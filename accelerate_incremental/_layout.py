@@ -103,11 +103,18 @@ def check_optimizer(index: int, optimizer: Any, saved: dict[str, Any]) -> None:
 
 
 def check_compatible(
-    accelerator: Any, state: dict[str, Any], fmt: str, models: list[Any] | None = None
+    accelerator: Any,
+    state: dict[str, Any],
+    fmt: str,
+    models: list[Any] | None = None,
+    *,
+    weights: bool = True,
 ) -> None:
     """Raises ValueError when ``state`` is not a checkpoint of this accelerator's layout.
     ``models``: the models the checkpoint's weights go to (default: every prepared model; fewer
-    when a load pre-hook loaded some itself)."""
+    when a load pre-hook loaded some itself). ``weights``: also compare the models' keys and
+    shapes and the optimizers' groups (False for sharded state dicts, which torch's
+    ``set_model_state_dict`` / ``set_optimizer_state_dict`` check)."""
     if models is None:
         models = list(accelerator._models)
     if not isinstance(state, dict) or state.get("format") != fmt:
@@ -133,8 +140,10 @@ def check_compatible(
         )
     loaders = len(state["processes"][accelerator.process_index]["loaders"])
     _count("prepared DataLoaders", loaders, len(accelerator._dataloaders))
-    for i, (model, weights) in enumerate(zip(models, state["models"], strict=True)):
-        check_model(i, accelerator.unwrap_model(model), weights)
+    if not weights:
+        return
+    for i, (model, saved_weights) in enumerate(zip(models, state["models"], strict=True)):
+        check_model(i, accelerator.unwrap_model(model), saved_weights)
     for i, (opt, saved) in enumerate(
         zip(accelerator._optimizers, state["optimizers"], strict=True)
     ):

@@ -1,19 +1,22 @@
 """``IncrementalCheckpointer``: the whole Accelerate training state through the engine.
 
-One global checkpoint per save, written by the main process: the prepared models (unwrapped
-state dicts), optimizers, schedulers, the gradient scaler, objects registered with
+One global checkpoint per save: the prepared models (unwrapped state dicts), optimizers,
+schedulers, the gradient scaler, objects registered with
 ``accelerator.register_for_checkpointing``, the step counters, and every process's own part (its
-random state and its position in each prepared DataLoader) gathered into it.
+random state and its position in each prepared DataLoader) gathered into it. Written by the main
+process; under FSDP every process writes its own shards of the models and optimizers (see
+:mod:`accelerate_incremental._sharded`) and the main process commits.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from accelerate_incremental import _layout, _takeover, _tracking
+from accelerate_incremental import _layout, _sharded, _takeover, _tracking
 from accelerate_incremental._position import LoaderPosition
 from lightning_incremental.core import (
     CheckpointNotFoundError,
@@ -40,9 +43,16 @@ if TYPE_CHECKING:
 
 
 FORMAT = "accelerate_incremental/1"
-# Accelerate's distributed types whose state lives in engine-specific shards this adapter does
-# not gather (their save_state writes its own sharded files).
-_REFUSED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
+# Accelerate's distributed types whose state the engine behind them owns and writes in its own
+# files (FSDP is covered: see _sharded).
+_REFUSED = {
+    "DEEPSPEED": "DeepSpeed's engine owns the partitioned optimizer state and saves and loads it "
+    "itself (its own files per process), outside of the state dicts this checkpointer saves",
+    "MEGATRON_LM": "Megatron-LM's engine partitions the model and optimizer itself and saves "
+    "them with its own checkpointing",
+    "XLA": "XLA devices hold the tensors (the state would be moved off the device and "
+    "gathered without XLA's own sharding information)",
+}
 
 
 class IncrementalCheckpointer:
@@ -89,13 +99,18 @@ class IncrementalCheckpointer:
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
+    Under FSDP (FSDP2 or FSDP1) every process saves its own shards of the models and optimizers
+    (their sharded state dicts, whatever ``state_dict_type`` the plugin has) and :meth:`load`
+    fills them in place; resume with the same number of processes. When FSDP was asked for but
+    Accelerate fell back to DDP (no GPUs), a ``UserWarning`` says so.
+
     With more than one process (or under torchrun) the main process claims a new fencing
     generation when the checkpointer is created: checkpoints a previous incarnation of the job
     writes afterwards are never visible. Create it on every process.
 
     Raises:
         TypeError: ``accelerator`` is not an Accelerator, or an argument has the wrong type.
-        ValueError: an FSDP, DeepSpeed, Megatron-LM or XLA accelerator (not covered), an
+        ValueError: a DeepSpeed, Megatron-LM or XLA accelerator (not covered), an
             Accelerator that sees one process in a multi-process launch, or a bad
             ``every_n_steps``.
         ConfigError: an invalid store option or URL, or ``recovery`` given together with one of
@@ -131,11 +146,14 @@ class IncrementalCheckpointer:
         kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
         if kind.upper() in _REFUSED:
             raise ValueError(
-                f"IncrementalCheckpointer does not support {kind} accelerators: their state is "
-                "sharded by the engine itself. Covered: single process and data parallel "
-                "(DDP on CPU/GPU/XPU/NPU, i.e. distributed_type NO or MULTI_*); use "
-                "accelerator.save_state for FSDP/DeepSpeed/Megatron-LM/XLA."
+                f"IncrementalCheckpointer does not support {kind} accelerators: "
+                f"{_REFUSED[kind.upper()]}. Covered: single process, data parallel (DDP on "
+                "CPU/GPU/XPU/NPU, i.e. distributed_type NO or MULTI_*) and FSDP; use "
+                "accelerator.save_state for DeepSpeed/Megatron-LM/XLA."
             )
+        fallback = _sharded.fsdp_fallback_warning(accelerator)
+        if fallback is not None and accelerator.is_main_process:
+            warnings.warn(fallback, UserWarning, stacklevel=2)
         launched = os.environ.get("WORLD_SIZE", "1")
         if launched.isdigit() and int(launched) > 1 and accelerator.num_processes == 1:
             raise ValueError(
@@ -164,11 +182,14 @@ class IncrementalCheckpointer:
             keep_last = accelerator.project_configuration.total_limit
         self.accelerator = accelerator
         self.every_n_steps = every_n_steps
+        # FSDP: every process saves its own shards through a store it opens (a collective)
+        self.sharded = _sharded.is_sharded(accelerator)
         self.store = CheckpointStore(
             dirpath,
             storage_options=storage_options,
             keep_last=keep_last,
             optimizer_state=optimizer_state,
+            distributed=self.sharded and accelerator.num_processes > 1,
             **options,
         )
         self._positions: dict[int, LoaderPosition] = {}
@@ -180,7 +201,7 @@ class IncrementalCheckpointer:
         self._failures = FailurePolicy(
             "IncrementalCheckpointer", str(self.store.url), self.max_consecutive_failures
         )
-        self._handles: list[SaveHandle] = []  # the main process's saves not collected yet
+        self._handles: list[SaveHandle] = []  # this process's saves not collected yet
         self.generation: int | None = None
         if fencing.should_claim(accelerator.num_processes):
             self.generation = self._claim_generation()
@@ -234,7 +255,8 @@ class IncrementalCheckpointer:
         """Save the whole training state as checkpoint ``step``; call it on every process.
 
         Blocks only for the gather and the snapshot; the write runs in the background (see
-        :meth:`wait`). Returns the save's handle on the main process, None on the others.
+        :meth:`wait`). Returns the save's handle on the main process, None on the others
+        (under FSDP every process saves its shards and gets its handle).
 
         Raises:
             StepError: ``step`` is not an int (``StepTypeError``, also a ``TypeError``), is
@@ -294,14 +316,22 @@ class IncrementalCheckpointer:
         if verdict.audit():
             metadata = {**(metadata or {}), "replica_repair": verdict.audit()}
         processes = collectives.gather(local)
-        if not acc.is_main_process:
+        if self.sharded:
+            sharded = _sharded.state(acc)  # every process: its own shards
+            models, optimizers = sharded["models"], sharded["optimizers"]
+        elif not acc.is_main_process:
             return None
+        else:
+            models = (
+                weights
+                if weights is not None
+                else [acc.unwrap_model(m).state_dict() for m in acc._models]
+            )
+            optimizers = [opt.state_dict() for opt in acc._optimizers]
         state = {
             "format": FORMAT,
-            "models": weights
-            if weights is not None
-            else [acc.unwrap_model(m).state_dict() for m in acc._models],
-            "optimizers": [opt.state_dict() for opt in acc._optimizers],
+            "models": models,
+            "optimizers": optimizers,
             "schedulers": [s.state_dict() for s in acc._schedulers],
             "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
             "custom": [obj.state_dict() for obj in acc._custom_objects],
@@ -320,6 +350,8 @@ class IncrementalCheckpointer:
         """Compare the processes' weights and optimizer state (every process at once); see
         :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
         acc = self.accelerator
+        if self.sharded:  # every process holds other shards, by design
+            return replica_policy.Verdict(None)
 
         def state() -> dict[str, Any]:
             # Parameters and optimizer state, not buffers (running statistics legitimately
@@ -334,8 +366,7 @@ class IncrementalCheckpointer:
             }
 
         def finish_saves() -> None:
-            if acc.is_main_process:
-                self._failures.collect(self._handles, block=True)
+            self._failures.collect(self._handles, block=True)
 
         return replica_policy.check_before_save(
             state, self.replica_check, finish_saves=finish_saves, barrier=acc.wait_for_everyone
@@ -351,7 +382,7 @@ class IncrementalCheckpointer:
             CheckpointError: ``max_consecutive_failures`` saves in a row failed.
         """
         report = None
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process or self.store.distributed:
             # The engine's back-pressure: the next save waits for these anyway (max_in_flight).
             wait_for_room(self._handles, self.store.config.max_in_flight)
             self._failures.collect(self._handles, block=block)
@@ -393,11 +424,12 @@ class IncrementalCheckpointer:
         _layout.check_prepared(acc)
         self._deferred = None  # the state it would have held is being replaced
         state: dict[str, Any] | None = None
+        into = self._live()  # on every process (FSDP1's sharded state dict is a collective)
 
         def newest() -> int | None:
             nonlocal state
             try:
-                state = self.store.load(map_location="cpu", into=self._live(), strict_into=False)
+                state = self.store.load(map_location="cpu", into=into, strict_into=False)
             except CheckpointNotFoundError:
                 return None
             return self.store.loaded_step
@@ -410,14 +442,17 @@ class IncrementalCheckpointer:
         if step is None:
             return None
         if state is None:
-            state = self.store.load(step, map_location="cpu", into=self._live(), strict_into=False)
+            state = self.store.load(step, map_location="cpu", into=into, strict_into=False)
         # Accelerate's load pre-hooks: before the weights, which go to the models they leave
         models = list(acc._models) if _pre_hooks is None else _pre_hooks(step)
-        _layout.check_compatible(acc, state, FORMAT, models)
-        for model, weights in zip(models, state["models"], strict=True):
-            acc.unwrap_model(model).load_state_dict(weights)
-        for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
-            opt.load_state_dict(opt_state)
+        _layout.check_compatible(acc, state, FORMAT, models, weights=not self.sharded)
+        if self.sharded:  # torch checks the keys and sets every process's shards
+            _sharded.apply(acc, models, state)
+        else:
+            for model, weights in zip(models, state["models"], strict=True):
+                acc.unwrap_model(model).load_state_dict(weights)
+            for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
+                opt.load_state_dict(opt_state)
         for sched, sched_state in zip(acc._schedulers, state["schedulers"], strict=True):
             sched.load_state_dict(sched_state)
         if acc.scaler is not None and state["scaler"] is not None:
@@ -438,6 +473,8 @@ class IncrementalCheckpointer:
         decoded in place (``load_state_dict`` then copies each onto itself), not into a second
         copy of the model."""
         acc = self.accelerator
+        if self.sharded:  # the live shards, optimizers' included
+            return _sharded.state(acc)
         return {"models": [acc.unwrap_model(m).state_dict() for m in acc._models]}
 
     # ------------------------------------------------------------------ takeover

@@ -177,9 +177,64 @@ def migrate_checkpoint(checkpoint: dict[str, Any], path: Any = None) -> dict[str
     return _pl_migrate_checkpoint(checkpoint, path)
 
 
-def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
-    """The complete dict ``trainer.save_checkpoint`` would write."""
-    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+def dump_checkpoint(
+    trainer: pl.Trainer,
+    *,
+    model_state: Callable[[], dict[str, Any]] | None = None,
+    optimizer_state: Callable[[Any], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The complete dict ``trainer.save_checkpoint`` would write. ``model_state`` /
+    ``optimizer_state(optimizer)`` take the place of the strategy's
+    ``lightning_module_state_dict`` / ``optimizer_state`` during the dump (instance attributes,
+    removed afterwards): a sharded strategy's own may gather the full state to rank 0."""
+    strategy = trainer.strategy
+    replaced = {"lightning_module_state_dict": model_state, "optimizer_state": optimizer_state}
+    replaced = {name: f for name, f in replaced.items() if f is not None}
+    for name, function in replaced.items():
+        setattr(strategy, name, function)
+    try:
+        return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    finally:
+        for name in replaced:
+            strategy.__dict__.pop(name, None)
+
+
+def saving_trainer() -> pl.Trainer | None:
+    """The trainer whose ``Trainer.save_checkpoint`` this call comes from (the innermost such
+    frame on this thread's stack), or None."""
+    code = pl.Trainer.save_checkpoint.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            trainer = frame.f_locals.get("self")
+            if isinstance(trainer, pl.Trainer):
+                return trainer
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def strategy_fitted(strategy: Any) -> bool:
+    """Whether the trainer of ``strategy``'s LightningModule ran ``fit``."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+
+def tearing_down_strategy() -> Any:
+    """The Lightning ``Strategy`` whose ``teardown`` this call comes from (the innermost such
+    frame on this thread's stack), or None: Lightning gives a ``CheckpointIO`` no view of it."""
+    from lightning.pytorch.strategies import Strategy
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "teardown":
+            strategy = frame.f_locals.get("self")
+            if isinstance(strategy, Strategy):
+                return strategy
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def trainer_stage_running() -> bool | None:
@@ -192,15 +247,8 @@ def trainer_stage_running() -> bool | None:
     """
     from lightning.pytorch.trainer.states import TrainerStatus
 
-    code = pl.Trainer.save_checkpoint.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            trainer = frame.f_locals.get("self")
-            if isinstance(trainer, pl.Trainer):
-                return bool(trainer.state.status == TrainerStatus.RUNNING)
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+    trainer = saving_trainer()
+    return None if trainer is None else bool(trainer.state.status == TrainerStatus.RUNNING)
 
 
 # --- the fit loop's data and counters -----------------------------------------------------------

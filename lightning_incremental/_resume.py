@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_incremental import _compat
+from lightning_incremental import _compat, _sharded
 from lightning_incremental import _data_position as dp
 from lightning_incremental.core import CheckpointError, CheckpointStore
 from lightning_incremental.runtime import rng as _rng
@@ -81,10 +81,13 @@ class ResumeHook:
         strategy = trainer.strategy
         url = callback.url
         checkpoint: dict[str, Any] | None = None
+        sharded = callback._sharded
+        into = _sharded.live_state(trainer) if sharded else _live(trainer)  # on every rank
 
         def newest() -> int | None:
             nonlocal checkpoint
-            step, checkpoint = _newest(callback._store_for_reading(), _live(trainer))
+            with callback._store_for_reading() as store:
+                step, checkpoint = _newest(store, into)
             return step
 
         step = coordinated(
@@ -99,13 +102,8 @@ class ResumeHook:
             return None
         if not trainer.is_global_zero:
             try:
-                store = callback._store_for_reading()
-                try:
-                    checkpoint = store.load(
-                        step, map_location="cpu", into=_live(trainer), strict_into=False
-                    )
-                finally:
-                    store.close()
+                with callback._store_for_reading() as store:
+                    checkpoint = store.load(step, map_location="cpu", into=into, strict_into=False)
             except Exception as exc:  # reported to every rank by the decision below
                 error = exc
         if not strategy.reduce_boolean_decision(error is None, all=True):
@@ -117,6 +115,8 @@ class ResumeHook:
                 ) from error
             raise CheckpointError(f"another rank could not read checkpoint step {step} from {url}")
         assert checkpoint is not None
+        if sharded:  # these strategies restore after setup, and not through Lightning's hooks
+            _sharded.apply(trainer, checkpoint)
         callback._resumed_step = step
         rank_zero_info(
             f"IncrementalCheckpoint: resuming from step {step} (epoch {checkpoint.get('epoch')}) "

@@ -18,9 +18,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 
-from lightning_incremental import _compat
+from lightning_incremental import _compat, _sharded
 from lightning_incremental._resume import FORMAT, KEY
-from lightning_incremental.core import CheckpointStore, SaveHandle, SaveResult
+from lightning_incremental.core import CheckpointError, CheckpointStore, SaveHandle, SaveResult
 from lightning_incremental.runtime import collectives
 from lightning_incremental.runtime.coordinate import Outcome
 from lightning_incremental.runtime.failures import (
@@ -36,10 +36,17 @@ METRIC_PREFIX = "incremental_checkpoint/"
 
 
 class Saver:
-    """One ``fit``'s saves: ``store`` is the engine on global rank 0 (None on the other ranks),
+    """One ``fit``'s saves: ``store`` is the engine on global rank 0 (None on the other ranks;
+    every rank's own in a sharded run over several ranks),
     ``totals`` the running figures kept across runs (updated in place), ``loggers`` where the
     figures of each committed save go. A failed save is warned about on every rank; the
-    ``max_consecutive_failures``-th failed save in a row raises on every rank."""
+    ``max_consecutive_failures``-th failed save in a row raises on every rank.
+
+    ``sharded``: the strategy shards the model and optimizer state (see
+    :mod:`lightning_incremental._sharded`): the checkpoint holds every rank's sharded state
+    dicts in place of the strategy's own. With a store opened with ``distributed=True`` (on
+    every rank), every rank saves (its own shards; rank 0 also the rest) and commits with the
+    others."""
 
     def __init__(
         self,
@@ -48,8 +55,13 @@ class Saver:
         totals: dict[str, Any],
         loggers: list[Logger],
         max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        *,
+        sharded: bool = False,
     ) -> None:
         self.store = store
+        self.sharded = sharded
+        # a store opened with ``distributed=True`` on every rank: every rank saves its shards
+        self.everywhere = store is not None and store.distributed
         self.url = url
         self.totals = totals
         self.loggers = loggers
@@ -84,7 +96,7 @@ class Saver:
         started = time.perf_counter()
         self.collect(block=False)  # errors of earlier saves surface here
         states = _gather(trainer, rank_state)
-        checkpoint = _compat.dump_checkpoint(trainer)
+        checkpoint = self._dump(trainer)
         if boundary:  # taken once Lightning finished the epoch: a state between two epochs
             _compat.between_epochs(checkpoint)
         handle = None
@@ -109,7 +121,8 @@ class Saver:
                 lambda: self.collect(block=False),
             )
 
-        outcome: Outcome[None] = Outcome.of(start) if trainer.is_global_zero else Outcome()
+        saves_here = trainer.is_global_zero or self.everywhere
+        outcome: Outcome[None] = Outcome.of(start) if saves_here else Outcome()
         # Rank 0 decides, every rank does the same: warn about failed saves, or raise them;
         # then raise this save's error, if it could not start.
         report, message = trainer.strategy.broadcast(
@@ -117,9 +130,29 @@ class Saver:
         )
         if report is not None:
             self.raise_failures(report)
+        if self.everywhere:  # every rank raises when a rank could not start its part
+            started_everywhere = trainer.strategy.reduce_boolean_decision(
+                outcome.error is None, all=True
+            )
+            if outcome.error is None and not started_everywhere:
+                raise CheckpointError(
+                    f"could not save checkpoint step {step}: another rank could not start its "
+                    "part (that rank raises its error)"
+                )
         outcome.result(message, what=f"save checkpoint step {step}")
         if handle is not None:
             self._pending.append((handle, time.perf_counter() - started))
+
+    def _dump(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The trainer's checkpoint dump; sharded, with every rank's sharded state dicts (the
+        strategy's own may gather to rank 0)."""
+        if not self.sharded:
+            return _compat.dump_checkpoint(trainer)
+        return _compat.dump_checkpoint(
+            trainer,
+            model_state=lambda: _sharded.model_state(trainer),
+            optimizer_state=lambda optimizer: _sharded.optimizer_state(trainer, optimizer),
+        )
 
     def collect(self, *, block: bool) -> list[SaveResult]:
         """Report the saves that finished (all of them with ``block``); keep their errors."""

@@ -10,10 +10,12 @@ committed checkpoint, and each rank's random state and position in its training 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Union
@@ -25,7 +27,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_incremental import _compat
+from lightning_incremental import _compat, _sharded
 from lightning_incremental import _data_position as dp
 from lightning_incremental import _resume as resume
 from lightning_incremental._resume import KEY, ResumeHook
@@ -123,6 +125,12 @@ class IncrementalCheckpoint(Checkpoint):
             ``max_consecutive_failures`` as one
             :class:`~lightning_incremental.runtime.RecoveryOptions` (then leave those at their
             defaults).
+
+    Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` every rank
+    saves its own shards (the sharded state dicts of ``torch.distributed.checkpoint.state_dict``,
+    nothing gathered) and a resume fills the live shards in place, from a checkpoint of any
+    number of ranks (see :mod:`lightning_incremental._sharded`); there ``replica_check`` does not
+    apply. DeepSpeed is refused.
 
     In multi-process runs (and under torchrun) every start of ``fit`` also claims a new fencing
     generation in the store: checkpoints a previous incarnation of the job writes afterwards — a
@@ -236,6 +244,7 @@ class IncrementalCheckpoint(Checkpoint):
         self._warnings_guard: warnings.catch_warnings[Any] | None = None
         self._generation: int | None = None
         self._watchdog: Watchdog | None = None
+        self._sharded = False  # the strategy shards the state (see _sharded.layout)
 
     # ------------------------------------------------------------------ public
 
@@ -278,14 +287,16 @@ class IncrementalCheckpoint(Checkpoint):
 
     @property
     def results(self) -> list[tuple[SaveResult, float]]:
-        """This ``fit``'s committed saves so far (on global rank 0): each engine
+        """This ``fit``'s committed saves so far (on global rank 0; in a sharded run on every
+        rank, each its own part): each engine
         :class:`~lightning_incremental.core.SaveResult` with the seconds the training loop was
         blocked for it."""
         return list(self._saver.results) if self._saver is not None else []
 
     def wait(self) -> list[SaveResult]:
         """Wait for the saves running in the background; returns their results (and logs their
-        figures). Only global rank 0 saves: elsewhere this returns ``[]``. A failed save is
+        figures). Only global rank 0 saves (elsewhere this returns ``[]``), except in a sharded
+        run, where every rank saves its shards and gets its own figures. A failed save is
         warned about (see ``max_consecutive_failures``).
 
         Raises:
@@ -320,13 +331,7 @@ class IncrementalCheckpoint(Checkpoint):
             return
         self._reset_run_state()
         strategy = trainer.strategy
-        if strategy.restore_checkpoint_after_setup or not strategy.lightning_restore_optimizer:
-            raise ConfigError(
-                f"IncrementalCheckpoint does not support {type(strategy).__name__}: it shards the "
-                "model or optimizer state (or saves it itself), while IncrementalCheckpoint saves "
-                "one consolidated state from rank 0. Supported: single-device, DDP (ddp, "
-                "ddp_spawn, ddp_fork, ddp_notebook) and DataParallel strategies."
-            )
+        self._sharded = _sharded.layout(strategy) == _sharded.SHARDED
         _warn_late_module_hooks(pl_module)
         default = os.path.join(str(trainer.default_root_dir), DEFAULT_DIRNAME)
         self._url = strategy.broadcast(self.dirpath or default, src=0)
@@ -352,7 +357,9 @@ class IncrementalCheckpoint(Checkpoint):
                 "use a path or URL every rank can reach"
             )
         # Rank 0 opens the store; whatever happens there, every rank learns it, so a failure
-        # never leaves the other ranks waiting in a collective.
+        # never leaves the other ranks waiting in a collective. Sharded over several ranks,
+        # every rank then opens the store it saves its own shards through (a collective).
+        distributed = self._sharded and trainer.world_size > 1
         store: CheckpointStore | None = None
 
         def open_store() -> tuple[int | None, int | None]:
@@ -371,6 +378,9 @@ class IncrementalCheckpoint(Checkpoint):
             except BaseException:
                 store.close()
                 raise
+            if distributed:
+                store.close()
+                store = None
             return newest, generation
 
         self._newest, self._generation = coordinated(
@@ -379,8 +389,15 @@ class IncrementalCheckpoint(Checkpoint):
             is_coordinator=trainer.is_global_zero,
             broadcast=strategy.broadcast,
         )
+        if distributed:
+            store = self._open_store(distributed=True)
         self._saver = Saver(
-            store, self._url, self._totals, trainer.loggers, self.max_consecutive_failures
+            store,
+            self._url,
+            self._totals,
+            trainer.loggers,
+            self.max_consecutive_failures,
+            sharded=self._sharded,
         )
         self._watchdog = self.recovery.start_watchdog(
             rank=trainer.global_rank,
@@ -610,7 +627,7 @@ class IncrementalCheckpoint(Checkpoint):
     def _check_replicas(self, trainer: pl.Trainer) -> replica_policy.Verdict:
         """Compare the replicas' weights and optimizer state (every rank at once); see
         :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
-        if trainer.world_size == 1:
+        if trainer.world_size == 1 or self._sharded:  # shards differ by design
             return replica_policy.Verdict(None)
         saver = self._saver
         assert saver is not None
@@ -708,17 +725,29 @@ class IncrementalCheckpoint(Checkpoint):
         if self._saver is not None:
             self._saver.close(raise_errors=raise_errors)
 
-    def _open_store(self) -> CheckpointStore:
+    def _open_store(self, *, distributed: bool = False) -> CheckpointStore:
         assert self._url is not None
         return CheckpointStore(
-            self._url, storage_options=self.storage_options, config=self.store_config
+            self._url,
+            storage_options=self.storage_options,
+            config=self.store_config,
+            distributed=distributed,
         )
 
-    def _store_for_reading(self) -> CheckpointStore:
-        """The writing store on rank 0 (a resumed run's first save then builds on what it
-        loaded), a store to close after reading elsewhere. Used by ResumeHook."""
+    @contextlib.contextmanager
+    def _store_for_reading(self) -> Iterator[CheckpointStore]:
+        """The writing store where this rank has one (rank 0; every rank of a sharded run): a
+        resumed run's first save then builds on what it loaded. Elsewhere a store closed after
+        reading. Used by ResumeHook."""
         store = self._saver.store if self._saver is not None else None
-        return store if store is not None else self._open_store()
+        if store is not None:
+            yield store
+            return
+        store = self._open_store()
+        try:
+            yield store
+        finally:
+            store.close()
 
 
 class _BetweenEpochs(Callback):

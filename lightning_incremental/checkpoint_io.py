@@ -91,8 +91,15 @@ gives a ``CheckpointIO`` no setup hook, so it cannot see the strategy; these are
 - ``FSDPStrategy``/``ModelParallelStrategy`` with sharded state (their default): the same, with
   ``torch.distributed.checkpoint``;
 - ``FSDPStrategy(state_dict_type="full")`` / ``ModelParallelStrategy(save_distributed_checkpoint
-  =False)``: saves through the plug-in but loads with ``torch.load`` directly, which fails on a
-  pointer file — do not combine them with this plug-in.
+  =False)``: gathers the whole state to rank 0 and saves it through the plug-in (a complete
+  checkpoint, saved as any other), but loads paths itself with ``torch.load(path, mmap=True)``,
+  which fails on a pointer file ("mmap can only be used with files saved with torch.save").
+
+The plug-in warns where it can tell: at the first save a full-state sharded strategy makes
+through it (``materialize`` makes the best/last files plain ones when ``fit`` ends), and at the
+end of a ``fit`` under ``FSDPStrategy`` that saved nothing through it
+(``ModelParallelStrategy`` does not even call a CheckpointIO's ``teardown``, so nothing tells
+the plug-in there). See :mod:`lightning_incremental._sharded`.
 
 The ``IncrementalCheckpoint`` callback covers these strategies where it can.
 
@@ -125,9 +132,18 @@ from typing import Any, NamedTuple
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_incremental._compat import PathLike, torch_load_checkpoint, trainer_stage_running
+from lightning_incremental import _sharded
+from lightning_incremental._compat import (
+    PathLike,
+    saving_trainer,
+    strategy_fitted,
+    tearing_down_strategy,
+    torch_load_checkpoint,
+    trainer_stage_running,
+)
 from lightning_incremental._pointers import (
     CheckpointFile,
     NotATorchCheckpointError,
@@ -164,7 +180,17 @@ from lightning_incremental.runtime.failures import (
 log = logging.getLogger(__name__)
 
 # not pickled
-_RUNTIME = ("_lock", "_stores", "_executor", "_jobs", "_pending", "_failures", "_marks")
+_RUNTIME = (
+    "_lock",
+    "_stores",
+    "_executor",
+    "_jobs",
+    "_pending",
+    "_failures",
+    "_marks",
+    "_saved_in_stage",
+    "_warned_strategy",
+)
 
 __all__ = ["IncrementalCheckpointIO", "NotATorchCheckpointError", "PointerError"]
 
@@ -273,6 +299,8 @@ class IncrementalCheckpointIO(CheckpointIO):
         )
         # ModelCheckpoint's best/last paths as of the newest save, per ModelCheckpoint
         self._marks: dict[str, dict[str, str]] = {}
+        self._saved_in_stage = False  # a save reached the plug-in since the last teardown
+        self._warned_strategy = False  # the full-state strategy warning was given
 
     # ------------------------------------------------------------------ CheckpointIO
 
@@ -302,6 +330,8 @@ class IncrementalCheckpointIO(CheckpointIO):
                 "IncrementalCheckpointIO: pass fsspec options once, as "
                 "IncrementalCheckpointIO(storage_options=...)"
             )
+        self._saved_in_stage = True
+        self._warn_strategy()
         target = self._file(path)
         if self.store_name in target.parts:
             raise ValueError(
@@ -533,6 +563,15 @@ class IncrementalCheckpointIO(CheckpointIO):
         Raises:
             Exception: the first background error (the others are logged).
         """
+        strategy = tearing_down_strategy()
+        if (
+            strategy is not None
+            and not self._saved_in_stage
+            and _sharded.bypasses_checkpoint_io(strategy)
+            and strategy_fitted(strategy)
+        ):
+            rank_zero_warn(_sharded.plugin_unused_warning(strategy))
+        self._saved_in_stage = False
         errors: list[BaseException] = []
         try:
             self.wait()
@@ -604,6 +643,17 @@ class IncrementalCheckpointIO(CheckpointIO):
         return f"IncrementalCheckpointIO(store_name={self.store_name!r})"
 
     # ------------------------------------------------------------------ internals
+
+    def _warn_strategy(self) -> None:
+        """Once: a sharded strategy's full-state mode saves here but loads without the
+        plug-in (see :func:`lightning_incremental._sharded.plugin_save_warning`)."""
+        trainer = saving_trainer()
+        if self._warned_strategy or trainer is None:
+            return
+        message = _sharded.plugin_save_warning(trainer.strategy, self.materialize)
+        if message is not None:
+            self._warned_strategy = True
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def _open_store(self, url: str, config: StoreConfig) -> CheckpointStore:
         """The engine store at ``url`` (an extension point, e.g. for instrumented storage)."""

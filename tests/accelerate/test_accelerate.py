@@ -208,14 +208,102 @@ def test_unpicklable_state_is_refused(tmp_path: Path) -> None:
         save_once(run, str(tmp_path / "s"))
 
 
-@pytest.mark.parametrize("kind", [DistributedType.FSDP, DistributedType.DEEPSPEED])
-def test_sharded_accelerators_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: DistributedType
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        (DistributedType.DEEPSPEED, "DeepSpeed's engine owns the partitioned optimizer state"),
+        (DistributedType.MEGATRON_LM, "Megatron-LM's engine partitions"),
+        (DistributedType.XLA, "XLA devices hold the tensors"),
+    ],
+)
+def test_engines_that_save_their_own_state_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: DistributedType, why: str
 ) -> None:
     acc = Accelerator(cpu=True)
     monkeypatch.setattr(type(acc), "distributed_type", property(lambda self: kind))
-    with pytest.raises(ValueError, match="Covered: single process and data parallel"):
+    with pytest.raises(ValueError, match=f"{why}.*Covered: single process, data parallel"):
         IncrementalCheckpointer(acc, str(tmp_path / "s"))
+
+
+def test_fsdp_asked_for_on_cpu_names_accelerates_silent_ddp_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # Accelerator sets it: restored after
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
+    assert acc.distributed_type != DistributedType.FSDP  # Accelerate dropped the plugin
+    with pytest.warns(UserWarning, match="silently falls back to DDP") as caught:
+        IncrementalCheckpointer(acc, str(tmp_path / "s")).close()
+    assert f"runs distributed_type {acc.distributed_type.value}" in str(caught[0].message)
+
+
+def test_no_fallback_warning_without_fsdp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    IncrementalCheckpointer(Accelerator(cpu=True), str(tmp_path / "s")).close()
+    assert not [w for w in recwarn if "falls back to DDP" in str(w.message)]
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp_state_saved_sharded_and_restored_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world_of_one: None
+) -> None:
+    """The FSDP path on CPU: an FSDP2 model of one process (Accelerate runs FSDP on GPUs only;
+    the distributed type is set by hand): sharded state dicts in, the live shards filled."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1))
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model, opt = acc.prepare(model, opt)
+    monkeypatch.setattr(type(acc), "distributed_type", property(lambda s: DistributedType.FSDP))
+
+    def train(steps: int) -> None:
+        for i in range(steps):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+            acc.backward(model(x).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        state = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        saved = get_optimizer_state_dict(model, opt.optimizer)["state"]
+        for name, entry in saved.items():
+            for key, value in entry.items():
+                whole = value.full_tensor() if isinstance(value, DTensor) else value
+                state[f"{name}.{key}"] = whole.clone()
+        return state
+
+    train(3)
+    with IncrementalCheckpointer(acc, str(tmp_path / "s")) as ckpt:
+        ckpt.save(3)
+    expected = snapshot()
+    train(2)
+    assert not same(snapshot(), expected)
+    with IncrementalCheckpointer(acc, str(tmp_path / "s")) as ckpt:
+        assert ckpt.load() == 3
+    assert same(snapshot(), expected)
+    saved = CheckpointStore(str(tmp_path / "s")).load(3)
+    assert set(saved["optimizers"][0]["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
 def test_bad_arguments(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Lightning ``ModelParallelStrategy`` (FSDP2 ``fully_shard``) jobs for
 ``tests/lightning/test_callback_sharded.py``, on CPU ranks (gloo), launched by Lightning's own
-launcher (it re-runs this command for rank 1). The model, data and schedule are ``tests/lightning_job.py``'s
-(dropout, noise from three random streams, SGD with momentum, StepLR), its layers sharded:
+launcher (it re-runs this command for rank 1). The model, data and schedule are
+``tests/lightning_job.py``'s (dropout, noise from three random streams, SGD with momentum,
+StepLR), its layers sharded:
 
 * ``kill --dir D``: 2 ranks train with a checkpoint every 3 steps; at step 10, once the step-9
   checkpoint has committed, both end at once with ``os._exit(KILLED)`` (no teardown).

@@ -1,6 +1,6 @@
 """``accelerate launch ... -m accelerate_incremental [--dirpath URL | --config FILE] train.py``:
 the launch module's flags, how it installs the integration, how it runs the script, and (slow)
-real launches of an unmodified script (tests/plain_accelerate_job.py, which imports nothing of
+real launches of an unmodified script (tests/jobs/plain_accelerate_job.py, which imports nothing of
 ours) that are SIGKILLed mid-epoch and rerun with the same command."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.accelerate_results import assert_identical
 from tests.multiprocess.test_accelerate_launch import _free_port, _why
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = ROOT / "tests" / "plain_accelerate_job.py"
+JOB = ROOT / "tests" / "jobs" / "plain_accelerate_job.py"
 
 
 @pytest.fixture(autouse=True)

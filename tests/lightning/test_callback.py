@@ -1,7 +1,7 @@
 """IncrementalCheckpoint on real Trainers: exact resume, schedules, exceptions, figures, CLI.
 
 Every exactness test compares an interrupted-then-restarted run, bit for bit, with an
-uninterrupted run of the same configuration (``tests/lightning_job.py`` holds the model: dropout,
+uninterrupted run of the same configuration (``tests/jobs/lightning_job.py`` holds the model: dropout,
 noise drawn from torch, numpy and Python at every read, SGD with momentum, a StepLR schedule,
 validation every 4 batches, 8 batches per epoch, 3 epochs).
 """
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_incremental import IncrementalCheckpoint
 from lightning_incremental.core import CheckpointError, CheckpointStore, ConfigError
-from tests.lightning_job import (
+from tests.jobs.lightning_job import (
     FEATURES,
     Interrupted,
     NoisyData,
@@ -39,7 +39,7 @@ from tests.lightning_job import (
     weights,
 )
 
-JOB = Path(__file__).resolve().parents[1] / "lightning_job.py"
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "lightning_job.py"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -108,7 +108,7 @@ class VariantModel(TinyModel):
 
 def fit_variant(dirpath: Path, loader: str, **kwargs: Any) -> tuple[Any, L.Trainer, Any]:
     """``fit`` with a :class:`VariantModel` in place of TinyModel."""
-    import tests.lightning_job as job
+    import tests.jobs.lightning_job as job
 
     original = job.TinyModel
     job.TinyModel = lambda **kw: VariantModel(loader, **kw)  # type: ignore[assignment,misc]

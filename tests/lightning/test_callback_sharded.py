@@ -25,7 +25,7 @@ from lightning_incremental import IncrementalCheckpointIO, _sharded
 from lightning_incremental.core import ConfigError
 from tests.lightning.test_callback import assert_bit_identical
 
-JOB = Path(__file__).resolve().parents[1] / "lightning_sharded_job.py"
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "lightning_sharded_job.py"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -42,7 +42,7 @@ def _launch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str
 def test_model_parallel_two_ranks_killed_resume_bit_identical_and_onto_one_rank(
     tmp_path: Path,
 ) -> None:
-    from tests.lightning_sharded_job import KILLED
+    from tests.jobs.lightning_sharded_job import KILLED
 
     root, out = tmp_path / "d", tmp_path / "out"
     killed = _launch("kill", "--dir", str(root))
@@ -133,7 +133,7 @@ def test_a_pointer_file_is_what_full_state_strategies_cannot_load(tmp_path: Path
 
 def test_the_dump_takes_the_sharded_state_in_place_of_the_strategys_own(tmp_path: Path) -> None:
     from lightning_incremental import _compat
-    from tests.lightning_job import fit
+    from tests.jobs.lightning_job import fit
 
     _, trainer, _ = fit(tmp_path / "store", trainer={"max_epochs": 1}, every_n_epochs=0)
     checkpoint = _compat.dump_checkpoint(

@@ -1,4 +1,4 @@
-"""The randomized crash matrix (``tests/resume_matrix.py``): runs that die anywhere — or finish
+"""The randomized crash matrix (``tests/jobs/resume_matrix.py``): runs that die anywhere — or finish
 and are extended — resume bit-identically.
 
 Each case is a real crash: the training process ends itself with ``os._exit`` in
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.resume_matrix import Case, cases
+from tests.jobs.resume_matrix import Case, cases
 
-DRIVER = Path(__file__).resolve().parents[1] / "resume_matrix.py"
+DRIVER = Path(__file__).resolve().parents[1] / "jobs" / "resume_matrix.py"
 REPO = Path(__file__).resolve().parents[2]
 
 # The configurations first seen to resume wrong: checkpoints taken at an epoch's end of an

@@ -24,7 +24,7 @@ from tests.accelerate_results import assert_identical as assert_same_training
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = ROOT / "tests" / "accelerate_job.py"
+JOB = ROOT / "tests" / "jobs" / "accelerate_job.py"
 CRASH_AFTER = 7  # the newest committed checkpoint is then step 6: mid-epoch (epoch 1, batch 1/5)
 
 

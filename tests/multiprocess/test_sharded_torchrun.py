@@ -1,4 +1,4 @@
-"""Sharded training end to end (``tests/sharded_job.py``): FSDP2 + AdamW on 2 gloo ranks, each
+"""Sharded training end to end (``tests/jobs/sharded_job.py``): FSDP2 + AdamW on 2 gloo ranks, each
 writing its own shards' deltas; resharded loads; rank deaths before the commit and mid-training.
 
 Three launches share one module fixture: a fault-free 2-rank run, a 2-rank run under
@@ -26,7 +26,7 @@ from lightning_incremental.core import manifest as mf
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = ROOT / "tests" / "sharded_job.py"
+JOB = ROOT / "tests" / "jobs" / "sharded_job.py"
 
 
 def torchrun(nproc: int, *args: str, restarts: int = 0, log: Path) -> None:

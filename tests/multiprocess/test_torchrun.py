@@ -1,5 +1,5 @@
 """Fault tolerance end to end: ``torchrun --nproc-per-node 2 --max-restarts 2`` (gloo, CPU) runs
-of ``tests/torchrun_job.py`` with real SIGKILL and SIGSTOP, each ending bitwise equal to a
+of ``tests/jobs/torchrun_job.py`` with real SIGKILL and SIGSTOP, each ending bitwise equal to a
 fault-free run of the same script.
 
 Six launches in all (a reference, two with two faults each, three with a flipped bit under each
@@ -30,7 +30,7 @@ from lightning_incremental.runtime.watchdog import EXIT_PEER_DEAD, EXIT_PEER_HUN
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = ROOT / "tests" / "torchrun_job.py"
+JOB = ROOT / "tests" / "jobs" / "torchrun_job.py"
 LAUNCH_TIMEOUT_S = 420
 
 

@@ -33,7 +33,7 @@ from lightning_incremental.core import (
 from lightning_incremental.core.storage import open_storage
 from tests.conftest import assert_state_equal
 from tests.faulty import FaultyStorage
-from tests.lightning_job import fit
+from tests.jobs.lightning_job import fit
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),

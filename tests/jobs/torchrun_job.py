@@ -1,6 +1,6 @@
 """A Lightning DDP job for ``torchrun --nproc-per-node 2 --max-restarts 2``, with faults on cue.
 
-``python -m torch.distributed.run ... tests/torchrun_job.py --dir D --out O [--fault F ...]``
+``python -m torch.distributed.run ... tests/jobs/torchrun_job.py --dir D --out O [--fault F ...]``
 
 Each ``--fault RESTART:RANK:STEP:KIND`` fires once, in the run whose
 ``TORCHELASTIC_RESTART_COUNT`` is RESTART, on RANK, when training reaches STEP:
@@ -37,10 +37,10 @@ import lightning.pytorch as L
 import torch
 
 if __package__ in (None, ""):  # run as a script: make the packages importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_incremental import IncrementalCheckpoint
-from tests.lightning_job import TinyModel, weights
+from tests.jobs.lightning_job import TinyModel, weights
 
 RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 TIMINGS = {"heartbeat_interval": 0.25, "heartbeat_timeout": 3.0, "progress_timeout": 6.0}

@@ -17,7 +17,7 @@ The processes are forks of one driver process that imported torch and Lightning 
 interpreter per run would spend most of the matrix importing). Run as a script, the driver reads
 cases as JSON and prints one JSON line per case::
 
-    python tests/resume_matrix.py --dir D --seed 0 --count 30
+    python tests/jobs/resume_matrix.py --dir D --seed 0 --count 30
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 if __package__ in (None, ""):  # run as a script: make `lightning_incremental` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_incremental import IncrementalCheckpoint
-from tests.lightning_job import FEATURES, NoisyData
+from tests.jobs.lightning_job import FEATURES, NoisyData
 
 SAMPLERS = ("shuffle_generator", "shuffle_global", "sequential", "distributed")
 SCHEDULERS = ("none", "step", "epoch", "plateau_val", "plateau_train")

@@ -1,8 +1,8 @@
 """A torchrun job for the sharded tests: FSDP2 (``fully_shard``) + AdamW on CPU/gloo, saved with a
 distributed :class:`CheckpointStore` (every rank writes its own shards' deltas).
 
-    torchrun --nproc-per-node 2 tests/sharded_job.py train --dir STORE --out OUT [--fault ...]
-    torchrun --nproc-per-node 4 tests/sharded_job.py load --dir STORE --out OUT --ref REF.pt
+    torchrun --nproc-per-node 2 tests/jobs/sharded_job.py train --dir STORE --out OUT [--fault ...]
+    torchrun --nproc-per-node 4 tests/jobs/sharded_job.py load --dir STORE --out OUT --ref REF.pt
 
 ``train`` resumes from the newest committed checkpoint (if any), trains to ``--steps`` saving
 every ``--every`` steps, and writes (rank 0) the full final state to ``OUT/final.pt`` (gathered

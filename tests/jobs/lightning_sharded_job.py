@@ -1,7 +1,7 @@
 """Lightning ``ModelParallelStrategy`` (FSDP2 ``fully_shard``) jobs for
 ``tests/lightning/test_callback_sharded.py``, on CPU ranks (gloo), launched by Lightning's own
 launcher (it re-runs this command for rank 1). The model, data and schedule are
-``tests/lightning_job.py``'s (dropout, noise from three random streams, SGD with momentum,
+``tests/jobs/lightning_job.py``'s (dropout, noise from three random streams, SGD with momentum,
 StepLR), its layers sharded:
 
 * ``kill --dir D``: 2 ranks train with a checkpoint every 3 steps; at step 10, once the step-9
@@ -32,11 +32,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 if __package__ in (None, ""):  # run as a script: make `lightning_incremental` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_incremental import IncrementalCheckpoint
 from lightning_incremental.core import CheckpointStore
-from tests.lightning_job import TinyModel
+from tests.jobs.lightning_job import TinyModel
 
 KILLED = 17
 
@@ -126,7 +126,7 @@ def fit(
 def _fsdp(root: Path, out: Path) -> None:
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from tests.lightning_job import Crash, Interrupted
+    from tests.jobs.lightning_job import Crash, Interrupted
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # for deterministic=True
 

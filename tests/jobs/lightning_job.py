@@ -3,11 +3,11 @@
 Importable (the model, its data, the interrupting callbacks, ``fit``) and runnable as a script for
 the runs that need their own processes:
 
-* ``python tests/lightning_job.py single --dir D --out O [--kill-at N]``: one CPU process; with
+* ``python tests/jobs/lightning_job.py single --dir D --out O [--kill-at N]``: one CPU process; with
   ``--kill-at`` the process SIGKILLs itself at step N once the newest scheduled checkpoint has
   committed. Without it, the run resumes from ``D/run`` (if there is a checkpoint), finishes, runs
   an uninterrupted reference in ``D/ref`` and writes ``O/result.json``.
-* ``python tests/lightning_job.py ddp --dir D --out O``: DDP with 2 CPU ranks (gloo), launched by
+* ``python tests/jobs/lightning_job.py ddp --dir D --out O``: DDP with 2 CPU ranks (gloo), launched by
   Lightning's own launcher (it re-runs this command for rank 1). In one launch: an uninterrupted
   reference, a run interrupted mid-epoch and resumed, runs interrupted after an epoch-boundary
   checkpoint and resumed (epoch- and step-limited); every rank writes its final weights to
@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 if __package__ in (None, ""):  # run as a script: make `lightning_incremental` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_incremental import IncrementalCheckpoint
 

@@ -1,8 +1,8 @@
 """IncrementalCheckpoint on real Trainers: exact resume, schedules, exceptions, figures, CLI.
 
 Every exactness test compares an interrupted-then-restarted run, bit for bit, with an
-uninterrupted run of the same configuration (``tests/jobs/lightning_job.py`` holds the model: dropout,
-noise drawn from torch, numpy and Python at every read, SGD with momentum, a StepLR schedule,
+uninterrupted run of the same configuration (``tests/jobs/lightning_job.py`` holds the model:
+dropout, noise drawn from torch, numpy and Python at every read, SGD with momentum, a StepLR schedule,
 validation every 4 batches, 8 batches per epoch, 3 epochs).
 """
 

@@ -2,8 +2,8 @@
 
 Every exactness test compares an interrupted-then-restarted run, bit for bit, with an
 uninterrupted run of the same configuration (``tests/jobs/lightning_job.py`` holds the model:
-dropout, noise drawn from torch, numpy and Python at every read, SGD with momentum, a StepLR schedule,
-validation every 4 batches, 8 batches per epoch, 3 epochs).
+dropout, noise drawn from torch, numpy and Python at every read, SGD with momentum, a StepLR
+schedule, validation every 4 batches, 8 batches per epoch, 3 epochs).
 """
 
 from __future__ import annotations

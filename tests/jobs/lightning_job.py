@@ -7,9 +7,9 @@ the runs that need their own processes:
   ``--kill-at`` the process SIGKILLs itself at step N once the newest scheduled checkpoint has
   committed. Without it, the run resumes from ``D/run`` (if there is a checkpoint), finishes, runs
   an uninterrupted reference in ``D/ref`` and writes ``O/result.json``.
-* ``python tests/jobs/lightning_job.py ddp --dir D --out O``: DDP with 2 CPU ranks (gloo),
-  launched by Lightning's own launcher (it re-runs this command for rank 1). In one launch: an
-  uninterrupted reference, a run interrupted mid-epoch and resumed, runs interrupted after an epoch-boundary
+* ``python tests/jobs/lightning_job.py ddp --dir D --out O``: DDP with 2 CPU ranks (gloo), launched
+  by Lightning's own launcher (it re-runs this command for rank 1). In one launch: an uninterrupted
+  reference, a run interrupted mid-epoch and resumed, runs interrupted after an epoch-boundary
   checkpoint and resumed (epoch- and step-limited); every rank writes its final weights to
   ``O/<run>_rank<r>.pt``.
 """

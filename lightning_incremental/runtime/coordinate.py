@@ -46,6 +46,23 @@ class CoordinatorError(CheckpointError, RuntimeError):
         return (type(self), (self.rank, self.what, self.cause))
 
 
+class CoordinatorFileNotFoundError(CoordinatorError, FileNotFoundError):
+    """:class:`CoordinatorError` for a coordinator's ``FileNotFoundError``: also a
+    ``FileNotFoundError``, as a framework's loader raises on every rank for a missing file (code
+    that catches it keeps working on every rank)."""
+
+
+#: The coordinator's error type name → the type the other ranks raise, where callers are known
+#: to catch by type (a missing checkpoint file).
+_MIRRORED: dict[str, type[CoordinatorError]] = {"FileNotFoundError": CoordinatorFileNotFoundError}
+
+
+def error_for(rank: int, what: str, cause: str) -> CoordinatorError:
+    """The error other ranks raise for the coordinator's ``cause`` (``"TypeName: message"``)."""
+    kind = _MIRRORED.get(cause.partition(":")[0], CoordinatorError)
+    return kind(rank, what, cause)
+
+
 def describe(error: BaseException | None) -> str | None:
     """``"TypeName: message"`` (None for None): an error as text that any rank can read."""
     return None if error is None else f"{type(error).__name__}: {error}"
@@ -83,7 +100,8 @@ class Outcome(Generic[T]):
 
         Raises:
             Exception: this rank's own error, where it ran the action.
-            CoordinatorError: the action failed on the coordinator.
+            CoordinatorError: the action failed on the coordinator (also a ``FileNotFoundError``
+            where the coordinator's was one).
         """
         if self.ran:
             if self.error is not None:
@@ -91,7 +109,7 @@ class Outcome(Generic[T]):
             return self.value  # type: ignore[return-value]  # None only where T allows it
         value, cause = message
         if cause is not None:
-            raise CoordinatorError(coordinator, what, cause)
+            raise error_for(coordinator, what, cause)
         shared: T = value
         return shared
 

@@ -80,6 +80,25 @@ def test_the_coordinator_raises_its_own_error_the_others_a_coordinator_error() -
     )
 
 
+def test_a_missing_file_is_a_file_not_found_error_on_every_rank() -> None:
+    """Code that catches ``FileNotFoundError`` around a framework's load (as Lightning's
+    ``TorchCheckpointIO`` raises on every rank) keeps working on the other ranks."""
+
+    def act() -> int:
+        raise FileNotFoundError("Checkpoint file not found: /runs/missing.ckpt")
+
+    _, _, received = _two_ranks(act, "load /runs/missing.ckpt")
+    assert isinstance(received, FileNotFoundError) and isinstance(received, CoordinatorError)
+    assert str(received) == (
+        "rank 0 could not load /runs/missing.ckpt: FileNotFoundError: Checkpoint file not "
+        "found: /runs/missing.ckpt"
+    )
+    copy = pickle.loads(pickle.dumps(received))
+    assert type(copy) is type(received) and str(copy) == str(received)
+    _, _, other = _two_ranks(lambda: 1 / 0, "load x")
+    assert not isinstance(other, FileNotFoundError)
+
+
 def test_a_coordinator_error_pickles() -> None:
     error = CoordinatorError(2, "load step 5", "CorruptCheckpointError: bad hash")
     copy = pickle.loads(pickle.dumps(error))

@@ -1,7 +1,7 @@
 """Maintenance on stored checkpoints: verification and the sweep of unreferenced objects.
 
-Functions of a storage and manifests, so the store's methods stay short and the logic can be
-read (and tested) in one place.
+Functions of a storage and manifests (and, for :func:`verify_step`, the store's history), so
+the store's methods stay short and the logic can be read (and tested) in one place.
 """
 
 from __future__ import annotations

@@ -48,6 +48,8 @@ from lightning_incremental.core.storage import Storage
 
 if TYPE_CHECKING:
     from lightning_incremental.core.format import Manifest
+    from lightning_incremental.core.history import History
+    from lightning_incremental.core.lease import Lease
 
 log = logging.getLogger("lightning_incremental")
 
@@ -273,3 +275,29 @@ class Fencing:
             step,
             mf.QUARANTINE_DIR,
         )
+
+
+class Generation:
+    """The fencing generation one writer commits as: the one given or claimed, else the newest
+    claimed in storage (0 when none was), fixed at first use."""
+
+    def __init__(self, storage: Storage, given: int | None) -> None:
+        self.storage = storage
+        self._value = given  # None: joins the newest claim
+
+    @property
+    def value(self) -> int:
+        if self._value is None:
+            fence = newest(self.storage)
+            self._value = fence.generation if fence is not None else 0
+        return self._value
+
+    def claim(self, minimum: int, fencing: Fencing, lease: Lease, history: History) -> int:
+        """Claim a new generation for this writer (see :meth:`Fencing.claim`): take the writer
+        lease, claim, and record the new generation in the lease. The caller holds the store's
+        write lock and the history's lock."""
+        lease.acquire(self.value, claiming=True)
+        history.write_marker()
+        self._value = fencing.claim(minimum, history.steps)
+        lease.acquire(self._value)  # the record names the new generation
+        return self._value

@@ -1,7 +1,7 @@
 """Maintenance on stored checkpoints: verification and the sweep of unreferenced objects.
 
-Functions of a storage and manifests, so the store's methods stay short and the logic can be
-read (and tested) in one place.
+Functions of a storage and manifests (and, for :func:`verify_step`, the store's history), so
+the store's methods stay short and the logic can be read (and tested) in one place.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import numpy as np
 from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.codecs import chunk_hash
 from lightning_incremental.core.decoder import decode_chunk
-from lightning_incremental.core.errors import CorruptCheckpointError
+from lightning_incremental.core.errors import CheckpointError, CorruptCheckpointError
 from lightning_incremental.core.format import Manifest
+from lightning_incremental.core.history import History
 from lightning_incremental.core.results import ObjectCheck, VerifyReport
 from lightning_incremental.core.storage import TMP_PREFIX, Storage
 
@@ -59,6 +60,27 @@ def verify_manifest(
         except CorruptCheckpointError as exc:
             report.errors.append(str(exc))
         report.chunks_checked += 1
+    return report
+
+
+def verify_step(storage: Storage, history: History, step: int | None) -> VerifyReport:
+    """Verify one committed checkpoint (default: the newest) with :func:`verify_manifest`; a
+    damaged one is recorded in ``history`` (quarantine, fallback).
+
+    Raises:
+        CheckpointNotFoundError: empty store or missing step.
+    """
+    step = history.resolve(step)
+    report = VerifyReport(step=step)
+    try:
+        doc = history.read(step)
+    except CheckpointError as exc:
+        report.errors.append(str(exc))
+    else:
+        report.lossy = doc.lossy_tensors
+        verify_manifest(storage, doc, report, f"step {step} of {storage.url}")
+    if not report.ok:
+        history.saw_damage(step)
     return report
 
 

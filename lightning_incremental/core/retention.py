@@ -11,6 +11,10 @@ Rules, in order:
 3. Delete the manifests first, then every object that no kept manifest (nor the next save's
    parent) names and that is older than the grace period. Objects or manifests that vanish
    while this runs (another process collecting the same store) are skipped, not errors.
+
+:class:`Maintainer` runs ``gc``, ``delete`` and ``compact`` (which rewrites the newest
+checkpoint as a full base, so the ones before it can be removed) under the store's locks and
+writer lease.
 """
 
 from __future__ import annotations
@@ -18,21 +22,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from lightning_incremental.core import manifest as mf
-from lightning_incremental.core.delta_base import DeltaBase
+from lightning_incremental.core.commit import Committer, rewrite_as_base, save_result
+from lightning_incremental.core.delta_base import DeltaBase, Parent
 from lightning_incremental.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
 )
-from lightning_incremental.core.fencing import Fencing
+from lightning_incremental.core.fencing import Fencing, Generation
 from lightning_incremental.core.format import Manifest
 from lightning_incremental.core.history import History, check_step_type
+from lightning_incremental.core.lease import Lease
 from lightning_incremental.core.maintenance import damaged_objects, sweep, verify_manifest
 from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
 from lightning_incremental.core.storage import Storage
@@ -228,3 +236,60 @@ class KeepLast:
             log.warning(message)
             return dataclasses.replace(result, warnings=(*result.warnings, message))
         return result
+
+
+class Maintainer:
+    """``gc``, ``delete`` and ``compact`` of one store. Each holds the store's write lock (a
+    save never references what is being removed or rewritten) and the history's lock, and the
+    writer lease where it may remove what a running save is about to reference. The caller has
+    waited for its pending saves."""
+
+    def __init__(
+        self,
+        committer: Committer,
+        pool: Executor,
+        collector: Collector,
+        *,
+        lease: Lease,
+        history: History,
+        base: DeltaBase,
+        generation: Generation,
+        lock: threading.RLock,
+    ) -> None:
+        self.committer, self.pool, self.collector = committer, pool, collector
+        self.lease, self.history, self.base = lease, history, base
+        self.generation, self.lock = generation, lock
+
+    def gc(self, plan: Plan) -> GcReport:
+        with self.lock, self.history.lock:
+            if plan.grace_s == 0 and not plan.dry_run:
+                # Without a grace period gc may remove what a running save is about to
+                # reference: only the writer may do that.
+                self.lease.acquire(self.generation.value)
+            return self.collector.run(plan)
+
+    def delete(self, step: int) -> GcReport:
+        with self.lock, self.history.lock:
+            target = self.history.resolve(step)
+            self.lease.acquire(self.generation.value)
+            return self.collector.run(Plan(None, (), (target,), 0.0, False, thorough=False))
+
+    def compact(self) -> SaveResult | None:
+        """Rewrite the newest checkpoint as a full base (:func:`~.commit.rewrite_as_base`), and
+        make it the next save's delta base; None when it already is one."""
+        with self.lock, self.history.lock:
+            step = self.history.resolve(None)
+            self.lease.acquire(self.generation.value)
+            started = time.perf_counter()
+            done = rewrite_as_base(self.committer, self.pool, step)
+            if done is None:
+                return None
+            committed, part, leaves, before = done
+            if committed.manifest.sharded:  # the ranks' pieces: bases read from storage
+                self.base.set(Parent(step, committed.manifest), [x.data for x in leaves])
+            else:
+                self.base.committed(committed.manifest, leaves, part.tensors)
+            result = save_result(
+                [part], committed, previous=before, snapshot_s=0.0, wait_s=0.0, total_s=0.0
+            )
+            return dataclasses.replace(result, total_s=time.perf_counter() - started)

@@ -1,47 +1,36 @@
 """CheckpointStore: the engine's public entry point, a facade over the parts that own the work.
 
-- :mod:`.save_queue`: the background saver, back-pressure and save handles;
-- :mod:`.commit`: write a part's objects, then commit the one manifest (fenced);
-- :mod:`.delta_base`: what the next save is encoded against;
-- :mod:`.history`: committed steps, quarantine, trusted objects;
-- :mod:`.retention`: gc, and the ``keep_last`` policy run after each commit;
-- :mod:`.loader`: restore with fallback.
+Its methods check their arguments and delegate to the parts :func:`.engine.assemble` wires
+together: :mod:`.saving` (the body of a save, local or distributed), :mod:`.loader` (restore
+with fallback), :mod:`.history`, :mod:`.fencing` (generations), :mod:`.maintenance` (``verify``)
+and :class:`.retention.Maintainer` (``compact``, ``gc``, ``delete``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
-from lightning_incremental.core import fencing, inflight
+from lightning_incremental.core import inflight
 from lightning_incremental.core import manifest as mf
-from lightning_incremental.core.collective import Alone, GlooGroup, Group
-from lightning_incremental.core.commit import Committer, Part, rewrite_as_base, save_result
 from lightning_incremental.core.config import StoreConfig
-from lightning_incremental.core.delta_base import DeltaBase, Parent
+from lightning_incremental.core.engine import assemble
 from lightning_incremental.core.errors import CheckpointError, ConfigError
 from lightning_incremental.core.format import Manifest
-from lightning_incremental.core.history import History, check_step_type, read_manifest
-from lightning_incremental.core.lease import Lease
-from lightning_incremental.core.loader import Loaded, Loader, Selection
-from lightning_incremental.core.maintenance import verify_manifest
+from lightning_incremental.core.history import check_step_type
+from lightning_incremental.core.loader import Selection
+from lightning_incremental.core.maintenance import verify_step
 from lightning_incremental.core.materialise import MapLocation
 from lightning_incremental.core.restore import check_keys
 from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
-from lightning_incremental.core.retention import Collector, KeepLast, Plan
-from lightning_incremental.core.save_queue import SaveHandle, SaveQueue, drain_at_exit
-from lightning_incremental.core.sharded import commit_sharded, rank_result
+from lightning_incremental.core.retention import Plan
+from lightning_incremental.core.save_queue import SaveHandle, drain_at_exit
 from lightning_incremental.core.storage import LocalStorage, Storage, open_storage
-from lightning_incremental.core.tree import Flat, Leaf, flatten_state
-from lightning_incremental.core.workers import WorkerPool
 
 log = logging.getLogger("lightning_incremental")
 
@@ -96,48 +85,20 @@ class CheckpointStore:
         if not isinstance(distributed, bool):
             raise ConfigError(f"distributed must be True or False, got {distributed!r}")
         self.distributed = distributed
-        self._group: Group = GlooGroup(collective_timeout_s) if distributed else Alone()
-        if self.config.optimizer_state != "exact":
-            log.warning(
-                "store %s keeps optimizer moments as %s (optimizer_state=%r): fewer bytes, but a "
-                "resume from its checkpoints is not bit-exact",
-                self.url,
-                self.config.optimizer_state,
-                self.config.optimizer_state,
-            )
-        # Held while a save writes and commits, and while gc or compact deletes or rewrites:
-        # objects a save is about to reference are never swept from under it.
-        self._write_lock = threading.RLock()
-        # Threads exist only while there is work (they end after a short idle time).
-        self._pool = WorkerPool(self.config.workers, "li-worker")
-        self._queue = SaveQueue(self.config.max_in_flight)
-        self._initialised = False
         self._closed = False
         self.loaded_step: int | None = None  # the step the latest successful load returned
-        self._generation: int | None = self.config.generation  # None: joins the newest claim
-        # A function of the storage, not a bound method: no reference cycle, so a store dropped
-        # without close() is collected at once and its executors' threads end.
-        self._fencing = fencing.Fencing(
-            self.storage, functools.partial(read_manifest, self.storage)
-        )
-        self._history = History(self.storage, self._fencing)
-        self._base = DeltaBase(self.config)
-        # One writing process per store (lease.py); released on close, or when this store is
-        # dropped without close (the finalizer holds the lease, not the store).
-        self._lease = Lease(self.storage, self.config.lease_ttl_s)
-        weakref.finalize(self, self._lease.release)
-        self._committer = Committer(
+        self._engine = engine = assemble(
             self.storage,
             self.config,
-            self._pool,
-            fencing=self._fencing,
-            lease=self._lease,
-            history=self._history,
-            base=self._base,
+            distributed=distributed,
+            collective_timeout_s=collective_timeout_s,
         )
-        self._collector = Collector(self.storage, self._fencing, self._history, self._base)
-        self._retention = KeepLast(self.config.keep_last, self._collector, self._write_lock)
-        self._loader = Loader(self.storage, self.config, self._pool, self._history)
+        # Released on close, or when this store is dropped without close (the finalizer holds
+        # the lease, not the store).
+        weakref.finalize(self, engine.lease.release)
+        self._group, self._queue, self._pool = engine.group, engine.queue, engine.pool
+        self._history, self._lease, self._fencing = engine.history, engine.lease, engine.fencing
+        self._committer, self._retention = engine.committer, engine.retention
         drain_at_exit(self)
 
     # ------------------------------------------------------------------ saving
@@ -193,39 +154,7 @@ class CheckpointStore:
         if self.distributed and world_size == 1:
             world_size = self._group.world
         audit = mf.audit_record(mf.plain_json(metadata, "metadata"), world_size)
-        with self._history.lock:
-            self._initialise()
-            self._history.check_step(step)
-            self._history.last_step = step
-        reserved = False
-        try:
-            self._queue.reserve()
-            reserved = True
-            waited = time.perf_counter() - started
-            self._queue.raise_undelivered()  # an earlier save may have failed while we waited
-            flat = flatten_state(
-                state,
-                allow_pickle=self.config.allow_pickle,
-                pool=self._base.pool,
-                rank=self._group.rank if self.distributed else None,
-            )
-        except BaseException:
-            if reserved:
-                self._queue.cancel()
-            self._history.rewind(self._queue.pending(exclude=step))
-            raise
-        snapshot_s = time.perf_counter() - started
-
-        def run() -> SaveResult:
-            if self.distributed or flat.sharded:
-                return self._run_sharded_save(step, flat, audit, started, snapshot_s, waited)
-            return self._run_save(
-                step, flat.leaves, flat.skeleton, flat.pickled, audit, started, snapshot_s, waited
-            )
-
-        handle = self._queue.submit(step, run)
-        inflight.track(self.url, handle._done)  # loads in this process wait for it
-        return handle
+        return self._engine.saver.submit(state, step, audit, started)
 
     def wait(self) -> list[SaveResult]:
         """Wait for every pending save; returns their results, oldest first.
@@ -234,111 +163,6 @@ class CheckpointStore:
             Exception: the first error of a pending save that was not delivered yet.
         """
         return self._queue.wait()
-
-    def _run_save(
-        self,
-        step: int,
-        leaves: list[Leaf],
-        tree: Any,
-        pickled: list[str],
-        audit: dict[str, Any],
-        started: float,
-        snapshot_s: float,
-        waited: float,
-    ) -> SaveResult:
-        try:
-            with self._write_lock:
-                self._lease.acquire(self.generation)  # one writer per store
-                self._history.write_marker()
-                previous = self._base.parent
-                part: Part = self._committer.write_part(step, leaves)
-                if part.parent != (previous.step if previous else None):
-                    previous = self._base.parent  # rebuilt on what is committed now
-                committed = self._committer.commit(
-                    step, [part], generation=self.generation, audit=audit, tree=tree,
-                    pickled=pickled,
-                )  # fmt: skip
-                self._base.committed(committed.manifest, leaves)  # the next save's base
-        except BaseException as exc:  # delivered through the handle, the next save and close
-            self._base.release(leaves, step)
-            self._history.rewind(self._queue.pending(exclude=step))
-            log.error("checkpoint step %d failed: %s", step, exc)
-            raise
-        result = save_result(
-            [part],
-            committed,
-            previous=previous.manifest if previous else None,
-            snapshot_s=snapshot_s,
-            wait_s=waited,
-            total_s=time.perf_counter() - started,
-        )
-        log.info(
-            "checkpoint step %d committed: %d of %d bytes written (%.1fx), %.3fs blocked",
-            step,
-            result.bytes_written,
-            result.bytes_logical,
-            result.ratio,
-            snapshot_s,
-        )
-        return self._retention.after_commit(result)
-
-    def _run_sharded_save(
-        self,
-        step: int,
-        flat: Flat,
-        audit: dict[str, Any],
-        started: float,
-        snapshot_s: float,
-        waited: float,
-    ) -> SaveResult:
-        """One rank's side of a sharded save (:mod:`~lightning_incremental.core.sharded`)."""
-        coordinator = self._group.rank == 0
-
-        def write() -> Part:
-            with self._write_lock:
-                if coordinator:
-                    self._lease.acquire(self.generation)  # one writer per store: rank 0
-                    self._history.write_marker()
-                return self._committer.write_part(step, flat.leaves)
-
-        try:
-            part, manifest, committed = commit_sharded(
-                self._group,
-                self._committer,
-                step,
-                flat,
-                write,
-                generation=self.generation,
-                audit=audit,
-            )
-            with self._history.lock:
-                self._history.committed = step
-                self._history.trust(manifest.packs)
-            self._base.committed(manifest, flat.leaves, part.tensors)  # this rank's next base
-        except BaseException as exc:
-            self._base.release(flat.leaves, step)
-            self._history.rewind(self._queue.pending(exclude=step))
-            # The ranks may have built on different parents: all start again from storage.
-            newest = self._history.newest_readable()
-            self._base.set(Parent(newest.step, newest) if newest is not None else None)
-            log.error("checkpoint step %d failed on rank %d: %s", step, self._group.rank, exc)
-            raise
-        result = rank_result(
-            part,
-            committed,
-            snapshot_s=snapshot_s,
-            wait_s=waited,
-            total_s=time.perf_counter() - started,
-        )
-        log.info(
-            "checkpoint step %d committed: rank %d wrote %d of its %d bytes, %.3fs blocked",
-            step,
-            self._group.rank,
-            result.bytes_written,
-            result.bytes_logical,
-            snapshot_s,
-        )
-        return self._retention.after_commit(result) if coordinator else result
 
     # ------------------------------------------------------------------ history
 
@@ -351,10 +175,7 @@ class CheckpointStore:
     def generation(self) -> int:
         """The fencing generation this store writes as: the one given or claimed, else the
         newest claimed in storage (0 when none was), fixed at first use."""
-        if self._generation is None:
-            fence = fencing.newest(self.storage)
-            self._generation = fence.generation if fence is not None else 0
-        return self._generation
+        return self._engine.generation.value
 
     def claim_generation(self, minimum: int = 0) -> int:
         """Claim a new fencing generation for this writer: at least ``minimum`` (e.g. the
@@ -375,12 +196,7 @@ class CheckpointStore:
             raise ConfigError(f"minimum must be an int >= 0, got {minimum!r}")
         self._check_open()
         self.wait()
-        with self._write_lock, self._history.lock:
-            self._lease.acquire(self.generation, claiming=True)
-            self._history.write_marker()
-            self._generation = self._fencing.claim(minimum, self.steps)
-            self._lease.acquire(self._generation)  # the record names the new generation
-            return self._generation
+        return self._engine.claim(minimum)
 
     # ------------------------------------------------------------------ loading
 
@@ -439,25 +255,10 @@ class CheckpointStore:
         inflight.wait(self.url)
         self._check_open()
         selection = Selection(check_keys(keys), into, strict_into)
-        loaded = self._loader.load(step, map_location, selection, strict)
-        if loaded.whole:  # every chunk verified: trusted, and a base the next save may build on
-            self._history.trust(loaded.manifest.packs)
-            self._adopt(loaded)
+        loaded = self._engine.loader.load(step, map_location, selection, strict)
+        self._engine.saver.adopt(loaded)
         self.loaded_step = loaded.step
         return loaded.state
-
-    def _adopt(self, loaded: Loaded) -> None:
-        """When the restored step is what the next save builds on (the newest committed one, no
-        save pending), tell the delta base: a resumed job writes deltas from its first save
-        on, their bases read from storage (``xor_base_from_storage``), not kept in memory."""
-        with self._history.lock:
-            if self._queue.pending():
-                return
-            self._initialise()
-            if self._history.committed_last() != loaded.step:
-                return
-            self._base.adopt(loaded.step, loaded.manifest)
-            self._history.committed = loaded.step
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The validated manifest of a committed checkpoint (default: the newest): its tensors,
@@ -481,18 +282,7 @@ class CheckpointStore:
             CheckpointNotFoundError: empty store or missing step.
         """
         self._check_open()
-        step = self._history.resolve(step)
-        report = VerifyReport(step=step)
-        try:
-            doc = self._history.read(step)
-        except CheckpointError as exc:
-            report.errors.append(str(exc))
-        else:
-            report.lossy = doc.lossy_tensors
-            verify_manifest(self.storage, doc, report, f"step {step} of {self.url}")
-        if not report.ok:
-            self._history.saw_damage(step)
-        return report
+        return verify_step(self.storage, self._history, step)
 
     def compact(self) -> SaveResult | None:
         """Rewrite the newest checkpoint as a full base (no chunk depends on a delta), so the
@@ -516,22 +306,7 @@ class CheckpointStore:
                 "checkpoint as it was before"
             )
         self.wait()
-        with self._write_lock, self._history.lock:
-            step = self._history.resolve(None)
-            self._lease.acquire(self.generation)
-            started = time.perf_counter()
-            done = rewrite_as_base(self._committer, self._pool, step)
-            if done is None:
-                return None
-            committed, part, leaves, before = done
-            if committed.manifest.sharded:  # the ranks' pieces: bases read from storage
-                self._base.set(Parent(step, committed.manifest), [x.data for x in leaves])
-            else:
-                self._base.committed(committed.manifest, leaves, part.tensors)
-            result = save_result(
-                [part], committed, previous=before, snapshot_s=0.0, wait_s=0.0, total_s=0.0
-            )
-            return dataclasses.replace(result, total_s=time.perf_counter() - started)
+        return self._engine.maintainer.compact()
 
     def gc(
         self,
@@ -557,12 +332,7 @@ class CheckpointStore:
         """
         plan = Plan.for_gc(keep_last, keep, grace_s, dry_run)
         self.wait()
-        with self._write_lock, self._history.lock:
-            if plan.grace_s == 0 and not dry_run:
-                # Without a grace period gc may remove what a running save is about to
-                # reference: only the writer may do that.
-                self._lease.acquire(self.generation)
-            return self._collector.run(plan)
+        return self._engine.maintainer.gc(plan)
 
     def delete(self, step: int) -> GcReport:
         """Delete one committed checkpoint, then every object no remaining checkpoint needs.
@@ -573,11 +343,8 @@ class CheckpointStore:
         """
         check_step_type(step)
         self.wait()
-        with self._write_lock, self._history.lock:
-            self._check_open()
-            target = self._history.resolve(step)
-            self._lease.acquire(self.generation)
-            return self._collector.run(Plan(None, (), (target,), 0.0, False, thorough=False))
+        self._check_open()
+        return self._engine.maintainer.delete(step)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -590,12 +357,7 @@ class CheckpointStore:
             self.wait()
         finally:
             self._closed = True
-            self._queue.shutdown()
-            self._pool.shutdown(wait=True)
-            self._base.clear()
-            self._lease.release()
-            if isinstance(self._group, GlooGroup):
-                self._group.close()
+            self._engine.shutdown()
 
     def __enter__(self) -> CheckpointStore:
         return self
@@ -620,15 +382,3 @@ class CheckpointStore:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"{self!r} is closed; open a new CheckpointStore")
-
-    def _initialise(self) -> None:
-        """On first use: the newest committed checkpoint becomes the parent of the next save."""
-        if self._initialised:
-            return
-        steps = self.steps()
-        _ = self.generation  # fixed now: a later claim fences this writer off
-        self._history.last_step = steps[-1] if steps else None
-        newest = self._history.newest_readable(steps)
-        self._base.set(Parent(newest.step, newest) if newest is not None else None)
-        self._history.committed = newest.step if newest is not None else None
-        self._initialised = True

@@ -55,6 +55,17 @@ def test_claims_grow_and_respect_the_minimum(store_url: str) -> None:
         assert other.claim_generation() == 7
 
 
+def test_a_writer_generation_is_fixed_at_first_use() -> None:
+    storage = open_storage("memory://gen-fixed-at-first-use", None)
+    assert fencing.Generation(storage, 3).value == 3  # given: storage is not read
+    joined = fencing.Generation(storage, None)
+    storage.put(fencing.fence_path(4), fencing.record(4, [], 0))
+    assert joined.value == 4  # the newest claim, read at first use
+    storage.put(fencing.fence_path(9), fencing.record(9, [], 0))
+    assert joined.value == 4  # a later claim by another writer does not change it
+    assert fencing.Generation(storage, None).value == 9
+
+
 def test_a_fenced_off_writer_cannot_commit(store_url: str) -> None:
     old = small_store(store_url)
     assert old.claim_generation() == 0

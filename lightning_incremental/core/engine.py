@@ -1,0 +1,139 @@
+"""The parts of one store, built and wired together: what ``CheckpointStore`` delegates to.
+
+None of them refers back to the store, so a store dropped without ``close`` is collected at
+once (its finalizer releases the writer lease, and its executors' threads end).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from dataclasses import dataclass
+
+from lightning_incremental.core import fencing
+from lightning_incremental.core.collective import Alone, GlooGroup, Group
+from lightning_incremental.core.commit import Committer
+from lightning_incremental.core.config import StoreConfig
+from lightning_incremental.core.delta_base import DeltaBase
+from lightning_incremental.core.history import History, read_manifest
+from lightning_incremental.core.lease import Lease
+from lightning_incremental.core.loader import Loader
+from lightning_incremental.core.retention import Collector, KeepLast, Maintainer
+from lightning_incremental.core.save_queue import SaveQueue
+from lightning_incremental.core.saving import Saver
+from lightning_incremental.core.storage import Storage
+from lightning_incremental.core.workers import WorkerPool
+
+log = logging.getLogger("lightning_incremental")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One store's parts. ``lock`` is held while a save writes and commits, and while gc or
+    compact deletes or rewrites: objects a save is about to reference are never swept from
+    under it."""
+
+    group: Group
+    lock: threading.RLock
+    pool: WorkerPool
+    queue: SaveQueue
+    generation: fencing.Generation
+    fencing: fencing.Fencing
+    history: History
+    base: DeltaBase
+    lease: Lease
+    committer: Committer
+    collector: Collector
+    retention: KeepLast
+    loader: Loader
+    saver: Saver
+    maintainer: Maintainer
+
+    def claim(self, minimum: int) -> int:
+        """Claim a new fencing generation (:meth:`.fencing.Generation.claim`)."""
+        with self.lock, self.history.lock:
+            return self.generation.claim(minimum, self.fencing, self.lease, self.history)
+
+    def shutdown(self) -> None:
+        """Stop the background threads, drop the delta base, release the lease and the group
+        (after the pending saves were waited for)."""
+        self.queue.shutdown()
+        self.pool.shutdown(wait=True)
+        self.base.clear()
+        self.lease.release()
+        if isinstance(self.group, GlooGroup):
+            self.group.close()
+
+
+def assemble(
+    storage: Storage, config: StoreConfig, *, distributed: bool, collective_timeout_s: float
+) -> Engine:
+    """Build the parts of a store over ``storage`` (with ``distributed``: its own gloo group,
+    a collective every rank enters)."""
+    group: Group = GlooGroup(collective_timeout_s) if distributed else Alone()
+    if config.optimizer_state != "exact":
+        log.warning(
+            "store %s keeps optimizer moments as %s (optimizer_state=%r): fewer bytes, but a "
+            "resume from its checkpoints is not bit-exact",
+            storage.url,
+            config.optimizer_state,
+            config.optimizer_state,
+        )
+    lock = threading.RLock()
+    # Threads exist only while there is work (they end after a short idle time).
+    pool = WorkerPool(config.workers, "li-worker")
+    queue = SaveQueue(config.max_in_flight)
+    generation = fencing.Generation(storage, config.generation)
+    # A function of the storage, not a bound method: no reference cycle.
+    fence = fencing.Fencing(storage, functools.partial(read_manifest, storage))
+    history = History(storage, fence)
+    base = DeltaBase(config)
+    # One writing process per store (lease.py).
+    lease = Lease(storage, config.lease_ttl_s)
+    committer = Committer(
+        storage, config, pool, fencing=fence, lease=lease, history=history, base=base
+    )
+    collector = Collector(storage, fence, history, base)
+    retention = KeepLast(config.keep_last, collector, lock)
+    saver = Saver(
+        storage,
+        config,
+        group=group,
+        distributed=distributed,
+        queue=queue,
+        committer=committer,
+        lease=lease,
+        history=history,
+        base=base,
+        retention=retention,
+        generation=generation,
+        lock=lock,
+    )
+    maintainer = Maintainer(
+        committer,
+        pool,
+        collector,
+        lease=lease,
+        history=history,
+        base=base,
+        generation=generation,
+        lock=lock,
+    )
+    return Engine(
+        group=group,
+        lock=lock,
+        pool=pool,
+        queue=queue,
+        generation=generation,
+        fencing=fence,
+        history=history,
+        base=base,
+        lease=lease,
+        committer=committer,
+        collector=collector,
+        retention=retention,
+        loader=Loader(storage, config, pool, history),
+        saver=saver,
+        maintainer=maintainer,
+    )

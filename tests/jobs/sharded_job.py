@@ -225,7 +225,7 @@ def fsdp1_train(args: argparse.Namespace) -> None:
     fresh, fresh_opt = build_fsdp1()
     with CheckpointStore(args.fsdp1) as store:
         assert restore(store, fresh, fresh_opt) == 3
-    _same(local_shards(sharded_state(fresh, fresh_opt)), expect)
+    same(local_shards(sharded_state(fresh, fresh_opt)), expect)
     torch.save(expect, Path(args.out) / f"fsdp1_rank{dist.get_rank()}.pt")
 
 
@@ -239,16 +239,16 @@ def fsdp1_load(args: argparse.Namespace) -> None:
     torch.save(shards, Path(args.out) / f"fsdp1_load{dist.get_rank()}.pt")
 
 
-def _same(a: Any, b: Any, path: str = "") -> None:
+def same(a: Any, b: Any, path: str = "") -> None:
     """Bit-identical nested states."""
     if isinstance(a, dict):
         assert isinstance(b, dict) and a.keys() == b.keys(), path
         for key in a:
-            _same(a[key], b[key], f"{path}/{key}")
+            same(a[key], b[key], f"{path}/{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{path}/{i}")
+            same(x, y, f"{path}/{i}")
     elif isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path

@@ -22,6 +22,7 @@ import torch
 
 from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core import manifest as mf
+from tests.jobs.sharded_job import same
 
 pytestmark = pytest.mark.slow
 
@@ -78,22 +79,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"work": work}
 
 
-def _same(a: Any, b: Any, path: str = "") -> None:
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), path
-        for key in a:
-            _same(a[key], b[key], f"{path}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{path}/{i}")
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
-    else:
-        assert a == b, (path, a, b)
-
-
 def _final(runs: dict[str, Path], name: str) -> Any:
     return torch.load(runs["work"] / name / "final.pt", weights_only=False)
 
@@ -115,7 +100,7 @@ def test_every_rank_writes_its_own_pieces(runs):
 
 def test_load_on_one_process_gives_full_tensors(runs):
     state = CheckpointStore(runs["work"] / "clean_store").load(8)
-    _same(state, _final(runs, "clean"))
+    same(state, _final(runs, "clean"))
 
 
 def test_resharded_load_2_to_4_ranks_uneven(runs):
@@ -133,10 +118,10 @@ def test_rank_lost_before_the_commit_never_makes_the_step_visible(runs):
 
 
 def test_killed_ranks_resume_to_a_bit_identical_end(runs):
-    _same(_final(runs, "faults"), _final(runs, "clean"))
+    same(_final(runs, "faults"), _final(runs, "clean"))
     store = CheckpointStore(runs["work"] / "faults_store")
     assert store.steps() == [2, 4, 6, 8]
-    _same(store.load(8), _final(runs, "clean"))
+    same(store.load(8), _final(runs, "clean"))
     assert mf.manifest_path(8).startswith(mf.MANIFEST_DIR)
 
 
@@ -151,7 +136,7 @@ def test_dcp_export_reads_back_equal(runs, tmp_path):
     )
     assert rc == 0
     dcp_to_torch_save(out, tmp_path / "back.pt")
-    _same(torch.load(tmp_path / "back.pt", weights_only=False), _final(runs, "clean"))
+    same(torch.load(tmp_path / "back.pt", weights_only=False), _final(runs, "clean"))
 
 
 def _pieces_match(shards: Any, full: Any, path: str = "") -> int:
@@ -162,11 +147,11 @@ def _pieces_match(shards: Any, full: Any, path: str = "") -> int:
     if isinstance(shards, list) and isinstance(full, torch.Tensor):
         for offsets, local in shards:
             box = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))
-            _same(local, full[box].contiguous(), path)
+            same(local, full[box].contiguous(), path)
         return len(shards)
     if isinstance(shards, list):
         return sum(_pieces_match(v, full[i], f"{path}/{i}") for i, v in enumerate(shards))
-    _same(shards, full, path)
+    same(shards, full, path)
     return 0
 
 

@@ -162,6 +162,22 @@ def profile_kind(chunks: list[tuple], repeats: int) -> dict[str, Any]:
     return {"chunks": len(chunks), "bytes": nbytes, "MBps": speeds, "ratio": ratios}
 
 
+def _table(title: str, label: str, kinds: dict[str, Any], field: str, fmt: str) -> list[str]:
+    """A Markdown table: one row per entry of ``kinds[*][field]``, one column per kind."""
+    names = list(kinds)
+    lines = [
+        f"### {title}",
+        "",
+        f"| {label} | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for row in next(iter(kinds.values()))[field]:
+        cells = " | ".join(fmt.format(kinds[k][field][row]) for k in names)
+        lines.append(f"| {row} | {cells} |")
+    lines.append("")
+    return lines
+
+
 def markdown(results: dict[str, dict[str, Any]]) -> str:
     lines = []
     for scenario, kinds in results.items():
@@ -211,18 +227,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     raise SystemExit(main())
 
-
-def _table(title: str, label: str, kinds: dict[str, Any], field: str, fmt: str) -> list[str]:
-    """A Markdown table: one row per entry of ``kinds[*][field]``, one column per kind."""
-    names = list(kinds)
-    lines = [
-        f"### {title}",
-        "",
-        f"| {label} | " + " | ".join(names) + " |",
-        "|---|" + "---:|" * len(names),
-    ]
-    for row in next(iter(kinds.values()))[field]:
-        cells = " | ".join(fmt.format(kinds[k][field][row]) for k in names)
-        lines.append(f"| {row} | {cells} |")
-    lines.append("")
-    return lines

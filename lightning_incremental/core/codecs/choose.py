@@ -55,8 +55,10 @@ def encode_best(
     covered = {c.standalone for c in pool if c.needs_base and c.standalone}
     fallback = [c for c in pool if c.kind in covered]
     pool = [c for c in pool if c.kind not in covered]
-    if fallback and math.isfinite(delta_budget) and raw.size >= SAMPLE_MIN:
+    if fallback and delta_budget < raw.size * (1 + SAMPLE_MARGIN) and raw.size >= SAMPLE_MIN:
         # Near the chain bound: a delta whose sample already projects past it is not coded.
+        # (Further from it the projection is not worth its cost: a delta codec that names a
+        # standalone one declines rather than grow past the chunk's raw size.)
         s_raw, s_base = _sample(raw), _sample(base) if base is not None else None
         scale = raw.size / s_raw.size
         for codec in [c for c in pool if c.needs_base and c.standalone in covered]:

@@ -62,19 +62,27 @@ def scaled_prediction(base: np.ndarray, factor: float) -> np.ndarray:
         bits = base.astype(np.uint32) << 16
     else:
         raise ValueError("the scaled predictor needs 2- or 4-byte floats")
-    exponent = (bits >> 23) & 0xFF
-    usable = (exponent >= 3) & (exponent <= 252)
-    with np.errstate(over="ignore", invalid="ignore"):  # unusable lanes: discarded below
-        product = bits.view(np.float32) * np.float32(factor)
-    pred = np.where(usable, product.view(np.uint32), bits)
+    # Usable: biased exponent in [3, 252]. The magnitude's bits minus 3 << 23, wrapping, fall
+    # below 250 << 23 exactly then (smaller exponents wrap around to large values).
+    unusable = np.bitwise_and(bits, np.uint32(0x7FFFFFFF))
+    np.subtract(unusable, np.uint32(3 << 23), out=unusable)
+    unusable = np.greater_equal(unusable, np.uint32(250 << 23))
+    with np.errstate(over="ignore", invalid="ignore"):  # unusable lanes: replaced below
+        pred = np.multiply(bits.view(np.float32), np.float32(factor)).view(np.uint32)
+    np.copyto(pred, bits, where=unusable)
     if base.itemsize == 2:
         pred = ((pred + (np.uint32(0x7FFF) + ((pred >> 16) & 1))) >> 16).astype(np.uint16)
     return pred
 
 
+SCALE_SAMPLE = 2048  # elements the scale factor is estimated on: its median settles long before
+
+
 def estimate_scale(elems: np.ndarray, base: np.ndarray) -> float:
-    """The median ratio ``elems / base`` of a float32/bfloat16 sample, clamped to [1/2, 2] and
-    rounded to float32 (as stored)."""
+    """The median ratio ``elems / base`` of a float32/bfloat16 sample (at most ``SCALE_SAMPLE``
+    elements of it, evenly spaced), clamped to [1/2, 2] and rounded to float32 (as stored)."""
+    step = max(1, elems.size // SCALE_SAMPLE)
+    elems, base = elems[::step], base[::step]
     if elems.itemsize == 2:
         e = (elems.astype(np.uint32) << 16).view(np.float32)
         b = (base.astype(np.uint32) << 16).view(np.float32)
@@ -85,7 +93,10 @@ def estimate_scale(elems: np.ndarray, base: np.ndarray) -> float:
     ratio = ratio[np.isfinite(ratio)]
     if not ratio.size:
         return 1.0
-    return float(np.float32(np.clip(np.median(ratio), 0.5, 2.0)))
+    middle = ratio.size // 2
+    ratio.partition((middle - 1, middle) if ratio.size % 2 == 0 else middle)
+    median = ratio[middle] if ratio.size % 2 else (ratio[middle - 1] + ratio[middle]) / 2
+    return float(np.float32(np.clip(median, 0.5, 2.0)))
 
 
 def predict(

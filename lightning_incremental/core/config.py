@@ -55,7 +55,9 @@ class StoreConfig:
         workers: threads that hash, encode, compress and write in the background (zstd, numpy
             and file I/O release the GIL). Default 2.
         pack_size: encoded chunks are appended to pack objects of about this size, so a save of
-            thousands of small tensors writes a few objects, not thousands. Default 64 MiB.
+            thousands of small tensors writes a few objects, not thousands. Packs are written while
+            later chunks are still being encoded: smaller packs overlap more and hold less in
+            memory, larger ones make fewer objects (requests, on object stores). Default 16 MiB.
         fsync: fsync data objects and manifests on local disks before a checkpoint is reported
             committed. Turn off only for scratch stores. Default True.
         allow_pickle: save values the JSON skeleton cannot express by pickling them, and accept
@@ -94,7 +96,7 @@ class StoreConfig:
     keep_last: int | None = None
     max_in_flight: int = 1
     workers: int = 2
-    pack_size: int = 64 * MiB
+    pack_size: int = 16 * MiB
     fsync: bool = True
     allow_pickle: bool = False
     generation: int | None = None

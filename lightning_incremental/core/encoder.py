@@ -137,14 +137,18 @@ def _since(start: float) -> float:
 
 
 class _PackWriter:
-    """Appends encoded chunks to pack objects and writes full packs in the background."""
+    """Appends encoded chunks to pack objects and writes full packs in the background.
+
+    A pack is joined, hashed (its name) and written on a worker, off the thread that schedules
+    the encoding; its chunks join the tables when its write has completed."""
 
     def __init__(self, storage: Storage, pool: Executor, pack_size: int, out: Encoded) -> None:
         self.storage, self.pool, self.pack_size, self.out = storage, pool, pack_size, out
         self.parts: list[bytes] = []
         self.filled = 0
         self.pending: list[tuple[str, ChunkRecipe]] = []
-        self.writes: deque[Future[float]] = deque()
+        self.writes: deque[tuple[Future[tuple[str, int, float]], list[tuple[str, ChunkRecipe]]]]
+        self.writes = deque()
 
     def add(self, digest: str, blob: bytes, recipe: ChunkRecipe) -> None:
         """Append ``blob``; ``recipe`` (its pack and place filled in here) joins the tables."""
@@ -159,21 +163,26 @@ class _PackWriter:
     def flush(self) -> None:
         if not self.parts:
             return
-        data = b"".join(self.parts)
-        path = pack_path(chunk_hash(data))
-        for digest, recipe in self.pending:
+        self.writes.append((self.pool.submit(self._write, self.parts), self.pending))
+        self.parts, self.filled, self.pending = [], 0, []
+        while len(self.writes) > 2:
+            self._collect()
+
+    def _collect(self) -> None:
+        future, pending = self.writes.popleft()
+        path, size, seconds = future.result()
+        for digest, recipe in pending:
             # A chunk adopted meanwhile as another's delta base keeps its adopted recipe.
             self.out.chunks.setdefault(digest, dataclasses.replace(recipe, pack=path))
-        self.out.packs[path] = len(data)
+        self.out.packs[path] = size
         self.out.written.add(path)
-        self.out.bytes_written += len(data)
-        self.parts, self.filled, self.pending = [], 0, []
-        self.writes.append(self.pool.submit(self._write, path, data))
-        while len(self.writes) > 2:
-            self.out.write_s += self.writes.popleft().result()
+        self.out.bytes_written += size
+        self.out.write_s += seconds
 
-    def _write(self, path: str, data: bytes) -> float:
+    def _write(self, parts: list[bytes]) -> tuple[str, int, float]:
         start = time.perf_counter()
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        path = pack_path(chunk_hash(data))
         if not self.storage.put(path, data):
             # Same content, same name: an earlier checkpoint's object, or one left behind by a
             # deleted checkpoint or a crashed save. It is written again all the same: it may
@@ -181,18 +190,18 @@ class _PackWriter:
             # be collected by a concurrent gc at any moment — a fresh one is protected by its
             # grace period, like every other object this save writes.
             self.storage.put(path, data, overwrite=True)
-        return time.perf_counter() - start
+        return path, len(data), time.perf_counter() - start
 
     def finish(self) -> None:
         """Flush the last pack and wait until every pack is durable (re-raising write errors)."""
         self.flush()
         while self.writes:
-            self.out.write_s += self.writes.popleft().result()
+            self._collect()
 
     def abandon(self) -> None:
-        for fut in self.writes:
+        for fut, _ in self.writes:
             fut.cancel()
-        for fut in self.writes:
+        for fut, _ in self.writes:
             if not fut.cancelled():
                 fut.exception()  # wait; the first error is already being raised
 

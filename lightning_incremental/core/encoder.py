@@ -19,6 +19,7 @@ import numpy as np
 
 from lightning_incremental.core import codecs
 from lightning_incremental.core.codecs import Codec, chunk_hash
+from lightning_incremental.core.codecs.bytes import gather
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.decoder import ObjectReader, decode_chunk
 from lightning_incremental.core.delta_base import Parent
@@ -65,7 +66,7 @@ class _Task:
 @dataclass(frozen=True)
 class _Payload:
     codec: Codec
-    blob: bytes
+    blob: bytes | memoryview
     decoded: str | None  # hash of the decoded bytes, for a lossy codec
     seconds: float
 
@@ -99,7 +100,7 @@ def _encode_task(task: _Task, level: int, max_chain_ratio: float) -> _Payload:
 
 def _lossy_delta(
     task: _Task, lossy: Codec, level: int, max_chain_ratio: float
-) -> tuple[Codec, bytes] | None:
+) -> tuple[Codec, bytes | memoryview] | None:
     """The chunk as a lossy delta against the parent's chunk as it decodes (see
     :mod:`~lightning_incremental.core.codecs.lossy`), or None. The parent's chunk is taken from
     its raw bytes in memory (coded and decoded again) or decoded from storage, and used only
@@ -144,13 +145,13 @@ class _PackWriter:
 
     def __init__(self, storage: Storage, pool: Executor, pack_size: int, out: Encoded) -> None:
         self.storage, self.pool, self.pack_size, self.out = storage, pool, pack_size, out
-        self.parts: list[bytes] = []
+        self.parts: list[bytes | memoryview] = []
         self.filled = 0
         self.pending: list[tuple[str, ChunkRecipe]] = []
         self.writes: deque[tuple[Future[tuple[str, int, float]], list[tuple[str, ChunkRecipe]]]]
         self.writes = deque()
 
-    def add(self, digest: str, blob: bytes, recipe: ChunkRecipe) -> None:
+    def add(self, digest: str, blob: bytes | memoryview, recipe: ChunkRecipe) -> None:
         """Append ``blob``; ``recipe`` (its pack and place filled in here) joins the tables."""
         self.pending.append(
             (digest, dataclasses.replace(recipe, offset=self.filled, length=len(blob)))
@@ -179,9 +180,9 @@ class _PackWriter:
         self.out.bytes_written += size
         self.out.write_s += seconds
 
-    def _write(self, parts: list[bytes]) -> tuple[str, int, float]:
+    def _write(self, parts: list[bytes | memoryview]) -> tuple[str, int, float]:
         start = time.perf_counter()
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        data = parts[0] if len(parts) == 1 else gather(parts)
         path = pack_path(chunk_hash(data))
         if not self.storage.put(path, data):
             # Same content, same name: an earlier checkpoint's object, or one left behind by a

@@ -109,7 +109,7 @@ def test_incompressible_planes_are_stored_raw():
 
 def test_corrupt_payloads_raise_value_error():
     cur, base = _floats(4096, 4, seed=4)
-    payload = planes.encode(cur, base, 4, predictor=pr.SUB)
+    payload = bytes(planes.encode(cur, base, 4, predictor=pr.SUB))
     out = np.empty(cur.size, dtype=np.uint8)
     with pytest.raises(ValueError):
         planes.decode_into(payload, out, None)  # delta without base

@@ -8,6 +8,7 @@ zstd then removes.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash
@@ -86,3 +87,15 @@ def decompress(blob: bytes | memoryview, size: int) -> bytes:
     if len(grouped) != size:
         raise ValueError(f"decoded to {len(grouped)} bytes, expected {size}")
     return grouped
+
+
+def gather(parts: Sequence[bytes | memoryview]) -> memoryview:
+    """``parts`` concatenated into one new buffer. Unlike ``b"".join`` (which copies holding the
+    GIL), the copies release it: other threads encode meanwhile."""
+    views = [np.frombuffer(p, dtype=np.uint8) for p in parts]
+    out = np.empty(sum(v.size for v in views), dtype=np.uint8)
+    at = 0
+    for v in views:
+        np.copyto(out[at : at + v.size], v)
+        at += v.size
+    return out.data

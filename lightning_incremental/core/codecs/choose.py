@@ -41,7 +41,7 @@ def encode_best(
     *,
     delta_budget: float = math.inf,
     candidates: Sequence[Codec] | None = None,
-) -> tuple[Codec, bytes]:
+) -> tuple[Codec, bytes | memoryview]:
     """The smallest encoding of ``raw`` among ``candidates`` (default: every registered
     lossless codec); a delta codec (``needs_base``) competes only with a ``base``, and only
     while its payload stays within ``delta_budget`` bytes (the chain bound). Ties go to the
@@ -76,7 +76,7 @@ def encode_best(
         if sizes:
             best = min(sizes.values())
             pool = [c for c in pool if sizes.get(c.kind, 0) * (1 - SAMPLE_MARGIN) <= best]
-    chosen: tuple[Codec, bytes] | None = None
+    chosen: tuple[Codec, bytes | memoryview] | None = None
     for codec in pool:
         payload = codec.encode(raw, base, width=width, level=level)
         if payload is None or (codec.needs_base and len(payload) > delta_budget):

@@ -35,7 +35,7 @@ class Quantized(Codec):
 
     def encode(
         self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
-    ) -> bytes | None:
+    ) -> bytes | memoryview | None:
         if width != 4:
             return None
         payload = quant.encode_lossy(raw, self.code)
@@ -96,7 +96,7 @@ class QuantizedDelta(Codec):
 
     def encode(
         self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
-    ) -> bytes | None:
+    ) -> bytes | memoryview | None:
         if width != 4:
             return None
         payload = quant.encode_lossy(raw, self.code)

@@ -39,7 +39,7 @@ import numpy as np
 import zstandard
 
 from lightning_incremental.core.codecs import predict as pr
-from lightning_incremental.core.codecs.bytes import compress, decompress
+from lightning_incremental.core.codecs.bytes import compress, decompress, gather
 from lightning_incremental.core.codecs.registry import Codec, register
 
 MAGIC = b"LPZ1"
@@ -170,7 +170,7 @@ def encode(
     level: int = TUNED_LEVEL,
     predictor: int | None = None,
     factor: float | None = None,
-) -> bytes:
+) -> memoryview:
     """The payload of one chunk (``raw``, uint8) against ``base`` (same length) or standalone.
 
     ``predictor`` forces one (``factor`` for the scaled one, estimated when not given); by
@@ -209,7 +209,7 @@ def encode(
     parts += [_PLANE.pack(method, len(blob)) for method, blob in coded]
     parts.append(raw[body:].tobytes())
     parts += [blob for _, blob in coded]
-    return b"".join(parts)
+    return gather(parts)
 
 
 def header(payload: bytes | memoryview) -> dict[str, int | float]:
@@ -302,7 +302,7 @@ class Planes(Codec):
 
     def encode(
         self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
-    ) -> bytes | None:
+    ) -> bytes | memoryview | None:
         return encode(raw, None, width, level=level, predictor=pr.NONE)
 
     def decode_into(
@@ -323,7 +323,7 @@ class PlanesDelta(Codec):
 
     def encode(
         self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
-    ) -> bytes | None:
+    ) -> bytes | memoryview | None:
         if base is None:
             return None
         if base.size != raw.size:

@@ -47,7 +47,7 @@ class Codec(ABC):
     @abstractmethod
     def encode(
         self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
-    ) -> bytes | None:
+    ) -> bytes | memoryview | None:
         """The payload of ``raw`` (uint8), or None when this codec does not apply (a delta
         codec given no base). ``width``: the byte-group width of the tensor's elements;
         ``level``: the compression level configured.

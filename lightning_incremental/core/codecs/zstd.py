@@ -19,7 +19,7 @@ class Standalone(Codec):
 
     def encode(
         self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
-    ) -> bytes | None:
+    ) -> bytes | memoryview | None:
         return compress(group_bytes(raw, width), level)
 
     def planes(self, payload: bytes | memoryview, size: int) -> np.ndarray:
@@ -40,7 +40,7 @@ class XorDelta(Standalone):
 
     def encode(
         self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
-    ) -> bytes | None:
+    ) -> bytes | memoryview | None:
         if base is None:
             return None
         if raw.size != base.size:

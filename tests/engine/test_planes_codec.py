@@ -204,3 +204,49 @@ def test_scaled_refuses_other_itemsizes_and_bad_factors():
     payload[planes._HEAD.size : planes._HEAD.size + planes._SCALE.size] = planes._SCALE.pack(7.0)
     with pytest.raises(ValueError):
         _decode(bytes(payload), raw[::-1].copy())
+
+
+def _scaled_reference(base: np.ndarray, factor: float) -> np.ndarray:
+    """The scaled prediction written plainly (one pass per step, no scratch memory): scale a
+    float32 (or exactly widened bfloat16) whose biased exponent is in [3, 252], keep any other
+    as it is, round bfloat16 back to nearest-even."""
+    bits = base.astype(np.uint32) << 16 if base.itemsize == 2 else base
+    exponent = (bits >> 23) & 0xFF
+    usable = (exponent >= 3) & (exponent <= 252)
+    with np.errstate(all="ignore"):
+        product = (bits.view(np.float32) * np.float32(factor)).view(np.uint32)
+    pred = np.where(usable, product, bits)
+    if base.itemsize == 2:
+        pred = ((pred + (np.uint32(0x7FFF) + ((pred >> 16) & 1))) >> 16).astype(np.uint16)
+    return pred
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.501, 0.73, 0.999, 1.0, 1.0001, 1.37, 1.99, 2.0])
+def test_scaled_prediction_matches_the_plain_definition_on_every_bf16_and_fp32_exponent(factor):
+    factor = float(np.float32(factor))
+    every_bf16 = np.arange(1 << 16, dtype=np.uint16)
+    assert np.array_equal(
+        pr.scaled_prediction(every_bf16, factor), _scaled_reference(every_bf16, factor)
+    )
+    rng = np.random.default_rng(7)
+    exponents = np.repeat(np.arange(256, dtype=np.uint32), 64)
+    fp32 = (
+        (rng.integers(0, 2, exponents.size, dtype=np.uint32) << 31)
+        | (exponents << 23)
+        | rng.integers(0, 1 << 23, exponents.size, dtype=np.uint32)
+    )
+    out = np.empty_like(fp32)
+    assert pr.scaled_prediction(fp32, factor, out=out) is out
+    assert np.array_equal(out, _scaled_reference(fp32, factor))
+
+
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_chunks_of_different_sizes_in_turn_reuse_scratch_memory_exactly(itemsize):
+    """One thread codes chunks of growing and shrinking sizes in turn (its scratch buffers are
+    reused and resliced); every payload decodes to its chunk, and is the same as coded first."""
+    sizes = [4096, 1 << 16, 100, 1 << 18, 8, 1 << 16]
+    chunks = [_floats(n, itemsize, seed=i) for i, n in enumerate(sizes)]
+    first = [bytes(planes.encode(cur, base, itemsize)) for cur, base in chunks]
+    for (cur, base), payload in zip(reversed(chunks), reversed(first)):
+        assert bytes(planes.encode(cur, base, itemsize)) == payload
+        assert _decode(payload, base).tobytes() == cur.tobytes()

@@ -99,3 +99,24 @@ def gather(parts: Sequence[bytes | memoryview]) -> memoryview:
         np.copyto(out[at : at + v.size], v)
         at += v.size
     return out.data
+
+
+SCRATCH_KEEP_MAX = 16 << 20  # larger scratch buffers are not kept between chunks
+
+
+def scratch(slot: str, n: int, dtype: type | np.dtype) -> np.ndarray:
+    """A buffer of ``n`` elements that this thread reuses under the name ``slot`` from chunk to
+    chunk: fresh multi-megabyte buffers cost a page fault per 4 KiB on first touch, and
+    allocating and freeing them makes the allocator return memory to the system and fault it
+    in again. Contents are undefined. Buffers past ``SCRATCH_KEEP_MAX`` bytes are not kept;
+    the rest go when the thread ends (the worker pools' threads end when idle)."""
+    dt = np.dtype(dtype)
+    if n * dt.itemsize > SCRATCH_KEEP_MAX:
+        return np.empty(n, dtype=dt)
+    buffers = getattr(_local, "scratch", None)
+    if buffers is None:
+        buffers = _local.scratch = {}
+    buffer = buffers.get((slot, dt.str))
+    if buffer is None or buffer.size < n:
+        buffer = buffers[(slot, dt.str)] = np.empty(n, dtype=dt)
+    return buffer[:n]

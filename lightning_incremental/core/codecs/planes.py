@@ -39,7 +39,7 @@ import numpy as np
 import zstandard
 
 from lightning_incremental.core.codecs import predict as pr
-from lightning_incremental.core.codecs.bytes import compress, decompress, gather
+from lightning_incremental.core.codecs.bytes import compress, decompress, gather, scratch
 from lightning_incremental.core.codecs.registry import Codec, register
 
 MAGIC = b"LPZ1"
@@ -81,28 +81,18 @@ def _compress(plane: np.ndarray, level: int) -> bytes:
     return cctx.compress(plane.data)
 
 
-def _scratch(slot: str, n: int, dtype: type) -> np.ndarray:
-    """A buffer of ``n`` elements this thread reuses from chunk to chunk (fresh multi-megabyte
-    buffers cost a page fault per 4 KiB on first touch)."""
-    key = f"{slot}_{np.dtype(dtype).str}"
-    buffer = getattr(_local, key, None)
-    if buffer is None or buffer.size < n:
-        buffer = np.empty(n, dtype=dtype)
-        setattr(_local, key, buffer)
-    return buffer[:n]
-
-
-def to_planes(elems: np.ndarray) -> np.ndarray:
-    """``(itemsize, n)`` uint8: plane ``k`` is byte ``k`` of every element (little endian).
+def to_planes(elems: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``(itemsize, n)`` uint8: plane ``k`` is byte ``k`` of every element (little endian), into
+    ``out`` when given.
 
     Each plane is a shift and a narrowing cast of the elements — contiguous, vectorised passes,
     about twice as fast as copying every ``itemsize``-th byte."""
     width = elems.itemsize
-    planes = np.empty((width, elems.size), dtype=np.uint8)
+    planes = np.empty((width, elems.size), dtype=np.uint8) if out is None else out
     if width == 1:
         planes[0] = elems
         return planes
-    shifted = _scratch("shift", elems.size, elems.dtype.type)
+    shifted = scratch("shift", elems.size, elems.dtype)
     for k in range(width):
         if k:
             np.right_shift(elems, 8 * k, out=shifted)
@@ -116,7 +106,7 @@ def from_planes(planes: list[np.ndarray], elems: np.ndarray) -> None:
     if elems.itemsize == 1:
         np.copyto(elems, planes[0])
         return
-    widened = _scratch("widen", elems.size, elems.dtype.type)
+    widened = scratch("widen", elems.size, elems.dtype)
     np.copyto(elems, planes[0], casting="unsafe")
     for k in range(1, len(planes)):
         np.copyto(widened, planes[k], casting="unsafe")
@@ -131,8 +121,14 @@ def _code_plane(plane: np.ndarray, level: int) -> tuple[int, bytes | memoryview]
     return RAW, plane.data
 
 
+def _planes_of(resid: np.ndarray) -> np.ndarray:
+    """The byte planes of ``resid`` in this thread's scratch memory (valid until the next call)."""
+    out = scratch("planes", resid.size * resid.itemsize, np.uint8)
+    return to_planes(resid, out.reshape(resid.itemsize, resid.size))
+
+
 def _coded_size(resid: np.ndarray, level: int) -> int:
-    return sum(len(_code_plane(p, level)[1]) for p in to_planes(resid))
+    return sum(len(_code_plane(p, level)[1]) for p in _planes_of(resid))
 
 
 def _sample(elems: np.ndarray) -> np.ndarray:
@@ -158,7 +154,8 @@ def choose_predictor(
         factor = pr.estimate_scale(e, b)
         if factor != 1.0:
             candidates.append((pr.SCALED, factor))
-    sizes = [_coded_size(pr.predict(e, b, p, f), level) for p, f in candidates]
+    resid = scratch("resid", e.size, e.dtype)
+    sizes = [_coded_size(pr.predict(e, b, p, f, out=resid), level) for p, f in candidates]
     return candidates[sizes.index(min(sizes))]
 
 
@@ -199,8 +196,10 @@ def encode(
     factor = 1.0 if factor is None else float(np.float32(factor))  # as stored
     if predictor == pr.SCALED and itemsize not in (2, 4):
         raise ValueError("the scaled predictor needs 2- or 4-byte elements")
-    resid = pr.predict(elems, base_elems, predictor, factor)
-    coded = [_code_plane(p, level) for p in to_planes(resid)] if body else []
+    resid = pr.predict(
+        elems, base_elems, predictor, factor, out=scratch("resid", elems.size, elems.dtype)
+    )
+    coded = [_code_plane(p, level) for p in _planes_of(resid)] if body else []
     parts: list[bytes | memoryview] = [
         _HEAD.pack(MAGIC, itemsize, predictor, len(coded), tail, raw.size)
     ]

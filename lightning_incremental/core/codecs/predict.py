@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lightning_incremental.core.codecs.bytes import scratch
+
 NONE, XOR, SUB, SCALED = 0, 1, 2, 3
 NAMES = {NONE: "none", XOR: "xor", SUB: "sub", SCALED: "scaled"}
 INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -25,7 +27,7 @@ def zigzag(d: np.ndarray) -> np.ndarray:
     """Map wrapped differences (unsigned) to unsigned ints with small magnitudes first:
     0, -1, 1, -2, ... -> 0, 1, 2, 3, ... (in place; returns ``d``)."""
     s = d.view(INT[d.itemsize])
-    sign = s >> (8 * d.itemsize - 1)
+    sign = np.right_shift(s, 8 * d.itemsize - 1, out=scratch("sign", s.size, s.dtype))
     np.left_shift(s, 1, out=s)
     np.bitwise_xor(s, sign, out=s)
     return d
@@ -34,16 +36,16 @@ def zigzag(d: np.ndarray) -> np.ndarray:
 def unzigzag(z: np.ndarray) -> np.ndarray:
     """Inverse of :func:`zigzag`, in place."""
     s = z.view(INT[z.itemsize])
-    low = (z & 1).view(INT[z.itemsize])
+    low = np.bitwise_and(z, 1, out=scratch("low", z.size, z.dtype)).view(s.dtype)
     np.right_shift(z, 1, out=z)  # logical shift: z is unsigned
     np.negative(low, out=low)  # 0 -> 0, 1 -> all ones
     np.bitwise_xor(s, low, out=s)
     return z
 
 
-def scaled_prediction(base: np.ndarray, factor: float) -> np.ndarray:
+def scaled_prediction(base: np.ndarray, factor: float, out: np.ndarray | None = None) -> np.ndarray:
     """``factor * base`` as bit patterns of the same float format (float32 for 4-byte elements,
-    bfloat16 for 2-byte ones).
+    bfloat16 for 2-byte ones), into ``out`` when given (else a new array).
 
     Bit-exact on every IEEE platform, whatever its subnormal mode: only bases that are finite
     and far from the subnormal range are scaled (``factor`` is within [1/2, 2], so the product
@@ -56,22 +58,36 @@ def scaled_prediction(base: np.ndarray, factor: float) -> np.ndarray:
     """
     if not 0.5 <= factor <= 2.0:
         raise ValueError(f"scale factor {factor} outside [0.5, 2]")
-    if base.itemsize == 4:
-        bits = base
-    elif base.itemsize == 2:
-        bits = base.astype(np.uint32) << 16
-    else:
+    if base.itemsize not in (2, 4):
         raise ValueError("the scaled predictor needs 2- or 4-byte floats")
-    # Usable: biased exponent in [3, 252]. The magnitude's bits minus 3 << 23, wrapping, fall
-    # below 250 << 23 exactly then (smaller exponents wrap around to large values).
-    unusable = np.bitwise_and(bits, np.uint32(0x7FFFFFFF))
-    np.subtract(unusable, np.uint32(3 << 23), out=unusable)
-    unusable = np.greater_equal(unusable, np.uint32(250 << 23))
-    with np.errstate(over="ignore", invalid="ignore"):  # unusable lanes: replaced below
-        pred = np.multiply(bits.view(np.float32), np.float32(factor)).view(np.uint32)
-    np.copyto(pred, bits, where=unusable)
-    if base.itemsize == 2:
-        pred = ((pred + (np.uint32(0x7FFF) + ((pred >> 16) & 1))) >> 16).astype(np.uint16)
+    pred = np.empty_like(base) if out is None else out
+    # Unusable: a biased exponent outside [3, 252]. The magnitude's bits minus those of the
+    # smallest usable exponent, wrapping, are then at least the width of the usable range
+    # (smaller exponents wrap around to large values).
+    shift = 23 if base.itemsize == 4 else 7
+    sign_off = base.dtype.type((1 << (8 * base.itemsize - 1)) - 1)
+    magnitude = np.bitwise_and(base, sign_off, out=scratch("mag", base.size, base.dtype))
+    np.subtract(magnitude, base.dtype.type(3 << shift), out=magnitude)
+    unusable = np.greater_equal(
+        magnitude, base.dtype.type(250 << shift), out=scratch("unusable", base.size, np.bool_)
+    )
+    if base.itemsize == 4:
+        with np.errstate(over="ignore", invalid="ignore"):  # unusable lanes: replaced below
+            np.multiply(base.view(np.float32), np.float32(factor), out=pred.view(np.float32))
+    else:  # widen exactly, scale, round to nearest-even: + 0x7FFF + the kept part's lowest bit
+        wide = scratch("wide", base.size, np.uint32)
+        np.copyto(wide, base)
+        np.left_shift(wide, 16, out=wide)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.multiply(wide.view(np.float32), np.float32(factor), out=wide.view(np.float32))
+        odd = np.right_shift(wide, 16, out=scratch("odd", base.size, np.uint32))
+        np.bitwise_and(odd, np.uint32(1), out=odd)
+        np.add(odd, np.uint32(0x7FFF), out=odd)
+        np.add(wide, odd, out=wide)
+        np.right_shift(wide, 16, out=wide)
+        np.copyto(pred, wide, casting="unsafe")
+    if unusable.any():  # a widened bfloat16 rounds back to itself: replace after rounding
+        np.copyto(pred, base, where=unusable)
     return pred
 
 
@@ -100,24 +116,33 @@ def estimate_scale(elems: np.ndarray, base: np.ndarray) -> float:
 
 
 def predict(
-    elems: np.ndarray, base: np.ndarray | None, predictor: int, factor: float = 1.0
+    elems: np.ndarray,
+    base: np.ndarray | None,
+    predictor: int,
+    factor: float = 1.0,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The residual of ``elems`` against ``base`` (a new array; ``elems`` is not modified).
+    """The residual of ``elems`` against ``base``, into ``out`` when given (else a new array;
+    ``elems`` is not modified).
 
     Raises:
         ValueError: an unknown predictor, or one that needs a base without one.
     """
+    if predictor not in NAMES:
+        raise ValueError(f"unknown predictor {predictor}")
+    if predictor != NONE and base is None:
+        raise ValueError(f"predictor {NAMES[predictor]!r} needs a base")
+    resid = np.empty_like(elems) if out is None else out
     if predictor == NONE:
-        return elems.copy()
-    if base is None:
-        raise ValueError(f"predictor {NAMES.get(predictor, predictor)!r} needs a base")
+        np.copyto(resid, elems)
+        return resid
+    assert base is not None
     if predictor == XOR:
-        return np.bitwise_xor(elems, base)
+        return np.bitwise_xor(elems, base, out=resid)
     if predictor == SUB:
-        return zigzag(np.subtract(elems, base))
-    if predictor == SCALED:
-        return zigzag(np.subtract(elems, scaled_prediction(base, factor)))
-    raise ValueError(f"unknown predictor {predictor}")
+        return zigzag(np.subtract(elems, base, out=resid))
+    scaled_prediction(base, factor, out=resid)
+    return zigzag(np.subtract(elems, resid, out=resid))
 
 
 def unpredict(
@@ -137,6 +162,7 @@ def unpredict(
     elif predictor == SUB:
         np.add(unzigzag(resid), base, out=resid)
     elif predictor == SCALED:
-        np.add(unzigzag(resid), scaled_prediction(base, factor), out=resid)
+        prediction = scratch("prediction", base.size, base.dtype)
+        np.add(unzigzag(resid), scaled_prediction(base, factor, out=prediction), out=resid)
     else:
         raise ValueError(f"unknown predictor {predictor}")

@@ -160,12 +160,14 @@ class Committer:
         config: StoreConfig,
         pool: Executor,
         *,
+        writer: Executor | None = None,
         fencing: Fencing,
         lease: Lease,
         history: History,
         base: DeltaBase,
     ) -> None:
         self.storage, self.config, self.pool = storage, config, pool
+        self.writer = writer if writer is not None else pool
         self.fencing, self.lease, self.history, self.base = fencing, lease, history, base
 
     # ------------------------------------------------------------------ phase 1
@@ -196,6 +198,7 @@ class Committer:
                 config=self.config,
                 storage=self.storage,
                 pool=self.pool,
+                writer=self.writer,
                 avoid=avoid,
             )
             adopted = {p: enc.packs[p] for p in set(enc.packs) - enc.written}

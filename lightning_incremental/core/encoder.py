@@ -240,11 +240,13 @@ def encode(
     config: StoreConfig,
     storage: Storage,
     pool: Executor,
+    writer: Executor | None = None,
     avoid: set[str] | frozenset[str] = frozenset(),
 ) -> Encoded:
     """Encode and write the data of one checkpoint; returns its manifest tables once every object
-    it wrote is durable. Writes nothing visible: the caller commits the manifest. Chunks whose
-    chain touches an object in ``avoid`` (found damaged) are neither reused nor delta bases."""
+    it wrote is durable. Writes nothing visible: the caller commits the manifest. Chunks are
+    encoded on ``pool``, packs written on ``writer`` (default: ``pool``). Chunks whose chain
+    touches an object in ``avoid`` (found damaged) are neither reused nor delta bases."""
     parent_chunks: Mapping[str, ChunkRecipe] = parent.manifest.chunks if parent else {}
     if avoid:
         whole = parent_chunks
@@ -254,7 +256,7 @@ def encode(
             if not any(whole[link].pack in avoid for link in closure(digest, whole))
         }
     out = Encoded(tensors=[], chunks={}, packs={})
-    pack = _PackWriter(storage, pool, config.pack_size, out)
+    pack = _PackWriter(storage, writer or pool, config.pack_size, out)
     fetch = None
     stored: dict[str, TensorEntry] = {}
     same_chunking = parent is not None and parent.manifest.chunk_size == config.chunk_size

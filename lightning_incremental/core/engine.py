@@ -37,6 +37,7 @@ class Engine:
     group: Group
     lock: threading.RLock
     pool: WorkerPool
+    writer: WorkerPool
     queue: SaveQueue
     generation: fencing.Generation
     fencing: fencing.Fencing
@@ -60,6 +61,7 @@ class Engine:
         (after the pending saves were waited for)."""
         self.queue.shutdown()
         self.pool.shutdown(wait=True)
+        self.writer.shutdown(wait=True)
         self.base.clear()
         self.lease.release()
         if isinstance(self.group, GlooGroup):
@@ -83,6 +85,9 @@ def assemble(
     lock = threading.RLock()
     # Threads exist only while there is work (they end after a short idle time).
     pool = WorkerPool(config.workers, "li-worker")
+    # Pack writes on a thread of their own: a write blocks in fsync, and on a worker it would
+    # leave a core idle that could encode meanwhile.
+    writer = WorkerPool(1, "li-writer")
     queue = SaveQueue(config.max_in_flight)
     generation = fencing.Generation(storage, config.generation)
     # A function of the storage, not a bound method: no reference cycle.
@@ -92,7 +97,7 @@ def assemble(
     # One writing process per store (lease.py).
     lease = Lease(storage, config.lease_ttl_s)
     committer = Committer(
-        storage, config, pool, fencing=fence, lease=lease, history=history, base=base
+        storage, config, pool, writer=writer, fencing=fence, lease=lease, history=history, base=base
     )
     collector = Collector(storage, fence, history, base)
     retention = KeepLast(config.keep_last, collector, lock)
@@ -124,6 +129,7 @@ def assemble(
         group=group,
         lock=lock,
         pool=pool,
+        writer=writer,
         queue=queue,
         generation=generation,
         fencing=fence,

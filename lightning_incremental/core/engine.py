@@ -85,9 +85,10 @@ def assemble(
     lock = threading.RLock()
     # Threads exist only while there is work (they end after a short idle time).
     pool = WorkerPool(config.workers, "li-worker")
-    # Pack writes on a thread of their own: a write blocks in fsync, and on a worker it would
-    # leave a core idle that could encode meanwhile.
-    writer = WorkerPool(1, "li-writer")
+    # Pack writes on threads of their own: a write blocks in fsync, and on a worker it would
+    # leave a core idle that could encode meanwhile. Two, so that one pack's copy into the page
+    # cache overlaps another's fsync (one writer fell behind two encoders on large states).
+    writer = WorkerPool(2, "li-writer")
     queue = SaveQueue(config.max_in_flight)
     generation = fencing.Generation(storage, config.generation)
     # A function of the storage, not a bound method: no reference cycle.

@@ -45,11 +45,13 @@ from lightning_incremental.core.codecs.registry import Codec, register
 MAGIC = b"LPZ1"
 RAW, ZSTD = 0, 1
 MIN_SAVING = 0.02  # a plane is stored compressed only when that saves this fraction of it
-# Predictor choice: SAMPLE_SLICES slices of SAMPLE_SLICE elements when the chunk has at least
-# SAMPLE_MIN elements; smaller chunks are tried whole.
-SAMPLE_MIN = 1 << 16
+# Predictor choice: SAMPLE_SLICES slices spread over the chunk, each about 1/256 of it but at
+# least SAMPLE_SLICE_MIN and at most SAMPLE_SLICE elements (a sample of about 1.6 % of a chunk
+# costs a few % of its encoding per candidate, whatever the chunk's size); chunks shorter than
+# twice such a sample are tried whole.
 SAMPLE_SLICES = 4
 SAMPLE_SLICE = 4096
+SAMPLE_SLICE_MIN = 1024
 TUNED_LEVEL = 1  # the compression level coded with PLANE_PARAMS
 
 # A sign/exponent plane is mostly an i.i.d. stream of a few symbols: its gain comes from zstd's
@@ -132,11 +134,13 @@ def _coded_size(resid: np.ndarray, level: int) -> int:
 
 
 def _sample(elems: np.ndarray) -> np.ndarray:
-    if elems.size < SAMPLE_MIN:
-        return np.arange(elems.size)
-    stride = elems.size // SAMPLE_SLICES
+    n = elems.size
+    length = min(SAMPLE_SLICE, max(SAMPLE_SLICE_MIN, n // 256))
+    if n < 2 * SAMPLE_SLICES * length:
+        return np.arange(n)
+    stride = n // SAMPLE_SLICES
     return np.concatenate(
-        [np.arange(i * stride, i * stride + SAMPLE_SLICE) for i in range(SAMPLE_SLICES)]
+        [np.arange(i * stride, i * stride + length) for i in range(SAMPLE_SLICES)]
     )
 
 

@@ -53,6 +53,9 @@ SAMPLE_SLICES = 4
 SAMPLE_SLICE = 4096
 SAMPLE_SLICE_MIN = 1024
 TUNED_LEVEL = 1  # the compression level coded with PLANE_PARAMS
+# Elements predicted and split into planes (or assembled and unpredicted) per pass: the several
+# passes over a block stay in cache, and the scratch memory per thread is a block, not a chunk.
+BLOCK = 1 << 17
 
 # A sign/exponent plane is mostly an i.i.d. stream of a few symbols: its gain comes from zstd's
 # Huffman-coded literals, and short matches only cost time.
@@ -200,10 +203,19 @@ def encode(
     factor = 1.0 if factor is None else float(np.float32(factor))  # as stored
     if predictor == pr.SCALED and itemsize not in (2, 4):
         raise ValueError("the scaled predictor needs 2- or 4-byte elements")
-    resid = pr.predict(
-        elems, base_elems, predictor, factor, out=scratch("resid", elems.size, elems.dtype)
-    )
-    coded = [_code_plane(p, level) for p in _planes_of(resid)] if body else []
+    n = elems.size
+    grid = scratch("planes", body, np.uint8).reshape(itemsize, n)
+    for start in range(0, n, BLOCK):  # block by block: the passes stay in cache, scratch small
+        stop = min(n, start + BLOCK)
+        resid = pr.predict(
+            elems[start:stop],
+            base_elems[start:stop] if base_elems is not None else None,
+            predictor,
+            factor,
+            out=scratch("resid", stop - start, elems.dtype),
+        )
+        to_planes(resid, grid[:, start:stop])
+    coded = [_code_plane(p, level) for p in grid] if body else []
     parts: list[bytes | memoryview] = [
         _HEAD.pack(MAGIC, itemsize, predictor, len(coded), tail, raw.size)
     ]
@@ -289,12 +301,14 @@ def decode_into(
             raise ValueError(f"unknown plane method {method}")
     if pos != len(view):
         raise ValueError("trailing bytes after the last plane")
-    if body:
-        from_planes(planes, out[:body].view(_UINT[itemsize]))
-    if body and predictor != pr.NONE:
-        assert base is not None
-        elems = out[:body].view(_UINT[itemsize])
-        pr.unpredict(elems, base[:body].view(_UINT[itemsize]), predictor, float(h["factor"]))
+    elems = out[:body].view(_UINT[itemsize])
+    base_elems = base[:body].view(_UINT[itemsize]) if base is not None else None
+    for start in range(0, n, BLOCK):  # as encode: block by block
+        stop = min(n, start + BLOCK)
+        from_planes([plane[start:stop] for plane in planes], elems[start:stop])
+        if predictor != pr.NONE:
+            assert base_elems is not None
+            pr.unpredict(elems[start:stop], base_elems[start:stop], predictor, float(h["factor"]))
     return out
 
 

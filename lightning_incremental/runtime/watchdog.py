@@ -149,24 +149,32 @@ class PeerTracker:
             state.progress, state.step_since = progress, now
 
     def judge(self, now: float) -> Failure | None:
-        """The first rank found dead, else the hung rank that is furthest behind (a rank stuck
-        outside a collective stops the others inside it: all stop progressing, the culprit
-        with the fewest batches done), else None."""
+        """The first rank found dead, else — once a rank has made no progress for
+        ``progress_timeout`` — the rank furthest behind of all that stopped (a rank stuck outside
+        a collective stops the others inside it: all stop progressing, the culprit with the
+        fewest batches done), else None.
+
+        "Stopped" is no progress for half the timeout: the ranks waiting for the culprit stop
+        about when it does, but a heartbeat published late under load can make the culprit's
+        last progress *seen* later than theirs, so the first rank past the timeout is not
+        necessarily the one to blame. Ties go to the rank seen stopping first, then the lower
+        rank."""
         for rank in range(self.world_size):
             state = self.seen.get(rank, _Seen(seq_since=self.started, step_since=self.started))
             if not state.stopped and now - state.seq_since > self.config.heartbeat_timeout:
                 return Failure("dead", rank, now - state.seq_since, state.step)
-        hung = []
+        stopped, timed_out = [], False
         for rank in range(self.world_size):
             state = self.seen.get(rank, _Seen(seq_since=self.started, step_since=self.started))
             if state.stopped or state.progress in (None, 0):
                 continue  # armed at a rank's first progress: setup may legitimately be long
-            if now - state.step_since > self.config.progress_timeout:
+            idle = now - state.step_since
+            timed_out = timed_out or idle > self.config.progress_timeout
+            if idle > self.config.progress_timeout / 2:
                 behind = state.progress if isinstance(state.progress, int) else 0
-                hung.append(
-                    (behind, rank, Failure("hung", rank, now - state.step_since, state.step))
-                )
-        return min(hung, key=lambda item: item[:2])[2] if hung else None
+                failure = Failure("hung", rank, idle, state.step)
+                stopped.append((behind, state.step_since, rank, failure))
+        return min(stopped, key=lambda item: item[:3])[3] if timed_out else None
 
 
 def _read_records(client: KeyValueStore, keys: list[str]) -> list[dict[str, Any] | None]:

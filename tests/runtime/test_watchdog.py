@@ -277,3 +277,28 @@ def test_of_ranks_stuck_together_the_one_furthest_behind_is_named() -> None:
         tracker.observe(2, {"seq": t, "step": 9, "progress": 9}, float(t))
     failure = tracker.judge(199.0)
     assert failure is not None and failure.kind == "hung" and failure.rank == 1
+
+
+def test_the_rank_behind_is_named_even_when_its_last_progress_was_seen_later() -> None:
+    """Under load a heartbeat can publish late: rank 1 (stuck outside the collective, one batch
+    behind) is seen making its last progress after rank 0 (waiting inside it). When rank 0 passes
+    the timeout first, rank 1 is still the one named: the culprit is the rank furthest behind of
+    all that stopped, not the first to pass the timeout."""
+    tracker = PeerTracker(2, CONFIG, started=0.0)
+    tracker.observe(0, {"seq": 1, "step": 9, "progress": 9}, 1.0)
+    tracker.observe(1, {"seq": 1, "step": 8, "progress": 8}, 5.0)  # published late
+    for t in range(6, 104):
+        tracker.observe(0, {"seq": t, "step": 9, "progress": 9}, float(t))
+        tracker.observe(1, {"seq": t, "step": 8, "progress": 8}, float(t))
+    assert tracker.judge(103.0) is not None  # rank 0 is past the timeout, rank 1 not yet
+    failure = tracker.judge(103.0)
+    assert failure is not None and failure.kind == "hung" and failure.rank == 1, failure
+
+
+def test_a_rank_still_progressing_is_not_blamed_for_another_hang() -> None:
+    tracker = PeerTracker(2, CONFIG, started=0.0)
+    for t in range(0, 200):
+        tracker.observe(0, {"seq": t, "step": 5, "progress": 5}, float(t))
+        tracker.observe(1, {"seq": t, "step": 1 + t // 50, "progress": 1 + t // 50}, float(t))
+    failure = tracker.judge(199.0)  # rank 1 has fewer batches, but it still progresses
+    assert failure is not None and failure.rank == 0, failure

@@ -52,8 +52,9 @@ class StoreConfig:
         max_in_flight: saves that may be queued or running in the background; ``save`` blocks
             (back-pressure) while this many are pending. Each holds one snapshot of the state in
             host memory. Default 1.
-        workers: threads that hash, encode, compress and write in the background (zstd, numpy
-            and file I/O release the GIL). Default 2.
+        workers: threads that encode and compress in the background, and decode on restore
+            (zstd and numpy release the GIL). Packs are written by two threads of their own, so
+            that a write blocked in fsync leaves no core idle. Default 2.
         pack_size: encoded chunks are appended to pack objects of about this size, so a save of
             thousands of small tensors writes a few objects, not thousands. Packs are written while
             later chunks are still being encoded: smaller packs overlap more and hold less in

@@ -32,6 +32,7 @@ raw (the tail).
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 
@@ -137,14 +138,21 @@ def _coded_size(resid: np.ndarray, level: int) -> int:
 
 
 def _sample(elems: np.ndarray) -> np.ndarray:
-    n = elems.size
+    return _sample_of(elems.size)
+
+
+@functools.lru_cache(maxsize=64)
+def _sample_of(n: int) -> np.ndarray:
+    """The sample's element indices in a chunk of ``n`` elements (read-only: shared)."""
     length = min(SAMPLE_SLICE, max(SAMPLE_SLICE_MIN, n // 256))
     if n < 2 * SAMPLE_SLICES * length:
-        return np.arange(n)
-    stride = n // SAMPLE_SLICES
-    return np.concatenate(
-        [np.arange(i * stride, i * stride + length) for i in range(SAMPLE_SLICES)]
-    )
+        idx = np.arange(n)
+    else:
+        stride = n // SAMPLE_SLICES
+        slices = [np.arange(i * stride, i * stride + length) for i in range(SAMPLE_SLICES)]
+        idx = np.concatenate(slices)
+    idx.flags.writeable = False
+    return idx
 
 
 def choose_predictor(

@@ -112,7 +112,7 @@ def estimate_scale(elems: np.ndarray, base: np.ndarray) -> float:
     middle = ratio.size // 2
     ratio.partition((middle - 1, middle) if ratio.size % 2 == 0 else middle)
     median = ratio[middle] if ratio.size % 2 else (ratio[middle - 1] + ratio[middle]) / 2
-    return float(np.float32(np.clip(median, 0.5, 2.0)))
+    return float(np.float32(min(2.0, max(0.5, float(median)))))
 
 
 def predict(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_incremental.core import CheckpointStore, ConfigError
+from lightning_incremental.core import CheckpointStore, ConfigError, codecs
 from lightning_incremental.core import decoder as dec
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal, small_store
@@ -267,3 +267,61 @@ def test_scratch_buffers_are_reused_per_thread_up_to_a_size() -> None:
     big = dec.KEEP_MAX + 16
     assert not np.shares_memory(scratch.get(2, big), scratch.get(2, big))  # not kept
     assert all(b is None or b.size <= dec.KEEP_MAX for b in scratch.buffers)
+
+
+def test_sparse_update_chains_are_xor_and_restore_by_planes(tmp_path: Path) -> None:
+    """Rows of an embedding updated here and there: XOR codes them as small as the arithmetic
+    predictors, so the chunks chain by XOR, and a chain decodes in one pass (its links' planes
+    XORed, ungrouped once), equal to the link-by-link decoding and to the state saved."""
+    store = small_store(str(tmp_path / "s"), xor_delta=True, max_chain_ratio=100.0)
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(512, 64, generator=g)
+    for step in range(1, 6):
+        rows = torch.randint(0, 512, (8,), generator=g)
+        table = table.clone()
+        table[rows] += 1e-2 * torch.randn(8, 64, generator=g)
+        store.save({"emb": table}, step).wait()
+    doc = store.manifest()
+    deltas = [r for r in doc.chunks.values() if r.base is not None]
+    assert deltas and max(r.depth for r in deltas) >= 3
+    reader = dec.ObjectReader(store.storage, doc, "t")
+    for plan in reader.plan(set(doc.chunks)):
+        reader.read(plan)
+    for digest in doc.tensors[0].chunks:
+        chain = dec.closure(digest, doc.chunks)
+        if len(chain) < 2:
+            continue
+        for link in chain:
+            payload = reader.blobs[link]
+            assert codecs.planes.header(payload)["predictor"] in (
+                codecs.predict.NONE,
+                codecs.predict.XOR,
+            )
+        size = doc.chunks[digest].size
+        folded = np.zeros(size, dtype=np.uint8)
+        width = doc.chunks[digest].width
+        assert dec._decode_planes(chain, doc.chunks, reader.blobs, folded, width, "t")
+        by_links = np.zeros(size, dtype=np.uint8)
+        dec._decode_links(chain, doc.chunks, reader.blobs, by_links, "t")
+        assert folded.tobytes() == by_links.tobytes()
+    assert torch.equal(store.load()["emb"], table)
+    store.close()
+
+
+def test_dense_updates_keep_the_arithmetic_predictor_and_restore_link_by_link(
+    tmp_path: Path,
+) -> None:
+    store, state = _chain_store(str(tmp_path / "s"), 3)
+    doc = store.manifest()
+    reader = dec.ObjectReader(store.storage, doc, "t")
+    for plan in reader.plan(set(doc.chunks)):
+        reader.read(plan)
+    predictors = {
+        codecs.planes.header(reader.blobs[d])["predictor"]
+        for d, r in doc.chunks.items()
+        if r.base is not None
+    }
+    assert codecs.predict.SUB in predictors  # wins by more than the XOR margin
+    loaded = store.load()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    store.close()

@@ -16,8 +16,9 @@ them (``PLANE_PARAMS``): as small as level 1 and up to twice as fast on sign/exp
 
 Registered as two codecs: ``p`` (standalone) and ``pd`` (against a base). ``pd`` weighs its
 predictors against coding the chunk standalone and declines (returns None) when standalone
-wins, so the encoder never codes a chunk both ways (see ``Codec.standalone``). A ``pd`` chain
-does not combine by XOR (``planes`` returns None): restore decodes it link by link.
+wins, so the encoder never codes a chunk both ways (see ``Codec.standalone``). A chain of
+standalone and XOR links combines by XOR of their planes (``Codec.planes``) and restores in
+one pass; a link with an arithmetic predictor is decoded link by link.
 
 Payload layout (little endian)::
 
@@ -57,6 +58,12 @@ TUNED_LEVEL = 1  # the compression level coded with PLANE_PARAMS
 # Elements predicted and split into planes (or assembled and unpredicted) per pass: the several
 # passes over a block stay in cache, and the scratch memory per thread is a block, not a chunk.
 BLOCK = 1 << 17
+# A delta predictor that saves less than this fraction of the chunk's raw size over XOR loses to
+# it: a chain of XOR deltas restores in one pass (their planes XOR together, see ``grouped``),
+# an arithmetic one link by link. Sparse updates (most elements unchanged) code about the same
+# either way and chain deepest (up to max_chain links); under dense updates the arithmetic
+# predictors save more (weights about 3 % of the raw size, second moments more): they stay.
+XOR_MARGIN = 0.02
 
 # A sign/exponent plane is mostly an i.i.d. stream of a few symbols: its gain comes from zstd's
 # Huffman-coded literals, and short matches only cost time.
@@ -159,7 +166,9 @@ def choose_predictor(
     elems: np.ndarray, base: np.ndarray | None, level: int = TUNED_LEVEL
 ) -> tuple[int, float]:
     """The predictor (and scale factor) whose residual codes smallest on a sample of the chunk;
-    ties go to ``none`` (no dependency on the base), then ``sub``, then ``xor``."""
+    ties go to ``none`` (no dependency on the base), then ``sub``; ``xor`` wins whenever a
+    winning delta predictor saves less than ``XOR_MARGIN`` of the sample's raw size over it
+    (its chains restore in one pass)."""
     if base is None:
         return pr.NONE, 1.0
     idx = _sample(elems)
@@ -171,7 +180,10 @@ def choose_predictor(
             candidates.append((pr.SCALED, factor))
     resid = scratch("resid", e.size, e.dtype)
     sizes = [_coded_size(pr.predict(e, b, p, f, out=resid), level) for p, f in candidates]
-    return candidates[sizes.index(min(sizes))]
+    best = sizes.index(min(sizes))
+    if candidates[best][0] != pr.NONE and sizes[2] - sizes[best] <= XOR_MARGIN * e.nbytes:
+        return pr.XOR, 1.0  # nearly as small, and its chains restore in one pass
+    return candidates[best]
 
 
 def encode(
@@ -267,31 +279,25 @@ def header(payload: bytes | memoryview) -> dict[str, int | float]:
     }
 
 
-def decode_into(
-    payload: bytes | memoryview, out: np.ndarray, base: np.ndarray | None = None
-) -> np.ndarray:
-    """Decode ``payload`` into ``out`` (uint8, exactly the chunk's size); returns ``out``.
+def _read_planes(
+    payload: bytes | memoryview, h: dict[str, int | float]
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """The byte planes of a payload (raw planes as views of it, zstd planes decompressed) and
+    its tail bytes.
 
     Raises:
-        ValueError: not a valid payload of ``out.size`` bytes, or a delta without its base.
+        ValueError: a truncated or malformed payload.
     """
-    h = header(payload)
     view = memoryview(payload)
     size, itemsize, tail = int(h["size"]), int(h["itemsize"]), int(h["tail"])
-    predictor = int(h["predictor"])
-    if out.size != size:
-        raise ValueError(f"payload holds {size} bytes, out has {out.size}")
-    if predictor != pr.NONE and (base is None or base.size != size):
-        raise ValueError("delta payload without a base of the same size")
-    body = size - tail
-    n = body // itemsize
-    pos = _HEAD.size + (_SCALE.size if predictor == pr.SCALED else 0)
+    n = (size - tail) // itemsize
+    pos = _HEAD.size + (_SCALE.size if h["predictor"] == pr.SCALED else 0)
     count = int(h["planes"])
     if len(view) < pos + count * _PLANE.size + tail:
         raise ValueError("payload truncated")
     table = [_PLANE.unpack_from(view, pos + i * _PLANE.size) for i in range(count)]
     pos += count * _PLANE.size
-    out[body:] = np.frombuffer(view[pos : pos + tail], dtype=np.uint8)
+    tail_bytes = np.frombuffer(view[pos : pos + tail], dtype=np.uint8)
     pos += tail
     planes = []
     for method, length in table:
@@ -309,6 +315,28 @@ def decode_into(
             raise ValueError(f"unknown plane method {method}")
     if pos != len(view):
         raise ValueError("trailing bytes after the last plane")
+    return planes, tail_bytes
+
+
+def decode_into(
+    payload: bytes | memoryview, out: np.ndarray, base: np.ndarray | None = None
+) -> np.ndarray:
+    """Decode ``payload`` into ``out`` (uint8, exactly the chunk's size); returns ``out``.
+
+    Raises:
+        ValueError: not a valid payload of ``out.size`` bytes, or a delta without its base.
+    """
+    h = header(payload)
+    size, itemsize, tail = int(h["size"]), int(h["itemsize"]), int(h["tail"])
+    predictor = int(h["predictor"])
+    if out.size != size:
+        raise ValueError(f"payload holds {size} bytes, out has {out.size}")
+    if predictor != pr.NONE and (base is None or base.size != size):
+        raise ValueError("delta payload without a base of the same size")
+    planes, tail_bytes = _read_planes(payload, h)
+    body = size - tail
+    n = body // itemsize
+    out[body:] = tail_bytes
     elems = out[:body].view(_UINT[itemsize])
     base_elems = base[:body].view(_UINT[itemsize]) if base is not None else None
     for start in range(0, n, BLOCK):  # as encode: block by block
@@ -317,6 +345,29 @@ def decode_into(
         if predictor != pr.NONE:
             assert base_elems is not None
             pr.unpredict(elems[start:stop], base_elems[start:stop], predictor, float(h["factor"]))
+    return out
+
+
+def grouped(payload: bytes | memoryview, size: int) -> np.ndarray | None:
+    """The chunk as its byte planes concatenated — the grouped domain of
+    :func:`~.bytes.group_bytes` — when the payload is standalone or an XOR delta without tail
+    bytes: the links of an XOR chain then combine by XOR of their planes, and the chain is
+    ungrouped once. None for the arithmetic predictors.
+
+    Raises:
+        ValueError: a malformed payload, or one of another size.
+    """
+    h = header(payload)
+    if int(h["size"]) != size:
+        raise ValueError(f"payload holds {h['size']} bytes, expected {size}")
+    if h["predictor"] not in (pr.NONE, pr.XOR) or h["tail"]:
+        return None
+    planes, _ = _read_planes(payload, h)
+    out = np.empty(size, dtype=np.uint8)
+    if size:
+        grid = out.reshape(int(h["itemsize"]), -1)
+        for k, plane in enumerate(planes):
+            grid[k] = plane
     return out
 
 
@@ -336,6 +387,11 @@ class Planes(Codec):
         if header(payload)["predictor"] != pr.NONE:
             raise ValueError("a standalone chunk holds a delta payload")
         decode_into(payload, out, None)
+
+    def planes(self, payload: bytes | memoryview, size: int) -> np.ndarray | None:
+        if header(payload)["predictor"] != pr.NONE:
+            raise ValueError("a standalone chunk holds a delta payload")
+        return grouped(payload, size)
 
 
 class PlanesDelta(Codec):
@@ -368,6 +424,11 @@ class PlanesDelta(Codec):
         if header(payload)["predictor"] == pr.NONE:
             raise ValueError("a delta chunk holds a standalone payload")
         decode_into(payload, out, base)
+
+    def planes(self, payload: bytes | memoryview, size: int) -> np.ndarray | None:
+        if header(payload)["predictor"] == pr.NONE:
+            raise ValueError("a delta chunk holds a standalone payload")
+        return grouped(payload, size)
 
 
 PLANES = register(Planes())

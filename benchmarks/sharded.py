@@ -234,7 +234,7 @@ def _restore(system: str, target: dict[str, Any], work: Path, step: int) -> dict
 def _held(store: Any) -> int:
     """Host bytes the store keeps between saves: the XOR base (the last snapshot) and the
     recycled snapshot buffers."""
-    base = store._base
+    base = store._engine.base
     parent = base.parent
     kept = sum(t.numel() * t.element_size() for t in parent.buffers) if parent else 0
     return int(kept + base.pool.nbytes)

@@ -413,7 +413,8 @@ def test_dropped_store_threads_end_when_idle(tmp_path: Path) -> None:
     assert _li_threads() <= baseline
     store = CheckpointStore(tmp_path / "s", workers=2)
     store.save({"w": torch.ones(3)}, 1).wait()
-    workers = store._pool.threads() + store._queue.threads()
+    workers = store._pool.threads() + store._queue.threads() + store._engine.writer.threads()
+    assert store._engine.writer.threads(), "packs are written on writer threads of their own"
     assert workers and all(t.daemon for t in workers)
     for thread in workers:  # nobody closed the store: the threads end when idle
         thread.join(60)

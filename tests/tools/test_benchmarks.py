@@ -163,3 +163,24 @@ def test_quality_and_durable_benchmarks_run(tmp_path: Path) -> None:
     assert quality["summary"]["exact"]["max_rel_diff"] == 0.0  # an exact resume is exact
     assert {"exact", "bf16", "int8"} < set(quality["summary"])
     assert json.loads((tmp_path / "durable.json").read_text())[0]["fewer_bytes"] > 1.0
+
+
+@pytest.mark.slow
+def test_sharded_and_codec_profile_benchmarks_run(tmp_path: Path) -> None:
+    """The sharded benchmark (two torchrun launches: save, then restore resharded) and the
+    codec profile end to end, on tiny states: they reach into the store's parts and the codec
+    registry, which a refactoring can move."""
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.sharded", "--mb", "4", "--checkpoints", "2",
+         "--restores", "1", "--out", str(tmp_path)],
+        check=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    report = json.loads((tmp_path / "sharded.json").read_text())
+    assert report
+    profile = tmp_path / "profile.md"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.codec_profile", "--quick", "--scenarios", "dense_fp32",
+         "--chunks", "1", "--repeats", "1", "--markdown", str(profile)],
+        check=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert "single-thread MB/s" in profile.read_text()

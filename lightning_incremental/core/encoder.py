@@ -1,7 +1,8 @@
 """The save pipeline after the snapshot: hash, reuse, choose a codec, encode, pack, write.
 
-Runs on the store's background thread; CPU-heavy work (compression, XOR, byte grouping) and the
-object writes are spread over the store's worker pool — zstd, numpy and file I/O release the GIL.
+Runs on the store's background thread; CPU-heavy work (prediction, byte planes, compression) is
+spread over the store's worker pool and the pack writes over its writer threads — zstd, numpy
+and file I/O release the GIL.
 Every encoding goes through the codec registry (:mod:`~lightning_incremental.core.codecs`).
 """
 
@@ -140,8 +141,8 @@ def _since(start: float) -> float:
 class _PackWriter:
     """Appends encoded chunks to pack objects and writes full packs in the background.
 
-    A pack is joined, hashed (its name) and written on a worker, off the thread that schedules
-    the encoding; its chunks join the tables when its write has completed."""
+    A pack is assembled, hashed (its name) and written on a writer thread, off the thread that
+    schedules the encoding; its chunks join the tables when its write has completed."""
 
     def __init__(self, storage: Storage, pool: Executor, pack_size: int, out: Encoded) -> None:
         self.storage, self.pool, self.pack_size, self.out = storage, pool, pack_size, out

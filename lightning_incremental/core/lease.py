@@ -35,6 +35,7 @@ create-only write the sequence race narrows but does not close (as for fencing).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -317,6 +318,7 @@ class _Held:
 def _heartbeat(held: _Held, stop: threading.Event) -> None:
     while not stop.wait(held.ttl_s / 4):
         try:
+            _release_dropped()
             held.beat()
         except Exception as exc:  # a full disk or an outage: retried at the next beat
             log.warning("writer lease heartbeat of %s failed (retrying): %s", held.storage.url, exc)
@@ -324,6 +326,24 @@ def _heartbeat(held: _Held, stop: threading.Event) -> None:
 
 _REGISTRY: dict[str, _Held] = {}
 _REGISTRY_LOCK = threading.Lock()
+# Leases of stores dropped (garbage-collected) while the registry was busy: released by the next
+# acquire or release in this process, by a lease heartbeat, or at exit. list.append and pop
+# need no lock.
+_DROPPED: list[Lease] = []
+
+
+def _release_dropped() -> None:
+    """Release the leases whose stores were dropped while the registry was busy. Never called
+    with the registry lock held."""
+    while _DROPPED:
+        try:
+            lease = _DROPPED.pop()
+        except IndexError:  # another thread took the last one
+            return
+        lease.release()
+
+
+atexit.register(_release_dropped)  # after weakref.finalize's exit hook (registered later)
 
 
 def _live_here(owner: str) -> bool:
@@ -350,6 +370,7 @@ class Lease:
         Raises:
             WriterLeaseError: another process holds it, or this one lost it.
         """
+        _release_dropped()
         held = self._held
         if held is None:
             with _REGISTRY_LOCK:
@@ -368,13 +389,34 @@ class Lease:
     def release(self) -> None:
         """This store object is done writing; the lease goes when no store of this process
         on the location still uses it."""
-        held, self._held = self._held, None
+        self._release(blocking=True)
+        _release_dropped()
+
+    def dropped(self) -> None:
+        """:meth:`release` for a store dropped without ``close`` (its finalizer). Garbage
+        collection runs it on whatever thread allocates, possibly one inside :meth:`acquire`
+        holding the registry lock: it never waits for that lock — when the registry is busy the
+        release is deferred to the next acquire or release in this process, a lease heartbeat
+        (within a quarter of the TTL) or the exit."""
+        if not self._release(blocking=False):
+            _DROPPED.append(self)
+
+    def _release(self, *, blocking: bool) -> bool:
+        """Leave the registry (and release the lease when this was its last user); False when
+        not ``blocking`` and the registry is busy (nothing done)."""
+        held = self._held
         if held is None:
-            return
-        with _REGISTRY_LOCK:
+            return True
+        if not _REGISTRY_LOCK.acquire(blocking=blocking):
+            return False
+        try:
+            self._held = None
             held.users -= 1
             last = held.users <= 0
             if last and _REGISTRY.get(self.storage.url) is held:
                 del _REGISTRY[self.storage.url]
+        finally:
+            _REGISTRY_LOCK.release()
         if last:
             held.release()
+        return True

@@ -94,8 +94,8 @@ class CheckpointStore:
             collective_timeout_s=collective_timeout_s,
         )
         # Released on close, or when this store is dropped without close (the finalizer holds
-        # the lease, not the store).
-        weakref.finalize(self, engine.lease.release)
+        # the lease, not the store; it may run inside garbage collection: see Lease.dropped).
+        weakref.finalize(self, engine.lease.dropped)
         self._group, self._queue, self._pool = engine.group, engine.queue, engine.pool
         self._history, self._lease, self._fencing = engine.history, engine.lease, engine.fencing
         self._committer, self._retention = engine.committer, engine.retention

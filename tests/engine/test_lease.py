@@ -10,7 +10,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -224,3 +226,45 @@ def test_two_processes_writing_one_store(local_url: str) -> None:
             if child.poll() is None:
                 child.kill()
                 child.wait(60)
+
+
+def test_a_store_collected_while_another_takes_the_lease_does_not_deadlock(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Garbage collection can run a dropped store's finalizer on any thread, at any allocation —
+    also inside ``Lease.acquire`` while it holds the registry lock (it allocates the lease's
+    record). The finalizer then must not wait for that lock: its release is deferred, done by
+    the next acquire or release, and the lease of the dropped store is released all the same."""
+    dropped = small_store(str(tmp_path / "a"))
+    dropped.save({"w": torch.ones(4)}, 1).wait()
+    (finalizer,) = [  # the finalizer the store registered, as garbage collection would run it
+        f
+        for f in weakref.finalize._registry
+        if (f.peek() or (None,))[0] is dropped  # type: ignore[attr-defined]
+    ]
+    original = lease_mod._Held.__init__
+
+    def held_init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        finalizer()  # as a garbage collection inside the registry's critical section would
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(lease_mod._Held, "__init__", held_init)
+    result: list[BaseException | None] = []
+
+    def take() -> None:
+        try:
+            with small_store(str(tmp_path / "b")) as other:
+                other.save({"w": torch.ones(4)}, 1).wait()
+            result.append(None)
+        except BaseException as exc:  # pragma: no cover - reported below
+            result.append(exc)
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    thread.join(20)  # a second, when it does not deadlock
+    assert not thread.is_alive(), "deadlock: the finalizer waited for the registry lock"
+    assert result == [None]
+    monkeypatch.setattr(lease_mod._Held, "__init__", original)
+    records = sorted((tmp_path / "a" / "lease").iterdir())
+    assert json.loads(records[-1].read_text())["released"] is True
+    assert not lease_mod._DROPPED

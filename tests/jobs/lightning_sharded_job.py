@@ -219,3 +219,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # As a training script should: a gloo group left for the interpreter's teardown can abort
+    # the process ("terminate called without an active exception") after all work is done.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

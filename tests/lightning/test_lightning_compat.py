@@ -412,7 +412,7 @@ def test_dropped_store_threads_end_when_idle(tmp_path: Path) -> None:
         store.save({"w": torch.ones(3)}, 0).wait()
     assert _li_threads() <= baseline
     store = CheckpointStore(tmp_path / "s", workers=2)
-    store.save({"w": torch.ones(3)}, 1).wait()
+    store.save({"w": torch.full((3,), 2.0)}, 1).wait()  # new bytes: a pack is written
     workers = store._pool.threads() + store._queue.threads() + store._engine.writer.threads()
     assert store._engine.writer.threads(), "packs are written on writer threads of their own"
     assert workers and all(t.daemon for t in workers)

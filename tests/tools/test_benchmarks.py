@@ -13,17 +13,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
+def _bench(*args: str, timeout: float = 300) -> str:
+    """Run ``python -m <args>`` from the repository root; fail with its output if it fails,
+    else return its standard output."""
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
+    _bench("benchmarks", "--quick", "--out", str(tmp_path))
     doc = json.loads((tmp_path / "quick.json").read_text())
     assert {"cpu_count", "ram_bytes", "torch", "python"} <= set(doc["machine"])
     records = doc["records"]
@@ -58,30 +65,21 @@ def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_replica_check_benchmark_runs_over_two_ranks(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.replica_check", "--quick", "--repeats", "1",
-         "--json", str(tmp_path / "r.json")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
+    stdout = _bench(
+        "benchmarks.replica_check", "--quick", "--repeats", "1", "--json", str(tmp_path / "r.json")
+    )
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["ranks"] == 2 and result["tensors"] > 10
     assert result["state_bytes"] > 1_000_000
-    assert "check / training step" in out.stdout
+    assert "check / training step" in stdout
 
 
 @pytest.mark.slow
 def test_restore_benchmark_runs_every_system(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.restore", "--quick", "--repeats", "1", "--chains",
-         "1", "2", "--dir", str(tmp_path / "r"), "--json", str(tmp_path / "r.json")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    _bench(
+        "benchmarks.restore", "--quick", "--repeats", "1", "--chains", "1", "2",
+        "--dir", str(tmp_path / "r"), "--json", str(tmp_path / "r.json"),
     )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     systems = {(r["system"], r["chain"], r["cold"]) for r in rows}
     for cold in (False, True):
@@ -150,15 +148,7 @@ def test_quality_and_durable_benchmarks_run(tmp_path: Path) -> None:
         ],
         ["benchmarks.durable", "--sizes", "8", "--repeats", "1", "--interval", "2"],
     ):
-        out = subprocess.run(
-            [sys.executable, "-m", *args, "--out", str(tmp_path)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
+        _bench(*args, "--out", str(tmp_path))
     quality = json.loads((tmp_path / "quality.json").read_text())
     assert quality["summary"]["exact"]["max_rel_diff"] == 0.0  # an exact resume is exact
     assert {"exact", "bf16", "int8"} < set(quality["summary"])
@@ -170,17 +160,15 @@ def test_sharded_and_codec_profile_benchmarks_run(tmp_path: Path) -> None:
     """The sharded benchmark (two torchrun launches: save, then restore resharded) and the
     codec profile end to end, on tiny states: they reach into the store's parts and the codec
     registry, which a refactoring can move."""
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.sharded", "--mb", "4", "--checkpoints", "2",
-         "--restores", "1", "--out", str(tmp_path)],
-        check=True, cwd=ROOT, timeout=600,
+    _bench(
+        "benchmarks.sharded", "--mb", "4", "--checkpoints", "2", "--restores", "1",
+        "--out", str(tmp_path), timeout=600,
     )  # fmt: skip
     report = json.loads((tmp_path / "sharded.json").read_text())
     assert report
     profile = tmp_path / "profile.md"
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.codec_profile", "--quick", "--scenarios", "dense_fp32",
-         "--chunks", "1", "--repeats", "1", "--markdown", str(profile)],
-        check=True, cwd=ROOT, timeout=600,
+    _bench(
+        "benchmarks.codec_profile", "--quick", "--scenarios", "dense_fp32", "--chunks", "1",
+        "--repeats", "1", "--markdown", str(profile), timeout=600,
     )  # fmt: skip
     assert "single-thread MB/s" in profile.read_text()

@@ -33,7 +33,7 @@ from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.decoder import ChunkTarget, restore_chunks
 from lightning_incremental.core.delta_base import DeltaBase, Parent
-from lightning_incremental.core.encoder import Encoded, encode
+from lightning_incremental.core.encoder import Encoded, Hints, encode
 from lightning_incremental.core.errors import (
     CorruptCheckpointError,
     FencedError,
@@ -169,6 +169,7 @@ class Committer:
         self.storage, self.config, self.pool = storage, config, pool
         self.writer = writer if writer is not None else pool
         self.fencing, self.lease, self.history, self.base = fencing, lease, history, base
+        self.hints = Hints()  # how each place was coded last: the next save skips the race
 
     # ------------------------------------------------------------------ phase 1
 
@@ -200,6 +201,7 @@ class Committer:
                 pool=self.pool,
                 writer=self.writer,
                 avoid=avoid,
+                hints=self.hints,
             )
             adopted = {p: enc.packs[p] for p in set(enc.packs) - enc.written}
             vanished = sorted(p for p in adopted if not self.storage.exists(p))

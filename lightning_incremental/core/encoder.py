@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_incremental.core import codecs
-from lightning_incremental.core.codecs import Codec, chunk_hash
+from lightning_incremental.core.codecs import Codec, Hint, chunk_hash
 from lightning_incremental.core.codecs.bytes import gather
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.decoder import ObjectReader, decode_chunk
@@ -62,6 +63,8 @@ class _Task:
     # No base in memory: decode the parent's chunk ``base_digest`` from storage (on the worker)
     fetch: Callable[[str], np.ndarray | None] | None = None
     lossy: Codec | None = None  # the lossy codec configured for this tensor, if any
+    place: tuple[str, int] = ("", 0)  # tensor key, chunk index
+    hint: Hint | None = None  # how the same place was coded last time (see Hints)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class _Payload:
     blob: bytes | memoryview
     decoded: str | None  # hash of the decoded bytes, for a lossy codec
     seconds: float
+    hint: Hint | None = None  # the delta codec's choice, for the next save
 
 
 def _encode_task(task: _Task, level: int, max_chain_ratio: float) -> _Payload:
@@ -95,8 +99,10 @@ def _encode_task(task: _Task, level: int, max_chain_ratio: float) -> _Payload:
     if task.base_recipe is None:
         base = None
     budget = max_chain_ratio * raw.size - (task.base_recipe.chain if task.base_recipe else 0)
-    codec, blob = codecs.encode_best(raw, base, task.width, level, delta_budget=budget)
-    return _Payload(codec, blob, None, _since(start))
+    codec, blob, hint = codecs.encode_choice(
+        raw, base, task.width, level, delta_budget=budget, hint=task.hint
+    )
+    return _Payload(codec, blob, None, _since(start), hint)
 
 
 def _lossy_delta(
@@ -136,6 +142,47 @@ def _lossy_delta(
 
 def _since(start: float) -> float:
     return time.perf_counter() - start
+
+
+HINT_TTL = 8  # saves a remembered choice is reused before its place is raced again
+
+
+class Hints:
+    """How each place (tensor key, chunk index) was delta-coded at its last save — the
+    predictor, or standalone — and for how many saves that choice has been reused.
+
+    A changed chunk is coded the way its place was last time, without the sample race
+    (about a fifth of the encoding of dense updates), and raced again every ``HINT_TTL``
+    saves; first races are spread over that many saves, so re-races do not all fall on one.
+    The winning choice of a place rarely changes between checkpoints: reusing it cost under
+    0.1 % of the bytes on dense fp32 training, in some saves less than racing anew (the race
+    itself only looks at a sample). Advisory: a hint decides how a chunk is coded, never
+    whether it decodes; a store starts without hints (after a restart, every place races)."""
+
+    def __init__(self) -> None:
+        self._places: dict[tuple[str, int], tuple[Hint, int]] = {}
+
+    def get(self, place: tuple[str, int]) -> Hint | None:
+        """The choice to reuse at ``place``, or None (race)."""
+        known = self._places.get(place)
+        return known[0] if known is not None and known[1] < HINT_TTL else None
+
+    def update(self, made: Mapping[tuple[str, int], tuple[Hint, bool]], keys: set[str]) -> None:
+        """One save coded ``made`` (place -> its choice, and whether that was a reused hint);
+        places of tensors not in ``keys`` (gone from the state) are forgotten."""
+        places = {p: v for p, v in self._places.items() if p[0] in keys}
+        for place, (hint, reused) in made.items():
+            known = places.get(place)
+            if reused and known is not None:
+                places[place] = (hint, known[1] + 1)
+            elif known is not None:  # raced again
+                places[place] = (hint, 0)
+            else:  # first race: spread the next one over HINT_TTL saves
+                places[place] = (
+                    hint,
+                    zlib.crc32(f"{place[0]}:{place[1]}".encode()) % max(HINT_TTL, 1),
+                )
+        self._places = places
 
 
 class _PackWriter:
@@ -243,11 +290,13 @@ def encode(
     pool: Executor,
     writer: Executor | None = None,
     avoid: set[str] | frozenset[str] = frozenset(),
+    hints: Hints | None = None,
 ) -> Encoded:
     """Encode and write the data of one checkpoint; returns its manifest tables once every object
     it wrote is durable. Writes nothing visible: the caller commits the manifest. Chunks are
     encoded on ``pool``, packs written on ``writer`` (default: ``pool``). Chunks whose chain
-    touches an object in ``avoid`` (found damaged) are neither reused nor delta bases."""
+    touches an object in ``avoid`` (found damaged) are neither reused nor delta bases. ``hints``:
+    the store's memory of how each place was coded (read, and updated when this save is done)."""
     parent_chunks: Mapping[str, ChunkRecipe] = parent.manifest.chunks if parent else {}
     if avoid:
         whole = parent_chunks
@@ -271,6 +320,7 @@ def encode(
         fetch = BaseReader(storage, parent.manifest, parent_chunks).read
     window: deque[tuple[Future[_Payload], _Task]] = deque()
     scheduled: set[str] = set()
+    made: dict[tuple[str, int], tuple[Hint, bool]] = {}
 
     def adopt(digest: str) -> None:
         while digest not in out.chunks:
@@ -287,6 +337,8 @@ def encode(
             fut, task = window.popleft()
             done = fut.result()
             out.encode_s += done.seconds
+            if done.hint is not None:
+                made[task.place] = (done.hint, done.hint == task.hint)
             recipe = ChunkRecipe(
                 kind=done.codec.kind,
                 pack="",
@@ -362,6 +414,8 @@ def encode(
                         else:
                             task.fetch = fetch
                         task.base_digest, task.base_recipe = base_digest, base_recipe
+                        task.place = (leaf.key, index)
+                        task.hint = hints.get(task.place) if hints is not None else None
                 scheduled.add(digest)
                 window.append(
                     (
@@ -388,6 +442,8 @@ def encode(
             )
         drain(0)
         pack.finish()
+        if hints is not None:
+            hints.update(made, {leaf.key for leaf in leaves})
     except BaseException:
         for fut, _ in window:
             fut.cancel()

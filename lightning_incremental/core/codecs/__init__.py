@@ -10,7 +10,7 @@ from lightning_incremental.core.codecs.bytes import (
     group_width,
     ungroup_bytes,
 )
-from lightning_incremental.core.codecs.choose import encode_best
+from lightning_incremental.core.codecs.choose import Hint, encode_best, encode_choice
 from lightning_incremental.core.codecs.registry import (
     Codec,
     automatic,
@@ -44,11 +44,13 @@ __all__ = [
     "STANDALONE",
     "XOR",
     "Codec",
+    "Hint",
     "automatic",
     "chunk_hash",
     "decode",
     "delta_of",
     "encode_best",
+    "encode_choice",
     "get",
     "group_bytes",
     "group_width",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,6 +25,15 @@ SAMPLE_MIN = 256 << 10
 SAMPLE_SLICES = 4
 SAMPLE_SLICE = 16 << 10
 SAMPLE_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class Hint:
+    """A delta codec's choice for one chunk (see ``Codec.choice``), to code the same place of
+    the next checkpoint the same way."""
+
+    kind: str
+    choice: int
 
 
 def _sample(data: np.ndarray) -> np.ndarray:
@@ -50,11 +60,39 @@ def encode_best(
     Raises:
         ValueError: no candidate applies (there is no standalone codec among them).
     """
+    codec, payload, _ = encode_choice(
+        raw, base, width, level, delta_budget=delta_budget, candidates=candidates
+    )
+    return codec, payload
+
+
+def encode_choice(
+    raw: np.ndarray,
+    base: np.ndarray | None,
+    width: int,
+    level: int,
+    *,
+    delta_budget: float = math.inf,
+    candidates: Sequence[Codec] | None = None,
+    hint: Hint | None = None,
+) -> tuple[Codec, bytes | memoryview, Hint | None]:
+    """:func:`encode_best`, and the choice the delta codec made (see ``Codec.choice``) when one
+    self-weighing delta codec (one that names its ``standalone`` codec) was coded in full:
+    given back as ``hint``, the same place of the next checkpoint is coded that way without
+    choosing again. A ``hint`` for a codec that is not among the candidates is ignored."""
     everything = registry.automatic() if candidates is None else list(candidates)
     pool = [c for c in everything if base is not None or not c.needs_base]
     covered = {c.standalone for c in pool if c.needs_base and c.standalone}
     fallback = [c for c in pool if c.kind in covered]
     pool = [c for c in pool if c.kind not in covered]
+
+    def code(
+        codec: Codec, data: np.ndarray, against: np.ndarray | None
+    ) -> bytes | memoryview | None:
+        if hint is not None and hint.kind == codec.kind:
+            return codec.encode_as(data, against, width=width, level=level, choice=hint.choice)
+        return codec.encode(data, against, width=width, level=level)
+
     if fallback and delta_budget < raw.size * (1 + SAMPLE_MARGIN) and raw.size >= SAMPLE_MIN:
         # Near the chain bound: a delta whose sample already projects past it is not coded.
         # (Further from it the projection is not worth its cost: a delta codec that names a
@@ -62,7 +100,7 @@ def encode_best(
         s_raw, s_base = _sample(raw), _sample(base) if base is not None else None
         scale = raw.size / s_raw.size
         for codec in [c for c in pool if c.needs_base and c.standalone in covered]:
-            payload = codec.encode(s_raw, s_base, width=width, level=level)
+            payload = code(codec, s_raw, s_base)
             if payload is None or len(payload) * scale > delta_budget * (1 + SAMPLE_MARGIN):
                 pool.remove(codec)
     if len(pool) > 1 and raw.size >= SAMPLE_MIN:
@@ -77,8 +115,12 @@ def encode_best(
             best = min(sizes.values())
             pool = [c for c in pool if sizes.get(c.kind, 0) * (1 - SAMPLE_MARGIN) <= best]
     chosen: tuple[Codec, bytes | memoryview] | None = None
+    made: Hint | None = None
     for codec in pool:
-        payload = codec.encode(raw, base, width=width, level=level)
+        payload = code(codec, raw, base)
+        if len(pool) == 1 and codec.needs_base and codec.standalone:
+            choice = codec.choice(payload)
+            made = Hint(codec.kind, choice) if choice is not None else None
         if payload is None or (codec.needs_base and len(payload) > delta_budget):
             continue
         if chosen is None or len(payload) < len(chosen[1]):
@@ -88,6 +130,6 @@ def encode_best(
             if not codec.needs_base:
                 payload = codec.encode(raw, None, width=width, level=level)
                 if payload is not None:
-                    return codec, payload
+                    return codec, payload, made
         raise ValueError("no standalone codec among the candidates")
-    return chosen
+    return chosen[0], chosen[1], made

@@ -4,7 +4,9 @@ One chunk becomes a self-describing payload:
 
 1. *Predictor* (:mod:`.predict`) against the same chunk of the previous checkpoint when there is
    one: ``xor``, ``sub`` (zigzag integer difference) or ``scaled``, chosen per chunk on a sample
-   (a few spread slices, every candidate coded as in step 3), or ``none``.
+   (a few spread slices, every candidate coded as in step 3), or ``none``. The store remembers
+   each place's choice and reuses it at the next saves (``PlanesDelta.encode_as``; see
+   ``encoder.Hints``) instead of racing again.
 2. *Byte planes*: plane ``k`` holds byte ``k`` of every element. After a small update of a float
    tensor the sign/exponent plane is almost constant while the low mantissa planes are noise.
 3. *Per-plane coding*: each plane is zstd-compressed, and stored raw when zstd saves less than
@@ -430,6 +432,25 @@ class PlanesDelta(Codec):
         if header(payload)["predictor"] == pr.NONE:
             raise ValueError("a delta chunk holds a standalone payload")
         return grouped(payload, size)
+
+    def choice(self, payload: bytes | memoryview | None) -> int | None:
+        """The predictor of ``payload``; ``none`` when the codec declined (standalone won)."""
+        return pr.NONE if payload is None else int(header(payload)["predictor"])
+
+    def encode_as(
+        self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int, choice: int
+    ) -> bytes | memoryview | None:
+        """The residual of predictor ``choice`` (no sample race); declines for ``none``. A
+        choice that does not apply to this chunk (not a predictor, or ``scaled`` for 1- or
+        8-byte elements) is chosen again on the sample."""
+        itemsize = width if width in _UINT else 1
+        if choice not in pr.NAMES or (choice == pr.SCALED and itemsize not in (2, 4)):
+            return self.encode(raw, base, width=width, level=level)
+        if base is None or choice == pr.NONE:
+            return None
+        if base.size != raw.size:
+            raise ValueError(f"base has {base.size} bytes, chunk has {raw.size}")
+        return encode(raw, base, itemsize, level=level, predictor=choice)
 
 
 PLANES = register(Planes())

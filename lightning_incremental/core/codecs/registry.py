@@ -73,6 +73,23 @@ class Codec(ABC):
         form. Raises ValueError like ``decode_into``."""
         return None
 
+    # A delta codec that chooses among ways of coding a chunk (a predictor, or declining) may
+    # expose that choice: the encoder remembers it for the same place of the next checkpoint,
+    # whose chunk is then coded the same way without choosing again (see ``choose.Hint``).
+    # A choice is advisory: any choice the codec gave must still code any chunk correctly.
+
+    def choice(self, payload: bytes | memoryview | None) -> int | None:
+        """The choice ``encode`` made for ``payload`` (None: it declined), for
+        :meth:`encode_as`; None when the codec has no choice to remember."""
+        return None
+
+    def encode_as(
+        self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int, choice: int
+    ) -> bytes | memoryview | None:
+        """Like :meth:`encode`, coding ``raw`` the way ``choice`` (from :meth:`choice`) says
+        instead of choosing again. By default: :meth:`encode`."""
+        return self.encode(raw, base, width=width, level=level)
+
 
 _lock = threading.Lock()
 _codecs: dict[str, Codec] = {}

@@ -8,7 +8,6 @@ Every encoding goes through the codec registry (:mod:`~lightning_incremental.cor
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import zlib
@@ -16,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -195,15 +195,15 @@ class _PackWriter:
         self.storage, self.pool, self.pack_size, self.out = storage, pool, pack_size, out
         self.parts: list[bytes | memoryview] = []
         self.filled = 0
-        self.pending: list[tuple[str, ChunkRecipe]] = []
-        self.writes: deque[tuple[Future[tuple[str, int, float]], list[tuple[str, ChunkRecipe]]]]
+        self.pending: list[tuple[str, dict[str, Any]]] = []
+        self.writes: deque[tuple[Future[tuple[str, int, float]], list[tuple[str, dict[str, Any]]]]]
         self.writes = deque()
 
-    def add(self, digest: str, blob: bytes | memoryview, recipe: ChunkRecipe) -> None:
-        """Append ``blob``; ``recipe`` (its pack and place filled in here) joins the tables."""
-        self.pending.append(
-            (digest, dataclasses.replace(recipe, offset=self.filled, length=len(blob)))
-        )
+    def add(self, digest: str, blob: bytes | memoryview, fields: dict[str, Any]) -> None:
+        """Append ``blob``; its recipe (``fields`` of a ``ChunkRecipe``, and where it lies) joins
+        the tables once its pack is written."""
+        fields["offset"], fields["length"] = self.filled, len(blob)
+        self.pending.append((digest, fields))
         self.parts.append(blob)
         self.filled += len(blob)
         if self.filled >= self.pack_size:
@@ -220,9 +220,10 @@ class _PackWriter:
     def _collect(self) -> None:
         future, pending = self.writes.popleft()
         path, size, seconds = future.result()
-        for digest, recipe in pending:
+        for digest, fields in pending:
             # A chunk adopted meanwhile as another's delta base keeps its adopted recipe.
-            self.out.chunks.setdefault(digest, dataclasses.replace(recipe, pack=path))
+            if digest not in self.out.chunks:
+                self.out.chunks[digest] = ChunkRecipe(pack=path, **fields)
         self.out.packs[path] = size
         self.out.written.add(path)
         self.out.bytes_written += size
@@ -339,30 +340,25 @@ def encode(
             out.encode_s += done.seconds
             if done.hint is not None:
                 made[task.place] = (done.hint, done.hint == task.hint)
-            recipe = ChunkRecipe(
-                kind=done.codec.kind,
-                pack="",
-                offset=0,
-                length=len(done.blob),
-                size=int(task.raw.size),
-                width=task.width,
-                chain=len(done.blob),
-                lossless=done.codec.lossless,
-                decoded=done.decoded,
-            )
+            # The recipe's fields; the pack writer adds where the payload lies and builds it.
+            fields = {
+                "kind": done.codec.kind,
+                "size": int(task.raw.size),
+                "width": task.width,
+                "chain": len(done.blob),
+                "lossless": done.codec.lossless,
+                "decoded": done.decoded,
+            }
             if done.codec.needs_base:
                 assert task.base_digest is not None and task.base_recipe is not None
                 adopt(task.base_digest)
-                recipe = dataclasses.replace(
-                    recipe,
-                    base=task.base_digest,
-                    depth=task.base_recipe.depth + 1,
-                    chain=task.base_recipe.chain + len(done.blob),
-                )
+                fields["base"] = task.base_digest
+                fields["depth"] = task.base_recipe.depth + 1
+                fields["chain"] = task.base_recipe.chain + len(done.blob)
                 out.chunks_delta += 1
             else:
                 out.chunks_full += 1
-            pack.add(task.digest, done.blob, recipe)
+            pack.add(task.digest, done.blob, fields)
 
     try:
         for leaf in leaves:

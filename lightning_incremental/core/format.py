@@ -34,6 +34,8 @@ import dataclasses
 import json
 import math
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -296,18 +298,58 @@ def dumps(manifest: Manifest) -> bytes:
 
 
 def sign(body: Mapping[str, Any]) -> bytes:
-    """The stored bytes of a manifest's JSON object: canonical JSON with its checksum."""
-    body = dict(body)
-    return _canonical({**body, "checksum": chunk_hash(_canonical(body))})
+    """The stored bytes of a manifest's JSON object: canonical JSON with its checksum.
+
+    Each top-level member is serialised once: canonical JSON of an object is its members'
+    serialisations in key order, so the checksummed body and the stored bytes (the body with
+    the checksum member in its place) are joined from the same pieces."""
+    members = {
+        key: json.dumps(key) + ":" + _canonical_value(value)
+        for key, value in body.items()
+        if key != "checksum"
+    }
+    unsigned = "{" + ",".join(members[k] for k in sorted(members)) + "}"
+    members["checksum"] = '"checksum":' + json.dumps(chunk_hash(unsigned.encode()))
+    return ("{" + ",".join(members[k] for k in sorted(members)) + "}").encode()
+
+
+def _canonical_value(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+PARSED_KEEP = 32  # manifests kept parsed, by the hash of their bytes (see loads)
+_parsed: OrderedDict[tuple[str, tuple[str, ...]], Manifest] = OrderedDict()
+_parsed_lock = threading.Lock()
 
 
 def loads(data: bytes, where: str) -> Manifest:
     """Parse and validate stored manifest bytes.
 
+    The result for the same bytes (and the same registered codecs, which validation checks
+    chunk kinds against) is kept for the next call: retention after every commit, a restore
+    and the next save read the same committed manifests again, and checking one (its checksum
+    re-serialises it) costs more than its read. Manifests are immutable; bytes that differ in
+    any way are parsed and checked afresh.
+
     Raises:
         FormatVersionError: written by a newer format version.
         ManifestError: malformed, tampered (checksum), or naming paths outside the store.
     """
+    key = (chunk_hash(data), tuple(codecs.kinds()))
+    with _parsed_lock:
+        known = _parsed.get(key)
+        if known is not None:
+            _parsed.move_to_end(key)
+            return known
+    doc = _loads(data, where)
+    with _parsed_lock:
+        _parsed[key] = doc
+        while len(_parsed) > PARSED_KEEP:
+            _parsed.popitem(last=False)
+    return doc
+
+
+def _loads(data: bytes, where: str) -> Manifest:
     try:
         doc = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -122,6 +122,34 @@ def test_checksum_and_version_are_checked() -> None:
         fmt.loads(fmt.sign({**body, "version": fmt.VERSION + 1}), "test")
 
 
+def test_a_parsed_manifest_is_reused_only_for_the_same_bytes_and_codecs() -> None:
+    from lightning_incremental.core import codecs
+    from lightning_incremental.core.codecs import registry
+
+    data = fmt.sign(_manifest().to_dict())
+    first = fmt.loads(data, "test")
+    assert fmt.loads(data, "test") is first  # the same bytes: checked once
+    tampered = bytearray(data)
+    tampered[tampered.index(b'"step":3') + 7] = ord("4")
+    with pytest.raises(ManifestError, match="checksum"):
+        fmt.loads(bytes(tampered), "test")  # other bytes are checked afresh
+    registry.unregister("x")  # a kind the manifest names is no longer known
+    try:
+        with pytest.raises(ManifestError, match="unknown chunk encoding"):
+            fmt.loads(data, "test")
+    finally:
+        registry.register(codecs.XOR)
+    assert fmt.loads(data, "test") == first
+
+
+def test_a_signed_body_that_holds_a_checksum_is_signed_again() -> None:
+    data = fmt.sign(_manifest().to_dict())
+    body = json.loads(data)  # as stored: with its checksum
+    body["audit"] = {"host": "other"}
+    again = fmt.loads(fmt.sign(body), "test")
+    assert again.audit == {"host": "other"}
+
+
 def test_validate_checks_an_assembled_manifest() -> None:
     broken = _manifest(packs={})
     with pytest.raises(ManifestError, match="unlisted pack"):

@@ -284,9 +284,8 @@ class Committer:
             pickled=pickled,
             tensors=tensors,
         )
-        fmt.validate(manifest, f"step {step} of {self.storage.url}")
+        data = fmt.seal(manifest, f"step {step} of {self.storage.url}")
         self._check_durable(step, parts)
-        data = fmt.dumps(manifest)
         start = time.perf_counter()
         self.fencing.check(step, generation, "not committed")  # before touching others'
         self.lease.check()
@@ -435,8 +434,7 @@ def rewrite_as_base(
         tensors=_same_layout(doc.tensors, part.tensors),
     )
     manifest = dataclasses.replace(manifest, parent=doc.parent)
-    fmt.validate(manifest, where)
-    data = fmt.dumps(manifest)
+    data = fmt.seal(manifest, where)
     start = time.perf_counter()
     committer.lease.check()
     storage.put(mf.manifest_path(step), data, overwrite=True)

@@ -342,11 +342,15 @@ def loads(data: bytes, where: str) -> Manifest:
             _parsed.move_to_end(key)
             return known
     doc = _loads(data, where)
+    _remember(key, doc)
+    return doc
+
+
+def _remember(key: tuple[str, tuple[str, ...]], doc: Manifest) -> None:
     with _parsed_lock:
         _parsed[key] = doc
         while len(_parsed) > PARSED_KEEP:
             _parsed.popitem(last=False)
-    return doc
 
 
 def _loads(data: bytes, where: str) -> Manifest:
@@ -434,6 +438,22 @@ def parse(doc: Mapping[str, Any], where: str) -> Manifest:
         version=version,
         extra={k: v for k, v in doc.items() if k not in _FIELDS and k != "checksum"},
     )
+
+
+def seal(manifest: Manifest, where: str) -> bytes:
+    """The stored bytes of ``manifest`` (see :func:`dumps`), checked as if read back (e.g. one
+    assembled from parts): they parse and validate. The parsed manifest is kept for the next
+    :func:`loads` of these bytes.
+
+    Raises:
+        ManifestError: naming the first problem.
+    """
+    kinds = tuple(codecs.kinds())
+    data = dumps(manifest)
+    doc = json.loads(data)
+    doc.pop("checksum")
+    _remember((chunk_hash(data), kinds), parse(doc, where))
+    return data
 
 
 def validate(manifest: Manifest, where: str) -> Manifest:

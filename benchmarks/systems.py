@@ -216,6 +216,10 @@ class Incremental(System):
         return SaveStats(stall, result.total_s, result.bytes_written, extra)
 
     def restore(self) -> Any:
+        from lightning_incremental.core.format import forget_parsed
+
+        # As a resuming process: manifests not already parsed (this one kept those it wrote).
+        forget_parsed()
         store = self._open()
         try:
             return store.load()
@@ -279,7 +283,10 @@ class IncrementalLightningIO(System):
         return SaveStats(stall, elapsed, self.disk_bytes() - before)
 
     def restore(self) -> Any:
+        from lightning_incremental.core.format import forget_parsed
+
         assert self.newest is not None
+        forget_parsed()  # as a resuming process
         plugin = self._plugin()
         try:
             return plugin.load_checkpoint(self.newest)

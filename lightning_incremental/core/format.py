@@ -346,6 +346,13 @@ def loads(data: bytes, where: str) -> Manifest:
     return doc
 
 
+def forget_parsed() -> None:
+    """Drop every manifest kept parsed (see :func:`loads`): the next reads parse and check
+    again, as a new process does."""
+    with _parsed_lock:
+        _parsed.clear()
+
+
 def _remember(key: tuple[str, tuple[str, ...]], doc: Manifest) -> None:
     with _parsed_lock:
         _parsed[key] = doc

@@ -217,7 +217,7 @@ class IncrementalCheckpointer:
             # Progress is every optimizer step, whatever loop the script runs (its own, or
             # through iterate()); a checkpointer dropped without close() stops its watchdog.
             self._watch_optimizers()
-            dropped = weakref.finalize(self, dog.stop, finished=False)
+            dropped = weakref.finalize(self, stop_dropped, dog)
             dropped.atexit = False  # at exit the watchdog says it finished (Watchdog.start)
 
     def _watch_optimizers(self) -> None:
@@ -666,3 +666,11 @@ def _check_step(step: Any) -> None:
         raise StepTypeError(f"step must be an int, got {type(step).__name__} {step!r}")
     if step < 0:
         raise StepError(f"step must be >= 0, got {step}")
+
+
+def stop_dropped(dog: Watchdog) -> None:
+    """Stop the watchdog of a checkpointer dropped without ``close()``, without waiting for its
+    threads. A finalizer runs on whatever thread the garbage collector does, possibly one that
+    holds a lock a watchdog thread needs to end (logging's, its store client's): joining them
+    there could wait forever. They see the stop within a heartbeat interval and end alone."""
+    dog.stop(timeout=0, finished=False)

@@ -302,3 +302,38 @@ def test_a_rank_still_progressing_is_not_blamed_for_another_hang() -> None:
         tracker.observe(1, {"seq": t, "step": 1 + t // 50, "progress": 1 + t // 50}, float(t))
     failure = tracker.judge(199.0)  # rank 1 has fewer batches, but it still progresses
     assert failure is not None and failure.rank == 0, failure
+
+
+def test_a_dropped_checkpointer_stops_its_watchdog_without_waiting_for_it(tcp_store) -> None:
+    """The finalizer of a checkpointer dropped without close() runs on whatever thread the
+    garbage collector does; that thread may hold a lock a watchdog thread waits for (here: the
+    lock its store client takes). Stopping must not join the watchdog's threads there."""
+    from accelerate_incremental.checkpointer import stop_dropped
+
+    held = threading.Lock()
+    waiting = threading.Event()
+
+    class Client:
+        def __init__(self) -> None:
+            self.inner = tcp_store_connector("127.0.0.1", tcp_store.port)()
+
+        def set(self, key: str, value: str) -> None:
+            if held.locked():
+                waiting.set()
+            with held:
+                self.inner.set(key, value)
+
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            return getattr(self.inner, name)
+
+    dog = Watchdog(Client, 0, 1, FAST, on_failure=lambda f: None, prefix="test/dropped")
+    dog.start()
+    stopped = threading.Event()
+    with held:  # the finalizing thread's lock
+        assert waiting.wait(10)  # the heartbeat thread waits for it
+        finalizer = threading.Thread(target=lambda: (stop_dropped(dog), stopped.set()))
+        finalizer.start()
+        assert stopped.wait(10), "the finalizer waited for the watchdog's threads"
+    for thread in dog._threads:  # released: they see the stop and end alone
+        thread.join(10)
+        assert not thread.is_alive()

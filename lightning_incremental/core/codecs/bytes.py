@@ -89,9 +89,14 @@ def decompress(blob: bytes | memoryview, size: int) -> bytes:
     return grouped
 
 
+GATHER_MIN = 64 << 10  # shorter results are joined holding the GIL: a few microseconds
+
+
 def gather(parts: Sequence[bytes | memoryview]) -> memoryview:
     """``parts`` concatenated into one new buffer. Unlike ``b"".join`` (which copies holding the
     GIL), the copies release it: other threads encode meanwhile."""
+    if sum(len(p) for p in parts) < GATHER_MIN:  # a short join: quicker than any hand-off
+        return memoryview(b"".join(parts))
     views = [np.frombuffer(p, dtype=np.uint8) for p in parts]
     out = np.empty(sum(v.size for v in views), dtype=np.uint8)
     at = 0

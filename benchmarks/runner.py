@@ -107,6 +107,11 @@ def run_scenario(
                 }
                 records.append(record)
                 by_system[system.name] = record
+                # The next system starts with no dirty pages of this one being written back: a
+                # system that does not fsync (the Lightning IOs, Accelerate) leaves hundreds of
+                # MB for the kernel to flush, which slowed whichever system came next (its
+                # snapshot stalled 2-4x longer). Untimed.
+                os.sync()
             if settings.restore_every or index == settings.checkpoints - 1:
                 _restore_all(order, state, by_system)
             _log(_progress(scenario.name, index, steps, train_s, by_system))

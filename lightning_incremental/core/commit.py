@@ -284,7 +284,7 @@ class Committer:
             pickled=pickled,
             tensors=tensors,
         )
-        data = fmt.seal(manifest, f"step {step} of {self.storage.url}")
+        data, manifest = fmt.seal(manifest, f"step {step} of {self.storage.url}")
         self._check_durable(step, parts)
         start = time.perf_counter()
         self.fencing.check(step, generation, "not committed")  # before touching others'
@@ -434,7 +434,7 @@ def rewrite_as_base(
         tensors=_same_layout(doc.tensors, part.tensors),
     )
     manifest = dataclasses.replace(manifest, parent=doc.parent)
-    data = fmt.seal(manifest, where)
+    data, manifest = fmt.seal(manifest, where)
     start = time.perf_counter()
     committer.lease.check()
     storage.put(mf.manifest_path(step), data, overwrite=True)

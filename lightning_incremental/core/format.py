@@ -317,8 +317,12 @@ def _canonical_value(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-PARSED_KEEP = 32  # manifests kept parsed, by the hash of their bytes (see loads)
-_parsed: OrderedDict[tuple[str, tuple[str, ...]], Manifest] = OrderedDict()
+# Manifests kept parsed, by the hash of their bytes (see loads), up to this many bytes of them
+# (their objects take a few times that): the newest ones of a store with tens of thousands of
+# chunks, dozens of a small one.
+PARSED_KEEP_BYTES = 4 << 20
+_parsed: OrderedDict[tuple[str, tuple[str, ...]], tuple[Manifest, int]] = OrderedDict()
+_parsed_bytes = 0
 _parsed_lock = threading.Lock()
 
 
@@ -340,24 +344,32 @@ def loads(data: bytes, where: str) -> Manifest:
         known = _parsed.get(key)
         if known is not None:
             _parsed.move_to_end(key)
-            return known
+            return known[0]
     doc = _loads(data, where)
-    _remember(key, doc)
+    _remember(key, doc, len(data))
     return doc
 
 
 def forget_parsed() -> None:
     """Drop every manifest kept parsed (see :func:`loads`): the next reads parse and check
     again, as a new process does."""
+    global _parsed_bytes
     with _parsed_lock:
         _parsed.clear()
+        _parsed_bytes = 0
 
 
-def _remember(key: tuple[str, tuple[str, ...]], doc: Manifest) -> None:
+def _remember(key: tuple[str, tuple[str, ...]], doc: Manifest, size: int) -> None:
+    global _parsed_bytes
+    if size > PARSED_KEEP_BYTES:
+        return
     with _parsed_lock:
-        _parsed[key] = doc
-        while len(_parsed) > PARSED_KEEP:
-            _parsed.popitem(last=False)
+        old = _parsed.pop(key, None)
+        _parsed_bytes -= old[1] if old is not None else 0
+        _parsed[key] = (doc, size)
+        _parsed_bytes += size
+        while _parsed_bytes > PARSED_KEEP_BYTES:
+            _parsed_bytes -= _parsed.popitem(last=False)[1][1]
 
 
 def _loads(data: bytes, where: str) -> Manifest:
@@ -447,10 +459,11 @@ def parse(doc: Mapping[str, Any], where: str) -> Manifest:
     )
 
 
-def seal(manifest: Manifest, where: str) -> bytes:
+def seal(manifest: Manifest, where: str) -> tuple[bytes, Manifest]:
     """The stored bytes of ``manifest`` (see :func:`dumps`), checked as if read back (e.g. one
-    assembled from parts): they parse and validate. The parsed manifest is kept for the next
-    :func:`loads` of these bytes.
+    assembled from parts): they parse and validate. Returns them with the manifest as a reader
+    gets it from them, which is also kept for the next :func:`loads` of these bytes (use it in
+    place of ``manifest``: one copy in memory).
 
     Raises:
         ManifestError: naming the first problem.
@@ -459,8 +472,9 @@ def seal(manifest: Manifest, where: str) -> bytes:
     data = dumps(manifest)
     doc = json.loads(data)
     doc.pop("checksum")
-    _remember((chunk_hash(data), kinds), parse(doc, where))
-    return data
+    parsed = parse(doc, where)
+    _remember((chunk_hash(data), kinds), parsed, len(data))
+    return data, parsed
 
 
 def validate(manifest: Manifest, where: str) -> Manifest:

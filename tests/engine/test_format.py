@@ -142,6 +142,22 @@ def test_a_parsed_manifest_is_reused_only_for_the_same_bytes_and_codecs() -> Non
     assert fmt.loads(data, "test") == first
 
 
+def test_parsed_manifests_are_kept_within_a_byte_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    fmt.forget_parsed()
+    datas = [fmt.sign(_manifest(step=s).to_dict()) for s in range(4)]
+    monkeypatch.setattr(fmt, "PARSED_KEEP_BYTES", 2 * max(len(d) for d in datas) + 1)
+    first = [fmt.loads(d, "test") for d in datas]
+    assert fmt.loads(datas[3], "test") is first[3]  # the newest two are kept
+    assert fmt.loads(datas[2], "test") is first[2]
+    assert fmt.loads(datas[0], "test") is not first[0]  # older ones parsed again, equal
+    assert fmt.loads(datas[0], "test") == first[0]
+    sealed, parsed = fmt.seal(first[1], "test")  # sealing keeps the manifest a reader gets
+    assert sealed == datas[1] and fmt.loads(sealed, "test") is parsed and parsed == first[1]
+    monkeypatch.setattr(fmt, "PARSED_KEEP_BYTES", 0)  # larger than the bound: not kept
+    fmt.forget_parsed()
+    assert fmt.loads(datas[1], "test") is not fmt.loads(datas[1], "test")
+
+
 def test_a_signed_body_that_holds_a_checksum_is_signed_again() -> None:
     data = fmt.sign(_manifest().to_dict())
     body = json.loads(data)  # as stored: with its checksum

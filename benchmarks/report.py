@@ -301,7 +301,8 @@ NOTES = [
     "a freshly built model and optimizer; a fresh `CheckpointStore(...).load()` (base + delta "
     "chain, every chunk verified). The page cache cannot be dropped here: every system's files "
     "were just written and are likely cached alike, so restores are warm-cache figures. Systems "
-    "run in a rotating order at each checkpoint. The restore ratio's median pairs each "
+    "run in a rotating order at each checkpoint, with the page cache's dirty pages flushed "
+    "between them (untimed). The restore ratio's median pairs each "
     "checkpoint's restore with torch.load's.",
     "- *save MB/s*: state bytes / median time to durable; *decode MB/s*: state bytes / restore "
     "of the last checkpoint (their ratios to torch.save are the inverses of the time ratios). "

@@ -58,7 +58,9 @@ class StoreConfig:
         pack_size: encoded chunks are appended to pack objects of about this size, so a save of
             thousands of small tensors writes a few objects, not thousands. Packs are written while
             later chunks are still being encoded: smaller packs overlap more and hold less in
-            memory, larger ones make fewer objects (requests, on object stores). Default 16 MiB.
+            memory, larger ones make fewer objects (requests, on object stores). The packs of
+            the last quarter of a save are cut down to 2 MiB, so that little is left to write
+            once the last chunk is encoded. Default 16 MiB.
         fsync: fsync data objects and manifests on local disks before a checkpoint is reported
             committed. Turn off only for scratch stores. Default True.
         allow_pickle: save values the JSON skeleton cannot express by pickling them, and accept

@@ -1,13 +1,16 @@
 """Small chunks are encoded on the scheduling thread, large ones on the workers: both paths
-write the same bytes, and a failure on either ends the save with the error."""
+write the same bytes, and a failure on either ends the save with the error. Packs near the end
+of a save are smaller."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
 import torch
 
-from lightning_incremental.core import encoder
+from lightning_incremental.core import CheckpointStore, encoder
 from lightning_incremental.core.codecs import planes
 from tests.conftest import assert_state_equal, small_store
 
@@ -68,3 +71,25 @@ def test_an_encoding_error_fails_the_save_and_the_next_one_succeeds(
         store.save(states[2], 2).wait()
         assert store.steps() == [0, 2]
         assert_state_equal(store.load(2), states[2])
+
+
+def test_packs_near_the_end_of_a_save_are_smaller(local_url: str) -> None:
+    """The writes still running when the last chunk is encoded are what a save then waits
+    for: the packs of the last quarter are cut down to ``TAIL_PACK``."""
+    mib = 1 << 20
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randint(0, 256, (48 * mib,), generator=g, dtype=torch.uint8)}
+    with CheckpointStore(local_url, chunk_size=mib, pack_size=4 * mib, xor_delta=False) as store:
+        store.save(state, 0).wait()
+        doc = store.manifest(0)
+        order: list[str] = []
+        for digest in doc.tensors[0].chunks:  # packs in the order the chunks were written
+            pack = doc.chunks[digest].pack
+            if pack not in order:
+                order.append(pack)
+        sizes = [doc.packs[p] / mib for p in order]
+        assert_state_equal(store.load(0), state)
+    assert sizes[0] == pytest.approx(4, abs=0.1)  # incompressible 1 MiB chunks, 4 MiB packs
+    assert all(a >= b - 0.1 for a, b in itertools.pairwise(sizes))  # never larger later on
+    assert sizes[-2] == pytest.approx(encoder.TAIL_PACK / mib, abs=0.1)
+    assert len(sizes) > 48 // 4

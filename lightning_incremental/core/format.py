@@ -478,12 +478,13 @@ def seal(manifest: Manifest, where: str) -> tuple[bytes, Manifest]:
 
 
 def validate(manifest: Manifest, where: str) -> Manifest:
-    """``manifest`` checked as if it had been read (e.g. one assembled from parts).
+    """``manifest`` checked as if it had been read (e.g. one assembled from parts): what
+    :func:`seal` returns besides the bytes.
 
     Raises:
         ManifestError: naming the first problem.
     """
-    return parse(json.loads(_canonical(manifest.to_dict())), where)
+    return seal(manifest, where)[1]
 
 
 def _require(doc: Mapping[str, Any], key: str, kind: type, where: str) -> None:

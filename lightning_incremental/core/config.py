@@ -54,7 +54,8 @@ class StoreConfig:
             host memory. Default 1.
         workers: threads that encode and compress in the background, and decode on restore
             (zstd and numpy release the GIL). Packs are written by two threads of their own, so
-            that a write blocked in fsync leaves no core idle. Default 2.
+            that a write blocked in fsync leaves no core idle; with ``workers=1`` the one worker
+            writes them too (one background thread, every storage call in order). Default 2.
         pack_size: encoded chunks are appended to pack objects of about this size, so a save of
             thousands of small tensors writes a few objects, not thousands. Packs are written while
             later chunks are still being encoded: smaller packs overlap more and hold less in

@@ -88,7 +88,9 @@ def assemble(
     # Pack writes on threads of their own: a write blocks in fsync, and on a worker it would
     # leave a core idle that could encode meanwhile. Two, so that one pack's copy into the page
     # cache overlaps another's fsync (one writer fell behind two encoders on large states).
-    writer = WorkerPool(2, "li-writer")
+    # With one worker, the worker writes too: one background thread does all of a save's
+    # work, in order (the least CPU a store takes, and storage calls in a fixed order).
+    writer = WorkerPool(2, "li-writer") if config.workers > 1 else pool
     queue = SaveQueue(config.max_in_flight)
     generation = fencing.Generation(storage, config.generation)
     # A function of the storage, not a bound method: no reference cycle.

@@ -448,9 +448,7 @@ class PlanesDelta(Codec):
             return self.encode(raw, base, width=width, level=level)
         if base is None or choice == pr.NONE:
             return None
-        if base.size != raw.size:
-            raise ValueError(f"base has {base.size} bytes, chunk has {raw.size}")
-        return encode(raw, base, itemsize, level=level, predictor=choice)
+        return encode(raw, base, itemsize, level=level, predictor=choice)  # checks the base's size
 
 
 PLANES = register(Planes())

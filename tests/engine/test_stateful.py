@@ -25,7 +25,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -117,12 +117,12 @@ class HookStorage(LocalStorage):
         return super().mtime(path)
 
 
-def other_process(root: str) -> CheckpointStore:
+def other_process(root: str, options: dict[str, Any]) -> CheckpointStore:
     """A store object standing for another process: its own location key, hence its own
     lease and locks."""
     storage = LocalStorage(root, fsync=False)
     storage.url = f"{root} (another process)"
-    return CheckpointStore(storage, **OPTIONS)
+    return CheckpointStore(storage, **options)
 
 
 def crash(bare: bool) -> Any:
@@ -135,6 +135,8 @@ def crash(bare: bool) -> Any:
 
 
 class StoreMachine(RuleBasedStateMachine):
+    options: ClassVar[dict[str, Any]] = OPTIONS
+
     def __init__(self) -> None:
         super().__init__()
         self.root = ""
@@ -151,7 +153,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.root = tempfile.mkdtemp(prefix="li-stateful-")
         self.keep_last = keep_last
         self.storage = HookStorage(self.root)
-        self.writer = CheckpointStore(self.storage, keep_last=keep_last, **OPTIONS)
+        self.writer = CheckpointStore(self.storage, keep_last=keep_last, **self.options)
         g = torch.Generator().manual_seed(0)
         self.frozen = torch.randn(256, generator=g)
         self.dense = torch.randn(128, generator=g)
@@ -205,7 +207,7 @@ class StoreMachine(RuleBasedStateMachine):
                 os.utime(path, (then, then))
 
     def reader(self) -> CheckpointStore:
-        return CheckpointStore(self.root, **OPTIONS)
+        return CheckpointStore(self.root, **self.options)
 
     def intact(self) -> set[int]:
         """Steps that restore (exactly: the invariant checks the bytes)."""
@@ -222,7 +224,7 @@ class StoreMachine(RuleBasedStateMachine):
     def restart(self) -> None:
         self.close_writer()
         self.storage.disarm()
-        self.writer = CheckpointStore(self.storage, keep_last=self.keep_last, **OPTIONS)
+        self.writer = CheckpointStore(self.storage, keep_last=self.keep_last, **self.options)
 
     def save(self, change: str, arm: Any = None) -> None:
         step = self.next_step
@@ -275,7 +277,7 @@ class StoreMachine(RuleBasedStateMachine):
         root = self.root
 
         def collect() -> None:
-            with other_process(root) as collector:
+            with other_process(root, self.options) as collector:
                 collector.gc(keep_last=keep, grace_s=60)
 
         arm = {"nothing": None, "crash": (nth, crash(bare)), "concurrent gc": (nth, collect)}
@@ -303,7 +305,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.age()
         before = self.intact()
         if by == "another process":
-            with other_process(self.root) as collector:
+            with other_process(self.root, self.options) as collector:
                 collector.gc(keep_last=keep, grace_s=60)
         else:
             if by == "writer, crashing":
@@ -449,3 +451,41 @@ def test_store_state_machine() -> None:
 def test_store_state_machine_long() -> None:
     StoreMachine.TestCase.settings = LONG
     StoreMachine.TestCase().runTest()
+
+
+class HeldStoreMachine(StoreMachine):
+    """The same machine with chunks large enough to compress, and a tensor that moves like dense
+    fp32 training (a random walk, ~3 % of each element per save): its chunks are deltas held on
+    their root (``delta_base.hold``), and every third move replaces its second chunk with fresh
+    noise (that chunk moves on while the first is held: one base buffer mixes two checkpoints).
+    Crashes, damage and concurrent gc then meet held chains."""
+
+    options: ClassVar[dict[str, Any]] = {**OPTIONS, "chunk_size": 4096, "pack_size": 16384}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.walk_gen = torch.Generator().manual_seed(1)
+        self.walk = torch.randn(2048, generator=self.walk_gen)
+        self.moves = 0
+
+    def state(self, step: int, change: str) -> dict[str, Any]:
+        out = super().state(step, change)
+        if change in ("dense", "both"):
+            noise = torch.randn(2048, generator=self.walk_gen)
+            self.walk = self.walk + 0.03 * self.walk.abs() * noise
+            self.moves += 1
+            if self.moves % 3 == 0:
+                self.walk[1024:] = noise[1024:]
+        out["model"]["walk"] = self.walk.clone()
+        return out
+
+
+def test_held_store_state_machine() -> None:
+    HeldStoreMachine.TestCase.settings = settings(QUICK, max_examples=120)
+    HeldStoreMachine.TestCase().runTest()
+
+
+@pytest.mark.slow
+def test_held_store_state_machine_long() -> None:
+    HeldStoreMachine.TestCase.settings = settings(LONG, max_examples=400)
+    HeldStoreMachine.TestCase().runTest()

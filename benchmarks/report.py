@@ -146,7 +146,14 @@ def _stall_goal(rows: list[Row], system: str, label: str) -> Goal:
 
 def goals(rows: list[Row]) -> list[Goal]:
     out = []
-    for scenario, target in (("frozen90", 8.0), ("dense_fp32", 1.4), ("bf16", 2.4)):
+    targets = (
+        ("frozen90", 8.0),
+        ("dense_fp32", 1.4),
+        ("bf16", 2.4),
+        ("dense_fp32_trained", 1.4),
+        ("bf16_trained", 2.4),
+    )
+    for scenario, target in targets:
         row = _find(rows, scenario, OURS)
         ratio = row.ratio_per_ckpt if row else None
         out.append(

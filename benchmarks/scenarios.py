@@ -140,6 +140,37 @@ def bf16(p: Params) -> Workload:
     return _dense(p, torch.bfloat16)
 
 
+# Training steps before the first checkpoint of the ``_trained`` scenarios, in intervals. From a
+# random init, the first few hundred AdamW steps are a transient (``exp_avg_sq`` grows from zero,
+# the weights move fast): most of a long run's checkpoints come after it.
+WARMUP_INTERVALS = 40
+
+
+def _trained(work: Workload) -> Workload:
+    """``work`` trained ``WARMUP_INTERVALS`` intervals before its first checkpoint."""
+    work.schedule = lambda checkpoint, k: WARMUP_INTERVALS * k if checkpoint == 0 else k
+    work.info["warmup_steps"] = WARMUP_INTERVALS * work.interval
+    return work
+
+
+@scenario(
+    "dense_fp32_trained",
+    f"dense_fp32 past the start of training: {WARMUP_INTERVALS} intervals of steps before the "
+    "first checkpoint (the steady state of a long run)",
+)
+def dense_fp32_trained(p: Params) -> Workload:
+    return _trained(dense_fp32(p))
+
+
+@scenario(
+    "bf16_trained",
+    f"bf16 past the start of training: {WARMUP_INTERVALS} intervals of steps before the first "
+    "checkpoint",
+)
+def bf16_trained(p: Params) -> Workload:
+    return _trained(bf16(p))
+
+
 def freeze_bottom(model: nn.Module, frozen_fraction: float) -> None:
     """Fine-tune the top only: keep the top-most parameters trainable (final norm, then the last
     block's tensors, top down, contiguously) as long as adding the next one brings the trainable

@@ -120,9 +120,9 @@ HOLD_MAX = 0.9
 
 def hold(recipe: ChunkRecipe, base: ChunkRecipe | None, max_chain_ratio: float) -> bool:
     """Whether the next save should code this chunk (``recipe``: as just committed; ``base``:
-    the recipe of its base) against the same base again rather than against it: it is a
-    lossless delta on a standalone root, no second delta of its size would fit the chain bound
-    after it, and it is still under ``HOLD_MAX`` of the root's size."""
+    the recipe of its base) against that base again, rather than against the chunk as just
+    committed: it is a lossless delta on a standalone root, no second delta of its size would
+    fit the chain bound after it, and it is still under ``HOLD_MAX`` of the root's size."""
     if base is None or recipe.base is None or not (recipe.lossless and base.lossless):
         return False
     if base.depth != 0 or base.base is not None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.multiprocessing.spawn import ProcessExitedException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_incremental import IncrementalCheckpointIO
@@ -873,7 +874,16 @@ def test_ddp_every_rank_loads_what_rank_0_saved_last(tmp_path: Path) -> None:
         accelerator="cpu",
         devices=2,
     )
-    t.fit(net(), data())
+    try:
+        t.fit(net(), data())
+    except ProcessExitedException as exc:
+        # Now and then (about one CI run in ten, never in 105 runs alone) a child aborts in
+        # its interpreter's teardown ("terminate called without an active exception"), after
+        # this test's work is done: Lightning's ddp_spawn children exit with the default gloo
+        # group still alive. Tolerated only then: every rank wrote its record first.
+        done = all((tmp_path / f"rank{r}.json").exists() for r in (0, 1))
+        if exc.signal_name != "SIGABRT" or not done:
+            raise
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["weight"] for r in records] == [7.0, 7.0]
     assert "missing.ckpt" in records[0]["error"]

@@ -236,7 +236,7 @@ def _held(store: Any) -> int:
     recycled snapshot buffers."""
     base = store._engine.base
     parent = base.parent
-    kept = sum(t.numel() * t.element_size() for t in parent.buffers) if parent else 0
+    kept = sum(t.numel() * t.element_size() for t in parent.buffers.values()) if parent else 0
     return int(kept + base.pool.nbytes)
 
 

@@ -125,7 +125,7 @@ def hold(recipe: ChunkRecipe, base: ChunkRecipe | None, max_chain_ratio: float) 
     fit the chain bound after it, and it is still under ``HOLD_MAX`` of the root's size."""
     if base is None or recipe.base is None or not (recipe.lossless and base.lossless):
         return False
-    if base.depth != 0 or base.base is not None:
+    if base.base is not None:  # not a root: a delta itself
         return False
     payload = recipe.chain - base.chain
     if payload <= 0 or payload >= HOLD_MAX * base.chain:

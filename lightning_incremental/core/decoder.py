@@ -24,6 +24,7 @@ import torch
 
 from lightning_incremental.core import codecs
 from lightning_incremental.core.codecs import chunk_hash
+from lightning_incremental.core.codecs.bytes import chunk_hasher
 from lightning_incremental.core.errors import CorruptCheckpointError
 from lightning_incremental.core.format import ChunkRecipe, Manifest, closure
 from lightning_incremental.core.pieces import Box, whole
@@ -114,26 +115,82 @@ _ACC, _STAGED = 0, 2
 _scratch = _Scratch()
 
 
+FUSE_MAX = 4  # links of a chain decoded together (each holds its decoded planes meanwhile)
+FUSE_BLOCK = 1 << 19  # bytes of a chunk taken through a fused chain at a time (stays in cache)
+
+
 def decode_chunk(
     digest: str, chunks: Chunks, blobs: Mapping[str, memoryview], out: np.ndarray, where: str
 ) -> None:
     """Decode chunk ``digest`` (its whole chain) into ``out`` and verify it.
 
-    When every link has a byte-grouped form in which links combine by XOR (``Codec.planes``)
-    and one grouping width, the chain is accumulated in that domain and ungrouped once; the
-    final hash then proves every link right. Otherwise, or when it does not match, the chain is
-    decoded link by link (naming the bad one). Intermediate results live in this thread's
-    scratch buffers: nothing of the chunk's size is allocated.
+    A chain is decoded the cheapest way its links allow:
+
+    - *folded*: every link has a byte-grouped form in which links combine by XOR
+      (``Codec.foldable``) and one grouping width: the chain is accumulated in that domain and
+      ungrouped once; the final hash then proves every link right (when it does not match, the
+      chain is decoded again by links, to name the bad one);
+    - *fused*: every link decodes range by range (``Codec.blocks``; at most ``FUSE_MAX``
+      links): each range goes from the root through every link while it is in cache, every
+      link's hash computed as it goes;
+    - otherwise *link by link*.
+
+    Every way checks every link's hash and names the first bad link. Intermediate results live
+    in this thread's scratch buffers: nothing of the chunk's size is allocated.
     """
     chain = closure(digest, chunks)
-    widths = {chunks[link].width for link in chain}
-    if len(chain) > 1 and len(widths) == 1:
-        try:
-            if _decode_planes(chain, chunks, blobs, out, widths.pop(), where):
-                return
-        except CorruptCheckpointError:
-            pass  # diagnose below, link by link
+    if len(chain) > 1:
+        widths = {chunks[link].width for link in chain}
+        if len(widths) == 1 and all(_foldable(link, chunks, blobs, where) for link in chain):
+            try:
+                if _decode_planes(chain, chunks, blobs, out, widths.pop(), where):
+                    return
+            except CorruptCheckpointError:
+                pass  # diagnose below, link by link
+        elif len(chain) <= FUSE_MAX and _decode_fused(chain, chunks, blobs, out, where):
+            return
     _decode_links(chain, chunks, blobs, out, where)
+
+
+def _foldable(link: str, chunks: Chunks, blobs: Mapping[str, memoryview], where: str) -> bool:
+    recipe = chunks[link]
+    try:
+        return codecs.get(recipe.kind).foldable(blobs[link])
+    except ValueError as exc:
+        raise _undecodable(link, recipe, exc, where) from exc
+
+
+def _decode_fused(
+    chain: list[str],
+    chunks: Chunks,
+    blobs: Mapping[str, memoryview],
+    out: np.ndarray,
+    where: str,
+) -> bool:
+    """Decode ``chain`` into ``out`` range by range through all its links, checking each
+    link's hash (streamed); False, with nothing written, when a link's codec cannot."""
+    links = []
+    for link in chain:
+        recipe = chunks[link]
+        try:
+            blocks = codecs.get(recipe.kind).blocks(blobs[link], recipe.size)
+        except ValueError as exc:
+            raise _undecodable(link, recipe, exc, where) from exc
+        if blocks is None:
+            return False
+        links.append((link, recipe, blocks, chunk_hasher()))
+    for start in range(0, out.size, FUSE_BLOCK):
+        stop = min(out.size, start + FUSE_BLOCK)
+        for link, recipe, blocks, hasher in links:
+            try:
+                blocks.decode(out, start, stop)
+            except ValueError as exc:
+                raise _undecodable(link, recipe, exc, where) from exc
+            hasher.update(out[start:stop].data)
+    for link, recipe, _, hasher in links:
+        if hasher.hexdigest() != recipe.expected(link):
+            raise _checksum(link, recipe, where)
+    return True
 
 
 def _decode_planes(
@@ -205,11 +262,14 @@ def _decode_links(
         except ValueError as exc:
             raise _undecodable(link, recipe, exc, where) from exc
         if chunk_hash(into) != recipe.expected(link):
-            raise CorruptCheckpointError(
-                f"checkpoint {where}: chunk {link} in {recipe.pack} fails its checksum "
-                "(corrupted object)"
-            )
+            raise _checksum(link, recipe, where)
         base = into
+
+
+def _checksum(link: str, recipe: ChunkRecipe, where: str) -> Exception:
+    return CorruptCheckpointError(
+        f"checkpoint {where}: chunk {link} in {recipe.pack} fails its checksum (corrupted object)"
+    )
 
 
 @dataclass(frozen=True)

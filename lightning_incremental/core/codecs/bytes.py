@@ -24,6 +24,12 @@ def chunk_hash(data: np.ndarray | bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data.data if isinstance(data, np.ndarray) else data)
 
 
+def chunk_hasher() -> xxhash.xxh3_128:
+    """A streaming :func:`chunk_hash`: ``update`` it with a chunk's bytes in order, and its
+    ``hexdigest()`` is that chunk's hash."""
+    return xxhash.xxh3_128()
+
+
 def group_width(itemsize: int, is_complex: bool) -> int:
     """Bytes per grouped element: the element size, or the component size for complex types."""
     width = itemsize // 2 if is_complex else itemsize

@@ -330,25 +330,62 @@ def decode_into(
         ValueError: not a valid payload of ``out.size`` bytes, or a delta without its base.
     """
     h = header(payload)
-    size, itemsize, tail = int(h["size"]), int(h["itemsize"]), int(h["tail"])
-    predictor = int(h["predictor"])
+    size = int(h["size"])
     if out.size != size:
         raise ValueError(f"payload holds {size} bytes, out has {out.size}")
-    if predictor != pr.NONE and (base is None or base.size != size):
+    if h["predictor"] != pr.NONE and (base is None or base.size != size):
         raise ValueError("delta payload without a base of the same size")
-    planes, tail_bytes = _read_planes(payload, h)
-    body = size - tail
-    n = body // itemsize
-    out[body:] = tail_bytes
-    elems = out[:body].view(_UINT[itemsize])
-    base_elems = base[:body].view(_UINT[itemsize]) if base is not None else None
-    for start in range(0, n, BLOCK):  # as in encode, block by block
-        stop = min(n, start + BLOCK)
-        from_planes([plane[start:stop] for plane in planes], elems[start:stop])
-        if predictor != pr.NONE:
-            assert base_elems is not None
-            pr.unpredict(elems[start:stop], base_elems[start:stop], predictor, float(h["factor"]))
+    Blocks(payload, size, h).decode(out, 0, size, base)
     return out
+
+
+class Blocks:
+    """A payload's planes, read once (zstd planes decompressed, raw planes as views of it),
+    decoded range by range: the links of a chain with arithmetic predictors are then decoded
+    together, block by block, each block staying in cache from the chain's root to its last
+    link (see ``Codec.blocks``).
+
+    Raises:
+        ValueError: a malformed payload, or one of another size.
+    """
+
+    def __init__(
+        self, payload: bytes | memoryview, size: int, h: dict[str, int | float] | None = None
+    ) -> None:
+        h = header(payload) if h is None else h
+        if int(h["size"]) != size:
+            raise ValueError(f"payload holds {h['size']} bytes, expected {size}")
+        self.itemsize, self.size = int(h["itemsize"]), size
+        self.predictor, self.factor = int(h["predictor"]), float(h["factor"])
+        self.body = size - int(h["tail"])
+        self.planes, self.tail = _read_planes(payload, h)
+
+    def decode(
+        self, out: np.ndarray, start: int, stop: int, base: np.ndarray | None = None
+    ) -> None:
+        """Bytes ``[start, stop)`` of the chunk into the same range of ``out`` (uint8, the
+        chunk's size), against the same range of ``base`` (a delta's base; the default is
+        ``out`` itself, holding the base's bytes: decoded in place). ``start`` is a multiple
+        of the element size."""
+        if self.predictor != pr.NONE and base is None:
+            base = out
+        width, kind = self.itemsize, _UINT[self.itemsize]
+        first, last = start // width, min(stop, self.body) // width
+        for a in range(first, last, BLOCK):  # block by block: scratch memory is a block's
+            b = min(last, a + BLOCK)
+            elems = out[a * width : b * width].view(kind)
+            planes = [plane[a:b] for plane in self.planes]
+            if self.predictor == pr.NONE:
+                from_planes(planes, elems)
+                continue
+            assert base is not None
+            resid = scratch("resid", b - a, kind)
+            from_planes(planes, resid)
+            base_elems = base[a * width : b * width].view(kind)
+            pr.unpredict(resid, base_elems, self.predictor, self.factor, out=elems)
+        if stop > self.body:  # the tail bytes are stored raw
+            at = max(start, self.body)
+            out[at:stop] = self.tail[at - self.body : stop - self.body]
 
 
 def grouped(payload: bytes | memoryview, size: int) -> np.ndarray | None:
@@ -374,10 +411,25 @@ def grouped(payload: bytes | memoryview, size: int) -> np.ndarray | None:
     return out
 
 
+def _checked(payload: bytes | memoryview, delta: bool) -> dict[str, int | float]:
+    """The header of a payload stored under a standalone (``delta`` False) or delta kind.
+
+    Raises:
+        ValueError: a malformed header, or a payload of the other kind.
+    """
+    h = header(payload)
+    if delta and h["predictor"] == pr.NONE:
+        raise ValueError("a delta chunk holds a standalone payload")
+    if not delta and h["predictor"] != pr.NONE:
+        raise ValueError("a standalone chunk holds a delta payload")
+    return h
+
+
 class Planes(Codec):
     """Byte planes of the chunk, each zstd-compressed when that shrinks it."""
 
     kind = "p"
+    delta = False
 
     def encode(
         self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
@@ -387,23 +439,29 @@ class Planes(Codec):
     def decode_into(
         self, payload: bytes | memoryview, out: np.ndarray, base: np.ndarray | None, *, width: int
     ) -> None:
-        if header(payload)["predictor"] != pr.NONE:
-            raise ValueError("a standalone chunk holds a delta payload")
-        decode_into(payload, out, None)
+        _checked(payload, self.delta)
+        decode_into(payload, out, base)
+
+    def foldable(self, payload: bytes | memoryview) -> bool:
+        h = _checked(payload, self.delta)
+        return h["predictor"] in (pr.NONE, pr.XOR) and not h["tail"]
 
     def planes(self, payload: bytes | memoryview, size: int) -> np.ndarray | None:
-        if header(payload)["predictor"] != pr.NONE:
-            raise ValueError("a standalone chunk holds a delta payload")
+        _checked(payload, self.delta)
         return grouped(payload, size)
 
+    def blocks(self, payload: bytes | memoryview, size: int) -> Blocks:
+        return Blocks(payload, size, _checked(payload, self.delta))
 
-class PlanesDelta(Codec):
+
+class PlanesDelta(Planes):
     """The residual of a predictor against the base chunk, in byte planes like :class:`Planes`;
     None (declined) when coding the chunk standalone is smaller on the sample."""
 
     kind = "pd"
     needs_base = True
     standalone = "p"
+    delta = True
 
     def encode(
         self, raw: np.ndarray, base: np.ndarray | None, *, width: int, level: int
@@ -420,18 +478,6 @@ class PlanesDelta(Codec):
         if predictor == pr.NONE:
             return None
         return encode(raw, base, itemsize, level=level, predictor=predictor, factor=factor)
-
-    def decode_into(
-        self, payload: bytes | memoryview, out: np.ndarray, base: np.ndarray | None, *, width: int
-    ) -> None:
-        if header(payload)["predictor"] == pr.NONE:
-            raise ValueError("a delta chunk holds a standalone payload")
-        decode_into(payload, out, base)
-
-    def planes(self, payload: bytes | memoryview, size: int) -> np.ndarray | None:
-        if header(payload)["predictor"] == pr.NONE:
-            raise ValueError("a delta chunk holds a standalone payload")
-        return grouped(payload, size)
 
     def choice(self, payload: bytes | memoryview | None) -> int | None:
         """The predictor of ``payload``; ``none`` when the codec declined (standalone won)."""

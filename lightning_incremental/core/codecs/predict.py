@@ -146,23 +146,31 @@ def predict(
 
 
 def unpredict(
-    resid: np.ndarray, base: np.ndarray | None, predictor: int, factor: float = 1.0
+    resid: np.ndarray,
+    base: np.ndarray | None,
+    predictor: int,
+    factor: float = 1.0,
+    out: np.ndarray | None = None,
 ) -> None:
-    """Turn ``resid`` back into the elements, in place.
+    """Turn ``resid`` back into the elements: into ``out`` when given (which may be ``base``
+    itself: a chain decoded in place), else in place. ``resid`` is modified either way.
 
     Raises:
         ValueError: an unknown predictor, or a base missing or of another size.
     """
+    into = resid if out is None else out
     if predictor == NONE:
+        if into is not resid:
+            np.copyto(into, resid)
         return
     if base is None or base.size != resid.size:
         raise ValueError(f"predictor {NAMES.get(predictor, predictor)!r} needs a base")
     if predictor == XOR:
-        np.bitwise_xor(resid, base, out=resid)
+        np.bitwise_xor(resid, base, out=into)
     elif predictor == SUB:
-        np.add(unzigzag(resid), base, out=resid)
+        np.add(unzigzag(resid), base, out=into)
     elif predictor == SCALED:
         prediction = scratch("prediction", base.size, base.dtype)
-        np.add(unzigzag(resid), scaled_prediction(base, factor, out=prediction), out=resid)
+        np.add(unzigzag(resid), scaled_prediction(base, factor, out=prediction), out=into)
     else:
         raise ValueError(f"unknown predictor {predictor}")

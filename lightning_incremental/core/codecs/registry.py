@@ -16,9 +16,24 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
+
+
+class BlockDecoder(Protocol):
+    """A payload prepared for decoding range by range, in order: the links of a chain are then
+    decoded together, each range from the chain's root to its last link while it is in cache,
+    instead of each link's whole chunk in turn."""
+
+    def decode(self, out: np.ndarray, start: int, stop: int) -> None:
+        """Bytes ``[start, stop)`` of the chunk into the same range of ``out`` (uint8, the
+        chunk's size) — which holds the base's bytes there, for a delta: decoded in place.
+        ``start`` is a multiple of 8; ``stop`` too, or the chunk's size.
+
+        Raises:
+            ValueError: the payload does not decode.
+        """
 
 
 class Codec(ABC):
@@ -71,6 +86,18 @@ class Codec(ABC):
         """The chunk in the byte-grouped domain in which the links of a delta chain combine by
         XOR (so a chain is decoded with one ungrouping), or None when the codec has no such
         form. Raises ValueError like ``decode_into``."""
+        return None
+
+    def foldable(self, payload: bytes | memoryview) -> bool:
+        """Whether :meth:`planes` gives this payload's grouped form — a look at its header,
+        nothing decoded: a chain is folded only when every link is. Raises ValueError like
+        ``decode_into``."""
+        return False
+
+    def blocks(self, payload: bytes | memoryview, size: int) -> BlockDecoder | None:
+        """The payload read once and decodable range by range (see :class:`BlockDecoder`), or
+        None when the codec cannot: then a chain holding it is decoded link by link. Raises
+        ValueError like ``decode_into``."""
         return None
 
     # A delta codec that chooses among ways of coding a chunk (a predictor, or declining) may

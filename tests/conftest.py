@@ -64,6 +64,21 @@ def small_store(url: str, **options) -> CheckpointStore:
     return CheckpointStore(url, **options)
 
 
+def walk_store(url: str, steps: int, seed: int = 0, **options) -> tuple[CheckpointStore, dict]:
+    """A store of ``steps`` checkpoints of three tensors that each take a small random step from
+    the one before: with unbounded chains its newest chunks are chains of ``steps`` links
+    (XOR or arithmetic deltas, as the codec chooses). Returns it and the last state."""
+    options.setdefault("max_chain_ratio", 100.0)
+    options.setdefault("full_every", 100)
+    store = small_store(url, **options)
+    g = torch.Generator().manual_seed(seed)
+    state = {f"t{i}": torch.randn(3000, generator=g) for i in range(3)}
+    for step in range(1, steps + 1):
+        state = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+        store.save(state, step).wait()
+    return store, state
+
+
 def assert_state_equal(actual, expected, path: str = "state") -> None:
     """Bit-exact equality of nested states: same types, dtypes, shapes and bytes."""
     assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"

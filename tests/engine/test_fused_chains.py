@@ -18,7 +18,7 @@ from lightning_incremental.core import decoder as dec
 from lightning_incremental.core.codecs import planes
 from lightning_incremental.core.codecs import predict as pr
 from lightning_incremental.core.errors import CorruptCheckpointError
-from tests.conftest import small_store
+from tests.conftest import walk_store
 
 DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -76,18 +76,6 @@ def test_blocks_decode_a_chain_range_by_range_as_link_by_link(
         assert b"".join(seen[i]) == version.tobytes(), f"link {i}"
 
 
-def _dense_store(url: str, steps: int) -> tuple[CheckpointStore, dict[str, torch.Tensor]]:
-    """A store whose newest chunks are chains of ``steps`` links under dense updates, so their
-    deltas use the arithmetic predictors (no fold)."""
-    store = small_store(url, max_chain_ratio=100.0, full_every=100)
-    g = torch.Generator().manual_seed(1)
-    state = {f"t{i}": torch.randn(3000, generator=g) for i in range(3)}
-    for step in range(1, steps + 1):
-        state = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in state.items()}
-        store.save(state, step).wait()
-    return store, state
-
-
 def _read_all(store: CheckpointStore) -> tuple[dec.ObjectReader, dict]:
     doc = store.manifest()
     reader = dec.ObjectReader(store.storage, doc, "t")
@@ -102,7 +90,7 @@ def test_dense_chains_decode_fused_up_to_fuse_max_links(
 ) -> None:
     """Chains with arithmetic links decode fused (no link-by-link pass) up to ``FUSE_MAX``
     links, link by link beyond; either way equal to the state saved."""
-    store, state = _dense_store(str(tmp_path / "s"), steps)
+    store, state = walk_store(str(tmp_path / "s"), steps)
     reader, chunks = _read_all(store)
     by_links: list[int] = []
     links = dec._decode_links
@@ -152,7 +140,7 @@ def test_a_damaged_link_of_a_fused_chain_is_named(tmp_path: Path, bad: int, dama
     """A link whose payload still decodes to wrong bytes fails its own checksum, and a link
     that cannot be decoded is reported as such: the message names that link, not the chunk
     at the end of the chain — as link-by-link decoding does."""
-    store, _ = _dense_store(str(tmp_path / "s"), 3)
+    store, _ = walk_store(str(tmp_path / "s"), 3)
     reader, chunks = _read_all(store)
     digest = next(  # a chain with an arithmetic link: decoded fused
         d

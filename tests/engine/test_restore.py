@@ -13,7 +13,7 @@ from torch import nn
 from lightning_incremental.core import CheckpointStore, ConfigError, codecs
 from lightning_incremental.core import decoder as dec
 from lightning_incremental.core.storage import LocalStorage
-from tests.conftest import assert_state_equal, small_store
+from tests.conftest import assert_state_equal, small_store, walk_store
 
 
 def model_state(seed: int) -> dict:
@@ -189,23 +189,12 @@ def test_first_save_after_a_restore_writes_deltas_with_bases_read_from_storage(
     plain.close()
 
 
-def _chain_store(url: str, steps: int) -> tuple[CheckpointStore, dict[str, torch.Tensor]]:
-    """A store whose newest checkpoint's chunks are XOR chains of ``steps`` links."""
-    store = small_store(url, xor_delta=True, max_chain_ratio=100.0)
-    g = torch.Generator().manual_seed(0)
-    state = {f"t{i}": torch.randn(3000, generator=g) for i in range(3)}
-    for step in range(1, steps + 1):
-        state = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in state.items()}
-        store.save(state, step).wait()
-    return store, state
-
-
 @pytest.mark.parametrize("links", [1, 2, 3, 4])
 def test_chains_decode_link_by_link_as_by_planes(tmp_path: Path, links: int) -> None:
     """The link-by-link decoding (each link against the previous result, alternating between
     the output and one scratch buffer) gives the chunk exactly, for odd and even chain lengths,
     as the XOR-of-planes decoding does."""
-    store, _ = _chain_store(str(tmp_path / "s"), links)
+    store, _ = walk_store(str(tmp_path / "s"), links)
     doc = store.manifest()
     reader = dec.ObjectReader(store.storage, doc, "t")
     for plan in reader.plan(set(doc.chunks)):
@@ -229,7 +218,7 @@ def test_chains_decode_link_by_link_as_by_planes(tmp_path: Path, links: int) -> 
 def test_a_chunk_several_destinations_want_is_decoded_once(tmp_path: Path) -> None:
     """Two targets of the same chunks (and one tensor holding the same chunk twice): each chunk
     is decoded once and copied to every destination."""
-    store, state = _chain_store(str(tmp_path / "s"), 2)
+    store, state = walk_store(str(tmp_path / "s"), 2)
     doc = store.manifest()
     entry = doc.tensors[0]
     calls: list[str] = []
@@ -311,7 +300,7 @@ def test_sparse_update_chains_are_xor_and_restore_by_planes(tmp_path: Path) -> N
 def test_dense_updates_keep_the_arithmetic_predictor_and_restore_link_by_link(
     tmp_path: Path,
 ) -> None:
-    store, state = _chain_store(str(tmp_path / "s"), 3)
+    store, state = walk_store(str(tmp_path / "s"), 3)
     doc = store.manifest()
     reader = dec.ObjectReader(store.storage, doc, "t")
     for plan in reader.plan(set(doc.chunks)):

@@ -44,13 +44,22 @@ def _walk(rng: np.random.Generator, itemsize: int, n: int, links: int) -> list[n
     tail=st.integers(0, 7),
     predictors=st.lists(st.sampled_from([pr.XOR, pr.SUB, pr.SCALED]), min_size=1, max_size=4),
     cuts=st.lists(st.integers(1, 400), min_size=0, max_size=6),
+    mixed=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_blocks_decode_a_chain_range_by_range_as_link_by_link(
-    itemsize: int, n: int, tail: int, predictors: list[int], cuts: list[int], seed: int
+    itemsize: int,
+    n: int,
+    tail: int,
+    predictors: list[int],
+    cuts: list[int],
+    mixed: bool,
+    seed: int,
 ) -> None:
     """A root and its deltas (any predictor, any element size, a tail of loose bytes), decoded
-    together over ranges cut anywhere on 8-byte boundaries, give every link's bytes exactly."""
+    together over ranges cut anywhere on 8-byte boundaries, give every link's bytes exactly —
+    also when the links are coded with different element sizes (the encoder never mixes them,
+    a hand-made manifest may)."""
     rng = np.random.default_rng(seed)
     tail = tail % itemsize if itemsize > 1 else 0
     versions = _walk(rng, itemsize, n, len(predictors) + 1)
@@ -59,9 +68,10 @@ def test_blocks_decode_a_chain_range_by_range_as_link_by_link(
     size = versions[0].size
     payloads = [planes.encode(versions[0], None, itemsize, predictor=pr.NONE)]
     for before, after, predictor in zip(versions, versions[1:], predictors):
-        if predictor == pr.SCALED and itemsize not in (2, 4):
+        width = int(rng.choice([1, 2, 4, 8])) if mixed else itemsize
+        if predictor == pr.SCALED and width not in (2, 4):
             predictor = pr.SUB
-        payloads.append(planes.encode(after, before, itemsize, predictor=predictor))
+        payloads.append(planes.encode(after, before, width, predictor=predictor))
     kinds = [codecs.PLANES] + [codecs.PLANES_DELTA] * len(predictors)
     readers = [codec.blocks(p, size) for codec, p in zip(kinds, payloads)]
     bounds = sorted({0, size, *(min(size, 8 * c * (1 + k)) for k, c in enumerate(cuts))})

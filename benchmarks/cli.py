@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         info,
         records,
         rows,
-        report.goals(rows),
+        report.goals(rows, breakdowns),
         analysis.markdown(breakdowns) if breakdowns else None,
         {name: cls.summary for name, cls in SYSTEMS.items()},
     )

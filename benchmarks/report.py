@@ -144,7 +144,12 @@ def _stall_goal(rows: list[Row], system: str, label: str) -> Goal:
     )
 
 
-def goals(rows: list[Row]) -> list[Goal]:
+CODEC_GOALS = ("dense_fp32", "bf16", "dense_fp32_trained", "bf16_trained")
+
+
+def goals(rows: list[Row], breakdowns: dict[str, Any] | None = None) -> list[Goal]:
+    """The goals, from the summary rows and (for the codec's own speed) the per-chunk analysis
+    of ``--analyze``, when it ran."""
     out = []
     targets = (
         ("frozen90", 8.0),
@@ -192,6 +197,22 @@ def goals(rows: list[Row]) -> list[Goal]:
             ">= 500 MB/s",
             ", ".join(f"{s} {v:.0f} ({_n(w)})" for s, v, w in encodes) or "-",
             all(v >= 500 for _, v, _ in encodes) if encodes else None,
+        )
+    )
+    codec = [
+        (name, whole.get("encode_2t_MBps"), whole.get("decode_2t_MBps"))
+        for name, per_kind in (breakdowns or {}).items()
+        if name in CODEC_GOALS
+        for whole in [per_kind.get("all", {})]
+        if whole.get("encode_2t_MBps") is not None
+    ]
+    out.append(
+        Goal(
+            "the codec on 2 threads, dense scenarios (the changed chunks of the last checkpoint, "
+            "wall clock; MB/s encode / decode)",
+            ">= 1000 / 1500 MB/s",
+            ", ".join(f"{s} {e:.0f} / {d:.0f}" for s, e, d in codec) or "-",
+            all(e >= 1000 and d >= 1500 for _, e, d in codec) if codec else None,
         )
     )
     return out

@@ -115,7 +115,11 @@ _ACC, _STAGED = 0, 2
 _scratch = _Scratch()
 
 
-FUSE_MAX = 4  # links of a chain decoded together (each holds its decoded planes meanwhile)
+# A fused chain holds every link's decoded planes until it is done: at most FUSE_MAX links and
+# FUSE_BYTES of chunk bytes (links times chunk size) per thread; longer chains, or chains of
+# larger chunks, are decoded link by link (two chunks' worth).
+FUSE_MAX = 4
+FUSE_BYTES = 32 << 20
 FUSE_BLOCK = 1 << 19  # bytes of a chunk taken through a fused chain at a time (stays in cache)
 
 
@@ -131,8 +135,8 @@ def decode_chunk(
       ungrouped once; the final hash then proves every link right (when it does not match, the
       chain is decoded again by links, to name the bad one);
     - *fused*: every link decodes range by range (``Codec.blocks``; at most ``FUSE_MAX``
-      links): each range goes from the root through every link while it is in cache, every
-      link's hash computed as it goes;
+      links and ``FUSE_BYTES``): each range goes from the root through every link while it is
+      in cache, every link's hash computed as it goes;
     - otherwise *link by link*.
 
     Every way checks every link's hash and names the first bad link. Intermediate results live
@@ -147,7 +151,11 @@ def decode_chunk(
                     return
             except CorruptCheckpointError:
                 pass  # diagnose below, link by link
-        elif len(chain) <= FUSE_MAX and _decode_fused(chain, chunks, blobs, out, where):
+        elif (
+            len(chain) <= FUSE_MAX
+            and len(chain) * out.size <= FUSE_BYTES
+            and _decode_fused(chain, chunks, blobs, out, where)
+        ):
             return
     _decode_links(chain, chunks, blobs, out, where)
 

@@ -94,12 +94,18 @@ def _read_all(store: CheckpointStore) -> tuple[dec.ObjectReader, dict]:
     return reader, doc.chunks
 
 
-@pytest.mark.parametrize("steps", [2, 3, dec.FUSE_MAX, dec.FUSE_MAX + 1])
+@pytest.mark.parametrize(
+    ("steps", "budget"),
+    [(2, None), (3, None), (dec.FUSE_MAX, None), (dec.FUSE_MAX + 1, None), (3, 3 * 4096 - 1)],
+)
 def test_dense_chains_decode_fused_up_to_fuse_max_links(
-    tmp_path: Path, steps: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, steps: int, budget: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chains with arithmetic links decode fused (no link-by-link pass) up to ``FUSE_MAX``
-    links, link by link beyond; either way equal to the state saved."""
+    links and ``FUSE_BYTES`` (links times the chunk's size), link by link beyond; either way
+    equal to the state saved."""
+    if budget is not None:  # between the chunks' sizes: 4096 bytes, and the tensors' last 3808
+        monkeypatch.setattr(dec, "FUSE_BYTES", budget)
     store, state = walk_store(str(tmp_path / "s"), steps)
     reader, chunks = _read_all(store)
     by_links: list[int] = []
@@ -110,19 +116,28 @@ def test_dense_chains_decode_fused_up_to_fuse_max_links(
         links(chain, *args)
 
     monkeypatch.setattr(dec, "_decode_links", counted)
-    lengths, arithmetic = set(), 0
+    lengths, fused, unfused = set(), 0, 0
     for entry in store.manifest().tensors:
         for digest in entry.chunks:
             chain = dec.closure(digest, chunks)
             lengths.add(len(chain))
-            arithmetic += not all(
+            if not all(
                 codecs.get(chunks[link].kind).foldable(reader.blobs[link]) for link in chain
-            )
+            ):  # an arithmetic chain: fused within the bounds
+                size = chunks[digest].size
+                if len(chain) <= dec.FUSE_MAX and len(chain) * size <= dec.FUSE_BYTES:
+                    fused += 1
+                else:
+                    unfused += 1
             out = np.zeros(chunks[digest].size, dtype=np.uint8)
             dec.decode_chunk(digest, chunks, reader.blobs, out, "t")
             assert dec.chunk_hash(out) == chunks[digest].expected(digest)
-    assert lengths == {steps} and arithmetic >= 2
-    assert by_links == ([] if steps <= dec.FUSE_MAX else [steps] * arithmetic)
+    assert lengths == {steps} and fused + unfused >= 2
+    assert by_links == [steps] * unfused
+    if budget is not None:
+        assert fused and unfused  # both sides of the bound
+    else:
+        assert (fused == 0) == (steps > dec.FUSE_MAX)
     loaded = store.load()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
     store.close()

@@ -194,3 +194,17 @@ def test_a_damaged_link_of_a_fused_chain_is_named(tmp_path: Path, bad: int, dama
         assert link in str(info.value)
         assert all(other not in str(info.value) for other in chain if other != link)
     store.close()
+
+
+def test_a_codec_with_grouped_planes_folds_by_default() -> None:
+    """A codec that gives ``planes`` (the byte-grouped zstd ones) folds without saying so; one
+    without does not; the byte-plane codecs tell from the payload's predictor."""
+    assert codecs.STANDALONE.foldable(b"") and codecs.XOR.foldable(b"")
+    assert not codecs.INT8.foldable(b"")
+    raw = np.arange(4096, dtype=np.float32).view(np.uint8)
+    moved = (np.arange(4096, dtype=np.float32) * np.float32(1.001)).view(np.uint8)
+    xor = planes.encode(moved, raw, 4, predictor=pr.XOR)
+    sub = planes.encode(moved, raw, 4, predictor=pr.SUB)
+    assert codecs.PLANES_DELTA.foldable(xor) and not codecs.PLANES_DELTA.foldable(sub)
+    with pytest.raises(ValueError, match="delta chunk holds a standalone payload"):
+        codecs.PLANES_DELTA.foldable(planes.encode(raw, None, 4, predictor=pr.NONE))

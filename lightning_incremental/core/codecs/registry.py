@@ -90,9 +90,9 @@ class Codec(ABC):
 
     def foldable(self, payload: bytes | memoryview) -> bool:
         """Whether :meth:`planes` gives this payload's grouped form — a look at its header,
-        nothing decoded: a chain is folded only when every link is. Raises ValueError like
-        ``decode_into``."""
-        return False
+        nothing decoded: a chain is folded only when every link is. By default, whether the
+        codec has :meth:`planes` at all. Raises ValueError like ``decode_into``."""
+        return type(self).planes is not Codec.planes
 
     def blocks(self, payload: bytes | memoryview, size: int) -> BlockDecoder | None:
         """The payload read once and decodable range by range (see :class:`BlockDecoder`), or

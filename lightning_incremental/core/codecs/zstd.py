@@ -25,9 +25,6 @@ class Standalone(Codec):
     def planes(self, payload: bytes | memoryview, size: int) -> np.ndarray:
         return np.frombuffer(decompress(payload, size), dtype=np.uint8)
 
-    def foldable(self, payload: bytes | memoryview) -> bool:
-        return True
-
     def decode_into(
         self, payload: bytes | memoryview, out: np.ndarray, base: np.ndarray | None, *, width: int
     ) -> None:

@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
     }
     info["loadavg_at_start"] = list(os.getloadavg())
+    info["parallel_scaling_at_start"] = machine.parallel_scaling()
     records: list[dict[str, Any]] = []
     breakdowns: dict[str, Any] = {}
     started = time.perf_counter()
@@ -185,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             breakdowns[name] = breakdown
         info["run"]["wall_s"] = time.perf_counter() - started
         _write(json_path, {"machine": info, "records": records})
+    info["parallel_scaling_at_end"] = machine.parallel_scaling()
+    _write(json_path, {"machine": info, "records": records})
     if breakdowns:
         _write(json_path.with_name(json_path.stem + ".analysis.json"), breakdowns)
     rows = report.summarize(records)

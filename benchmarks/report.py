@@ -270,9 +270,25 @@ def _header(machine: dict[str, Any], records: list[dict[str, Any]]) -> list[str]
         f"{run.get('wall_s', 0):.0f} s. Load average at start "
         f"{_loads(machine.get('loadavg_at_start'))}; during the saves "
         f"{load_range(records)} (other processes share these {machine['cpu_count']} cores: "
-        "timings are noisy, medians are the robust figures).",
+        "timings are noisy, medians are the robust figures)." + _scaling(machine),
         "",
     ]
+
+
+def _scaling(machine: dict[str, Any]) -> str:
+    """What the CPUs delivered during the run (see ``machine.parallel_scaling``), or ""."""
+    start, end = machine.get("parallel_scaling_at_start"), machine.get("parallel_scaling_at_end")
+    if start is None and end is None:
+        return ""
+    parts = [f"{start:.2f}x one's work at the start of the run"] if start else []
+    if end:
+        parts.append(f"{end:.2f}x at its end" if start else f"{end:.2f}x one's work at its end")
+    figures = ", ".join(parts)
+    return (
+        f" {machine['cpu_available']} processes running the same loop did {figures} (virtual "
+        "CPUs on a shared host can deliver less than their number: read the multi-thread "
+        "figures against it)."
+    )
 
 
 def _absolute_table(rows: list[Row]) -> list[str]:

@@ -33,6 +33,8 @@ def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
     _bench("benchmarks", "--quick", "--out", str(tmp_path))
     doc = json.loads((tmp_path / "quick.json").read_text())
     assert {"cpu_count", "ram_bytes", "torch", "python"} <= set(doc["machine"])
+    for when in ("start", "end"):
+        assert doc["machine"][f"parallel_scaling_at_{when}"] > 0
     records = doc["records"]
     from benchmarks.scenarios import SCENARIOS
     from benchmarks.systems import SYSTEMS
@@ -61,6 +63,22 @@ def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
     # a save where nothing changed writes a manifest, not the state
     assert unchanged[-1]["bytes_written"] < 0.05 * plain[-1]["bytes_written"]
     assert (tmp_path / "quick.md").read_text().count("|") > 20
+
+
+def test_parallel_scaling_is_measured_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import machine, report
+
+    value = machine.parallel_scaling(work=200_000, processes=2)
+    assert value is not None and 0 < value < 10
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    assert machine.parallel_scaling(work=1000) is None
+    text = report._scaling({"cpu_available": 2, "parallel_scaling_at_start": 1.9})
+    assert "did 1.90x one's work at the start of the run (" in text
+    both = report._scaling(
+        {"cpu_available": 2, "parallel_scaling_at_start": 1.9, "parallel_scaling_at_end": 1.2}
+    )
+    assert "1.90x one's work at the start of the run, 1.20x at its end" in both
+    assert report._scaling({"cpu_available": 2}) == ""
 
 
 @pytest.mark.slow

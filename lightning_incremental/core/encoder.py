@@ -21,7 +21,7 @@ import numpy as np
 
 from lightning_incremental.core import codecs
 from lightning_incremental.core.codecs import Codec, Hint, chunk_hash
-from lightning_incremental.core.codecs.bytes import gather
+from lightning_incremental.core.codecs.bytes import chunk_hasher
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.decoder import ObjectReader, decode_chunk
 from lightning_incremental.core.delta_base import Parent
@@ -251,16 +251,18 @@ class _PackWriter:
 
     def _write(self, parts: list[bytes | memoryview]) -> tuple[str, int, float]:
         start = time.perf_counter()
-        data = parts[0] if len(parts) == 1 else gather(parts)
-        path = pack_path(chunk_hash(data))
-        if not self.storage.put(path, data):
+        hasher = chunk_hasher()  # the pack's name: the hash of its parts, in order, unjoined
+        for part in parts:
+            hasher.update(part)
+        path = pack_path(hasher.hexdigest())
+        if not self.storage.put_parts(path, parts):
             # Same content, same name: an earlier checkpoint's object, or one left behind by a
             # deleted checkpoint or a crashed save. It is written again all the same: it may
             # have rotted or been truncated, and an old object that no manifest names yet may
             # be collected by a concurrent gc at any moment — a fresh one is protected by its
             # grace period, like every other object this save writes.
-            self.storage.put(path, data, overwrite=True)
-        return path, len(data), time.perf_counter() - start
+            self.storage.put_parts(path, parts, overwrite=True)
+        return path, sum(len(part) for part in parts), time.perf_counter() - start
 
     def finish(self) -> None:
         """Flush the last pack and wait until every pack is durable (re-raising write errors)."""

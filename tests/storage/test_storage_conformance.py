@@ -97,6 +97,19 @@ def test_put_overwrite_replaces(storage: Storage) -> None:
     assert storage.get("manifests/new.json") == b"made"
 
 
+def test_put_parts_writes_their_concatenation(storage: Storage) -> None:
+    parts = [DATA[:100], memoryview(DATA)[100:700], b"", DATA[700:]]
+    assert storage.put_parts("packs/ab/parts", parts) is True
+    assert storage.get("packs/ab/parts") == DATA
+    assert storage.put_parts("packs/ab/parts", [b"other"]) is False  # create-only, as put
+    assert storage.get("packs/ab/parts") == DATA
+    assert storage.put_parts("packs/ab/parts", [b"ot", b"her"], overwrite=True) is True
+    assert storage.get("packs/ab/parts") == b"other"
+    assert storage.put_parts("packs/ab/none", []) is True
+    assert storage.get("packs/ab/none") == b""
+    assert storage.list("packs") == ["packs/ab/none", "packs/ab/parts"]
+
+
 @pytest.mark.parametrize(
     ("start", "end"),
     [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import builtins
 import errno
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from lightning_incremental.core.errors import StorageError
@@ -30,6 +30,16 @@ class Storage(ABC):
     def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
         """Write ``data`` at ``path`` atomically and durably; when ``overwrite`` is False and the
         object exists, write nothing and return False."""
+
+    def put_parts(
+        self, path: str, parts: Sequence[bytes | memoryview], *, overwrite: bool = False
+    ) -> bool:
+        """``put`` of the concatenation of ``parts``. This default joins them (copies that
+        release the GIL) and calls ``put``; a backend that can write the parts one after
+        another (a local file) should, saving that copy."""
+        from lightning_incremental.core.codecs.bytes import gather
+
+        return self.put(path, parts[0] if len(parts) == 1 else gather(parts), overwrite=overwrite)
 
     @abstractmethod
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:

@@ -12,6 +12,7 @@ import builtins
 import mmap
 import os
 import uuid
+from collections.abc import Sequence
 
 from lightning_incremental.core.storage.base import Storage, translate_errors
 
@@ -49,6 +50,18 @@ class LocalStorage(Storage):
         self._made.add(directory)
 
     def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
+        return self._put(path, (data,), overwrite)
+
+    def put_parts(
+        self, path: str, parts: Sequence[bytes | memoryview], *, overwrite: bool = False
+    ) -> bool:
+        """Writes the parts one after another into the file: no joined copy of them. A
+        subclass that overrides ``put`` sees these writes through it, as one joined buffer."""
+        if type(self).put is not LocalStorage.put:
+            return super().put_parts(path, parts, overwrite=overwrite)
+        return self._put(path, parts, overwrite)
+
+    def _put(self, path: str, parts: Sequence[bytes | memoryview], overwrite: bool) -> bool:
         target = self._abs(path)
         directory = os.path.dirname(target)
         with translate_errors(f"writing {path} under {self.root}"):
@@ -58,7 +71,8 @@ class LocalStorage(Storage):
             tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex}")
             try:
                 with open(tmp, "xb") as fh:
-                    fh.write(data)
+                    for part in parts:
+                        fh.write(part)
                     fh.flush()
                     if self.fsync:
                         os.fsync(fh.fileno())

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.machine import parallel_scaling
 from benchmarks.memory import peak_extra_rss
 from benchmarks.model import FULL, QUICK
 from benchmarks.scenarios import SCENARIOS, Params
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(root)
     root.mkdir(parents=True)
     info = prepare(root, args.quick, args.interval, sorted(set(args.chains)), args.scenario)
+    info["parallel_scaling"] = parallel_scaling()  # a restore decodes on two threads
     nbytes = info["nbytes"]
     rows = []
     for cold in (False, True):
@@ -208,7 +210,9 @@ def main(argv: list[str] | None = None) -> None:
         anchor = next(r for r in rows if r["system"] == "torch" and r["cold"] == row["cold"])
         row["time_vs_torch_load"] = row["seconds"] / anchor["seconds"]
         row["peak_x_state"] = None if row["peak"] is None else row["peak"] / nbytes
-    print(f"state: {nbytes / 1e6:.0f} MB of tensors; chain depths {info['depth']}\n")
+    print(f"state: {nbytes / 1e6:.0f} MB of tensors; chain depths {info['depth']}")
+    if info["parallel_scaling"]:
+        print(f"as many processes as CPUs did {info['parallel_scaling']:.2f}x one's work\n")
     print("| restore | chain | cache | seconds | GB/s | x torch.load | peak extra | x state |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

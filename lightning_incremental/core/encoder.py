@@ -162,8 +162,9 @@ class Hints:
     predictor, or standalone — and for how many saves that choice has been reused.
 
     A changed chunk is coded the way its place was last time, without the sample race
-    (about a fifth of the encoding of dense updates), and raced again every ``HINT_TTL``
-    saves; first races are spread over that many saves, so re-races do not all fall on one.
+    (about 40 % of a raced chunk's encoding under dense updates), and raced again every
+    ``HINT_TTL`` saves; first races are spread over that many saves, so re-races do not all
+    fall on one.
     The winning choice of a place rarely changes between checkpoints: reusing it cost under
     0.1 % of the bytes on dense fp32 training, in some saves less than racing anew (the race
     itself only looks at a sample). Advisory: a hint decides how a chunk is coded, never

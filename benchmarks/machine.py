@@ -87,9 +87,9 @@ def parallel_scaling(work: int = 4_000_000, processes: int | None = None) -> flo
     get done at once: each runs the same Python loop, started together, and the figure is
     ``processes`` x the time of one alone / their mean time together. On a machine with
     that many free cores it is about ``processes``; with shared or busy cores (virtual CPUs
-    whose host is loaded, other jobs) less: 1.2-1.5x was seen for two vCPUs in one session
-    and 2.1x in another. Speed figures measured "on two threads" read against it. None where
-    child processes cannot run."""
+    whose host is loaded, other jobs) less: two vCPUs of the reference machine gave 1.2-1.5x
+    on some days and 1.8-2.2x on others. Speed figures measured "on two threads" read against
+    it. None where child processes cannot run."""
     if processes is None:
         available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         processes = len(available) if available is not None else os.cpu_count() or 1

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
+from lightning_incremental.core.codecs.bytes import gather
 from lightning_incremental.core.errors import StorageError
 from lightning_incremental.core.storage.redaction import redact
 
@@ -37,8 +38,6 @@ class Storage(ABC):
         """``put`` of the concatenation of ``parts``. This default joins them (copies that
         release the GIL) and calls ``put``; a backend that can write the parts one after
         another (a local file) should, saving that copy."""
-        from lightning_incremental.core.codecs.bytes import gather
-
         return self.put(path, parts[0] if len(parts) == 1 else gather(parts), overwrite=overwrite)
 
     @abstractmethod

@@ -14,7 +14,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,7 @@ class Encoded:
 
 @dataclass
 class _Task:
-    digest: str
+    digest: str  # the chunk's key: its raw hash, or its lossy_key when coded lossily
     raw: np.ndarray
     width: int
     base: np.ndarray | None
@@ -65,6 +65,7 @@ class _Task:
     lossy: Codec | None = None  # the lossy codec configured for this tensor, if any
     place: tuple[str, int] = ("", 0)  # tensor key, chunk index
     hint: Hint | None = None  # how the same place was coded last time (see Hints)
+    raw_digest: str = ""  # the raw hash: the key if its lossy codec declines it (stored exactly)
 
 
 @dataclass(frozen=True)
@@ -297,11 +298,45 @@ def _family(lossy: Codec) -> set[str]:
     return {lossy.kind} | ({delta.kind} if delta else set())
 
 
+def lossy_key(digest: str, kind: str) -> str:
+    """The key of a chunk of raw hash ``digest`` coded by the lossy codec ``kind`` (the
+    standalone kind the tensor is configured with; its delta codec's chunks share the key).
+
+    Chunks are deduplicated by key, within a save and against the parent's chunks. Keyed by its
+    raw hash, a lossy chunk would stand for every chunk of the same bytes: a lossless tensor
+    sharing them (a weight equal to its average, a zero buffer equal to a zero moment) would
+    restore the lossy bytes. A key of its own — the chunk hash of the kind and the raw hash, 32
+    hex digits like any other key — keeps a lossless and a lossy chunk of the same bytes apart,
+    and lossy tensors of the same code still share chunks. It is reproducible, so the next save
+    finds an unchanged lossy chunk in its parent. Restore checks a lossy chunk against the hash
+    of its decoded bytes (``ChunkRecipe.decoded``), never against its key: checkpoints written
+    when lossy chunks were keyed by their raw hash load all the same."""
+    return chunk_hash(f"lossy:{kind}:{digest}".encode())
+
+
 def _reusable(known: ChunkRecipe, lossy: Codec | None, full_base: bool) -> bool:
-    """Whether a parent's chunk of the same raw hash may be referenced as it is: encoded the
-    way this tensor is now (lossless, or by the same lossy code), and no delta in a full base."""
+    """Whether a parent's chunk of the same key may be referenced as it is: encoded the way this
+    tensor is now (lossless, or by the same lossy code), and no delta in a full base."""
     same = known.lossless if lossy is None else known.kind in _family(lossy)
     return same and (not full_base or known.depth == 0)
+
+
+def _mixed_key(out: Encoded, exact: set[str]) -> str | None:
+    """A key whose recipe contradicts a use of it in ``out``: a lossy chunk named by a tensor
+    of ``exact`` (those coded losslessly), or a delta on a base of the other kind; else None.
+
+    Possible only when building on a checkpoint whose lossy chunks are keyed by their raw hash
+    (written before :func:`lossy_key`): a lossy delta adopts such a chunk as its base, and a
+    lossless chunk of the same bytes this save needs has the same key."""
+    for tensor in out.tensors:
+        if tensor.path in exact:
+            for digest in tensor.chunks:
+                if not out.chunks[digest].lossless:
+                    return digest
+    for digest, recipe in out.chunks.items():
+        if recipe.base is not None and out.chunks[recipe.base].lossless != recipe.lossless:
+            return recipe.base
+    return None
 
 
 def encode(
@@ -320,7 +355,10 @@ def encode(
     it wrote is durable. Writes nothing visible: the caller commits the manifest. Chunks are
     encoded on ``pool``, packs written on ``writer`` (default: ``pool``). Chunks whose chain
     touches an object in ``avoid`` (found damaged) are neither reused nor delta bases. ``hints``:
-    the store's memory of how each place was coded (read, and updated when this save is done)."""
+    the store's memory of how each place was coded (read, and updated when this save is done).
+
+    A chunk coded lossily is keyed by :func:`lossy_key`, apart from a lossless chunk of the same
+    bytes; one its lossy codec declines is stored exactly, under its raw hash."""
     parent_chunks: Mapping[str, ChunkRecipe] = parent.manifest.chunks if parent else {}
     if avoid:
         whole = parent_chunks
@@ -347,6 +385,8 @@ def encode(
     window: deque[tuple[Future[_Payload], _Task]] = deque()
     scheduled: set[str] = set()
     made: dict[tuple[str, int], tuple[Hint, bool]] = {}
+    declined: dict[str, str] = {}  # lossy key -> raw hash, for chunks stored exactly instead
+    exact: set[str] = set()  # keys of the tensors coded losslessly
 
     def adopt(digest: str) -> None:
         while digest not in out.chunks:
@@ -383,13 +423,18 @@ def encode(
                 out.chunks_delta += 1
             else:
                 out.chunks_full += 1
-            pack.add(task.digest, done.blob, fields)
+            key = task.digest
+            if task.lossy is not None and done.codec.lossless:
+                key = declined[task.digest] = task.raw_digest
+            pack.add(key, done.blob, fields)
 
     try:
         for leaf in leaves:
             raw = leaf.raw()
             width = leaf.width
             lossy = lossy_codec(leaf.path, config, leaf.dtype)
+            if lossy is None:
+                exact.add(leaf.key)
             xor_base = parent.base.get(leaf.key) if (parent and config.uses_xor) else None
             if xor_base is not None and (xor_base[0].size != raw.size or not same_chunking):
                 xor_base = None  # different size or chunking: chunk i is not chunk i any more
@@ -404,7 +449,8 @@ def encode(
             for offset in range(0, raw.size, config.chunk_size):
                 piece = raw[offset : offset + config.chunk_size]
                 pack.remaining -= piece.size
-                digest = chunk_hash(piece)
+                raw_digest = chunk_hash(piece)
+                digest = raw_digest if lossy is None else lossy_key(raw_digest, lossy.kind)
                 digests.append(digest)
                 out.chunks_total += 1
                 if digest in out.chunks or digest in scheduled:
@@ -415,7 +461,9 @@ def encode(
                     adopt(digest)
                     out.chunks_reused += 1
                     continue
-                task = _Task(digest, piece, width, None, None, None, lossy=lossy)
+                task = _Task(
+                    digest, piece, width, None, None, None, lossy=lossy, raw_digest=raw_digest
+                )
                 index = offset // config.chunk_size
                 base_digests = xor_base[1] if xor_base is not None else stored_base
                 if base_digests is not None and not full_base and index < len(base_digests):
@@ -463,13 +511,39 @@ def encode(
             )
         drain(0)
         pack.finish()
-        if hints is not None:
-            hints.update(made, {leaf.key for leaf in leaves})
     except BaseException:
         for fut, _ in window:
             fut.cancel()
         pack.abandon()
         raise
+    if declined:
+        out.tensors = [
+            replace(t, chunks=tuple(declined.get(d, d) for d in t.chunks)) for t in out.tensors
+        ]
+    mixed = _mixed_key(out, exact)
+    if mixed is not None:
+        if full_base:  # no delta, no adopted chain: every key has one meaning
+            raise AssertionError(f"chunk {mixed} is both lossy and lossless in one save")
+        # What this attempt wrote is left unreferenced (gc collects it).
+        log.warning(
+            "chunk %s of checkpoint step %s is keyed by its raw hash and lossy, and this save "
+            "needs that key for a lossless chunk: writing this save as a full base",
+            mixed,
+            parent.step if parent else None,
+        )
+        return encode(
+            leaves,
+            parent,
+            full_base=True,
+            config=config,
+            storage=storage,
+            pool=pool,
+            writer=writer,
+            avoid=avoid,
+            hints=hints,
+        )
+    if hints is not None:
+        hints.update(made, {leaf.key for leaf in leaves})
     return out
 
 

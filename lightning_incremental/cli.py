@@ -42,8 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors = Console(stderr=True, highlight=False)
     try:
         options = _storage_options(args.storage_option)
+        extra = (
+            {"min_object_age_s": args.min_age} if getattr(args, "min_age", None) is not None else {}
+        )
         with CheckpointStore(
-            args.url, storage_options=options, allow_pickle=args.allow_pickle
+            args.url, storage_options=options, allow_pickle=args.allow_pickle, **extra
         ) as store:
             code: int = args.run(store, args, console)
             return code
@@ -124,6 +127,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="keep unreferenced objects younger than this (a running job may be "
         "about to reference them; default 3600)",
+    )
+    p.add_argument(
+        "--min-age",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="never remove an object younger than this, whatever --grace says (default: the "
+        "store's min_object_age_s, 900); lower it only when no process writes to the store",
     )
     p.add_argument("--dry-run", action="store_true")
     return parser

@@ -35,10 +35,12 @@ from lightning_incremental.core.decoder import ChunkTarget, restore_chunks
 from lightning_incremental.core.delta_base import DeltaBase, Parent
 from lightning_incremental.core.encoder import Encoded, Hints, encode
 from lightning_incremental.core.errors import (
+    CheckpointError,
     CorruptCheckpointError,
     FencedError,
     ManifestError,
     StepError,
+    StorageError,
 )
 from lightning_incremental.core.fencing import Fencing
 from lightning_incremental.core.format import ChunkRecipe, Manifest, PieceEntry, TensorEntry
@@ -290,19 +292,98 @@ class Committer:
         self.fencing.check(step, generation, "not committed")  # before touching others'
         self.lease.check()
         self.history.unquarantine(step)
-        if not self.storage.put(mf.manifest_path(step), data):
-            self.fencing.check(step, generation, "not committed")  # a newer one holds it
-            self.fencing.displace(step, self.history.steps)
-            if not self.storage.put(mf.manifest_path(step), data):
-                raise StepError(
-                    f"step {step} is already committed in {self.storage.url} (another writer "
-                    "saved it); checkpoints are create-only — use a newer step"
-                )
+        manifest = self._put_manifest(step, data, manifest, generation)
         unconfirmed = self._confirm(step, generation)
         with self.history.lock:
             self.history.committed = step
             self.history.trust(manifest.packs)  # written now, or read back and checked
         return Committed(manifest, len(data), time.perf_counter() - start, unconfirmed)
+
+    def _put_manifest(
+        self, step: int, data: bytes, manifest: Manifest, generation: int
+    ) -> Manifest:
+        """Write the manifest create-only; returns the manifest that is committed at ``step``.
+
+        A write can land although the client reports an error (the response was lost and the
+        retries ran out), and a retried create-only write can find the object its own first
+        attempt made: either way the manifest there is read back, and when it is these very
+        bytes, or the same checkpoint (the same tensors and values: a retried save of the same
+        state, whatever its time stamps and encoding), the step is committed and that manifest
+        is the one returned.
+
+        Raises:
+            OSError: the write's own error when the manifest is not there (not committed).
+            StorageError: whether it landed could not be read (the message says so).
+            StepError: another checkpoint is committed at ``step``.
+        """
+        path = mf.manifest_path(step)
+        try:
+            if self.storage.put(path, data):
+                return manifest
+        except OSError as exc:
+            if self._landed(step, path, exc) == data:
+                log.warning(
+                    "the manifest of step %d in %s landed although its write reported an "
+                    "error (%s): the step is committed",
+                    step,
+                    self.storage.url,
+                    exc,
+                )
+                return manifest
+            raise  # what lies there is not this save's manifest (torn, or another writer's)
+        existing = self._existing(path)
+        if existing is not None and (existing == data or self._same(step, existing, manifest)):
+            return fmt.loads(existing, f"step {step} of {self.storage.url}")
+        self.fencing.check(step, generation, "not committed")  # a newer one holds it
+        self.fencing.displace(step, self.history.steps)
+        if not self.storage.put(path, data):
+            raise StepError(
+                f"step {step} is already committed in {self.storage.url} (another writer "
+                "saved it); checkpoints are create-only — use a newer step"
+            )
+        return manifest
+
+    def _landed(self, step: int, path: str, exc: OSError) -> bytes:
+        """After a failed manifest write: its bytes if it landed anyway.
+
+        Raises:
+            StorageError: it did not land (not committed), or that cannot be read.
+        """
+        code = exc.errno or 0
+        try:
+            return self.storage.get(path)
+        except FileNotFoundError:
+            raise exc from None  # not committed: the storage's error says what failed
+        except OSError as again:
+            raise StorageError(
+                code,
+                f"step {step} may or may not be committed in {self.storage.url}: writing its "
+                f"manifest failed ({exc}) and whether it landed could not be read ({again}); "
+                "list the store's steps once the storage answers. Saving the same step with "
+                "the same state again is safe: it finds the committed one",
+            ) from exc
+
+    def _existing(self, path: str) -> bytes | None:
+        try:
+            return self.storage.get(path)
+        except FileNotFoundError:
+            return None  # removed since (a displaced or quarantined manifest)
+
+    def _same(self, step: int, existing: bytes, manifest: Manifest) -> bool:
+        """Whether the manifest ``existing`` records the checkpoint ``manifest`` does: the same
+        values (tree, tensors and their chunks' content hashes) built on the same parent, by
+        the same generation."""
+        try:
+            other = fmt.loads(existing, f"step {step} of {self.storage.url}")
+        except CheckpointError:
+            return False
+        return (other.tree, other.tensors, other.pickled, other.parent, other.generation) == (
+            manifest.tree,
+            manifest.tensors,
+            manifest.pickled,
+            manifest.parent,
+            manifest.generation,
+        )
 
     def _check_durable(self, step: int, parts: Sequence[Part]) -> None:
         for part in parts:

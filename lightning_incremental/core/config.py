@@ -74,6 +74,13 @@ class StoreConfig:
             every ``lease_ttl_s / 4`` seconds and counts as abandoned when not renewed for
             ``lease_ttl_s``: how long a writer that died on another host blocks a new one
             (on the same host a dead writer's lease is taken over at once). Default 60.
+        min_object_age_s: no sweep (``gc``, ``delete``, retention after a commit) removes an
+            object younger than this, by the storage's own clock, whatever its grace period: a
+            save in flight may be about to name it (another rank's part, a writer on another
+            host, the new generation of a restarted job while an old one's late sweep runs).
+            It must exceed the longest save, uploads included (S3 dates a multipart upload by
+            its start). The price: objects of removed checkpoints younger than this stay until
+            a later sweep. ``0`` only for a store no other process writes to. Default 900.
         lossy_codecs: opt-in lossy encoding per key: ``{key path prefix: codec kind}``, e.g.
             ``{"state['optimizer']": "<kind>"}``; a tensor whose key path (as the manifest
             records it) starts with a prefix is encoded by that registered lossy codec (the
@@ -108,6 +115,7 @@ class StoreConfig:
     allow_pickle: bool = False
     generation: int | None = None
     lease_ttl_s: float = 60.0
+    min_object_age_s: float = 900.0
     lossy_codecs: Mapping[str, str] | None = None
     optimizer_state: str = "exact"
 
@@ -149,6 +157,14 @@ class StoreConfig:
             or not self.lease_ttl_s > 0
         ):
             raise ConfigError(f"lease_ttl_s must be a number > 0, got {self.lease_ttl_s!r}")
+        if (
+            isinstance(self.min_object_age_s, bool)
+            or not isinstance(self.min_object_age_s, (int, float))
+            or not self.min_object_age_s >= 0
+        ):
+            raise ConfigError(
+                f"min_object_age_s must be a number >= 0, got {self.min_object_age_s!r}"
+            )
         if self.lossy_codecs is not None:
             _lossy_codecs(self.lossy_codecs)
         if self.optimizer_state not in POLICIES:

@@ -102,7 +102,14 @@ def assemble(
     committer = Committer(
         storage, config, pool, writer=writer, fencing=fence, lease=lease, history=history, base=base
     )
-    collector = Collector(storage, fence, history, base)
+    collector = Collector(
+        storage,
+        fence,
+        history,
+        base,
+        min_age_s=config.min_object_age_s,
+        guard=functools.partial(generation.check_current, fence, lease, "retention stopped"),
+    )
     retention = KeepLast(config.keep_last, collector, lock)
     saver = Saver(
         storage,

@@ -49,7 +49,7 @@ from lightning_incremental.core.storage import Storage
 if TYPE_CHECKING:
     from lightning_incremental.core.format import Manifest
     from lightning_incremental.core.history import History
-    from lightning_incremental.core.lease import Lease
+    from lightning_incremental.core.lease import Lease, Takeover
 
 log = logging.getLogger("lightning_incremental")
 
@@ -279,7 +279,10 @@ class Fencing:
 
 class Generation:
     """The fencing generation one writer commits as: the one given or claimed, else the newest
-    claimed in storage (0 when none was), fixed at first use."""
+    claimed in storage (0 when none was), fixed at first use.
+
+    It also admits the writer to write (:meth:`admit`: the lease, and a claim after taking over
+    an unreleased lease) and to delete (:meth:`check_current`)."""
 
     def __init__(self, storage: Storage, given: int | None) -> None:
         self.storage = storage
@@ -292,12 +295,85 @@ class Generation:
             self._value = fence.generation if fence is not None else 0
         return self._value
 
+    def admit(self, fencing: Fencing, lease: Lease, history: History) -> None:
+        """Take (or confirm) the writer lease before a write. When that takes over a lease
+        whose holder did not release it, claim a new generation at once, before anything is
+        committed: the old holder may be frozen between its lease check and its manifest write
+        (a suspended job, a stopped process, a partition), and its late manifest then names an
+        older generation than the newest fence, so it is never visible, and it is told so
+        (:class:`FencedError` from its commit).
+
+        The claim accepts only the steps that were visible *before* the takeover: a manifest
+        the old holder lands between this process writing its lease record and writing the
+        fence is not accepted either. The caller holds the store's write lock.
+
+        Raises:
+            WriterLeaseError: another process holds the lease, or this one lost it.
+        """
+        seen: list[set[int]] = []
+        takeover = lease.acquire(
+            self.value, before_takeover=lambda: seen.append(set(history.steps()))
+        )
+        if takeover is None:
+            return
+        with history.lock:
+            self._claim_after(takeover, seen[-1], 0, fencing, lease, history)
+
     def claim(self, minimum: int, fencing: Fencing, lease: Lease, history: History) -> int:
         """Claim a new generation for this writer (see :meth:`Fencing.claim`): take the writer
         lease, claim, and record the new generation in the lease. The caller holds the store's
         write lock and the history's lock."""
-        lease.acquire(self.value, claiming=True)
+        seen: list[set[int]] = []
+        takeover = lease.acquire(
+            self.value, claiming=True, before_takeover=lambda: seen.append(set(history.steps()))
+        )
+        if takeover is not None:
+            return self._claim_after(takeover, seen[-1], minimum, fencing, lease, history)
         history.write_marker()
         self._value = fencing.claim(minimum, history.steps)
         lease.acquire(self._value)  # the record names the new generation
         return self._value
+
+    def _claim_after(
+        self,
+        takeover: Takeover,
+        seen: set[int],
+        minimum: int,
+        fencing: Fencing,
+        lease: Lease,
+        history: History,
+    ) -> int:
+        old = takeover.generation if takeover.generation is not None else self.value
+        history.write_marker()
+        self._value = fencing.claim(
+            max(minimum, self.value, old + 1), lambda: [s for s in history.steps() if s in seen]
+        )
+        lease.acquire(self._value)  # the record names the new generation
+        log.warning(
+            "claimed generation %d after taking over the writer lease of %s from %s: what that "
+            "writer commits from now on is not visible",
+            self._value,
+            self.storage.url,
+            takeover.holder,
+        )
+        return self._value
+
+    def check_current(self, fencing: Fencing, lease: Lease, what: str) -> None:
+        """Raise unless this store may still delete: when it writes (it took the lease), it
+        still holds the lease and no newer generation was claimed since it joined. A store
+        that never took the lease (``gc`` with a grace period) is not checked: the grace
+        period and the minimum object age protect what others are writing.
+
+        Raises:
+            WriterLeaseError: this process lost the lease. FencedError: a newer generation.
+        """
+        if not lease.held:
+            return
+        lease.check()
+        fence = newest(self.storage)
+        if fence is not None and fence.generation > self.value:
+            raise FencedError(
+                f"{what}: this writer is generation {self.value} of {self.storage.url}, but "
+                f"{fence.describe()} took over since; it deletes nothing (the restarted job "
+                "owns the store's retention now)"
+            )

@@ -4,8 +4,8 @@ A process that writes to a store (saves, compacts, deletes, collects without a g
 claims a generation) first takes the store's lease: a small JSON record under ``lease/``,
 written create-only, naming the holder::
 
-    lease/<sequence:010d>.json  {"format", "owner", "host", "pid", "pidns", "job", "generation",
-                                 "acquired", "heartbeat", "ttl_s", "released"}
+    lease/<sequence:010d>.json  {"format", "owner", "host", "boot", "pidns", "pid", "job",
+                                 "generation", "acquired", "heartbeat", "ttl_s", "released"}
 
 The record with the highest sequence number is the lease. The holder renews ``heartbeat``
 (seconds since the epoch) every ``ttl_s / 4`` seconds from a daemon thread and checks, before
@@ -15,11 +15,18 @@ one wins), and only when the current record:
 
 - was released (its holder closed the store);
 - is stale: its heartbeat is older than its ``ttl_s``, or its holder runs on this host (same
-  host name and pid namespace) and that process no longer exists;
+  host name, boot id and pid namespace: the host name alone is not unique, and a pid namespace
+  inode is the same constant on every Linux host) and that process no longer exists;
 - belongs to an older fencing generation of the same job: a restarted job (it claimed a newer
   generation, see :mod:`~lightning_incremental.core.fencing`) takes over from its own previous
-  incarnation at once. The job is the elastic launcher's run id when it has one; two jobs with
-  different known run ids never take over from each other by generation.
+  incarnation at once. The job is known by the launcher's id (:func:`job_id`); a takeover by
+  generation needs both ids known and equal, so a second, independent job is refused however
+  new a generation it claims.
+
+Taking over a record that was not released reports a :class:`Takeover`: the new holder then
+claims a new fencing generation before its first commit (:meth:`.fencing.Generation.admit`),
+so whatever the old holder (frozen, partitioned, suspended) commits late is invisible, and its
+commit raises :class:`~lightning_incremental.core.errors.FencedError`.
 
 Otherwise the second writer gets :class:`~lightning_incremental.core.errors.WriterLeaseError`
 naming the holder. A holder that finds its record superseded stops committing (the same error).
@@ -65,9 +72,22 @@ def lease_path(sequence: int) -> str:
 
 
 def job_id() -> str | None:
-    """The launcher's id of this job, the same across its restarts; None when unknown."""
+    """The launcher's id of this job, the same across its restarts; None when unknown.
+
+    torchrun's rendezvous id (a fresh uuid per single-node or ``--standalone`` job); a static
+    multi-node torchrun job, whose id is ``"none"``, by its fixed master endpoint (two jobs
+    cannot listen on one); a SLURM job by its job id (kept when it is requeued).
+    """
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return None if run in ("", "none") else run
+    if run not in ("", "none"):
+        return run
+    slurm = os.environ.get("SLURM_JOB_ID", "")
+    if slurm:
+        return f"slurm:{slurm}"
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if run == "none" and addr and port:
+        return f"torchrun:{addr}:{port}"
+    return None
 
 
 def _pid_namespace() -> str | None:
@@ -75,6 +95,43 @@ def _pid_namespace() -> str | None:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
+
+
+def _boot_id() -> str | None:
+    """This boot of this host (Linux): with the host name and the pid namespace it says that a
+    record's pid is a process of this very machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _same_machine(doc: dict[str, Any]) -> bool:
+    """Whether the lease record ``doc`` was written on this machine, in this pid namespace
+    (a record without a boot id, or on a host without one, never is: its pid cannot be
+    checked here)."""
+    boot = _boot_id()
+    return (
+        boot is not None
+        and doc.get("boot") == boot
+        and doc.get("host") == socket.gethostname()
+        and doc.get("pidns") == _pid_namespace()
+    )
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """This process took over a lease its holder had not released (stale, dead, or an older
+    generation of this job): that holder may still be alive and commit late.
+
+    Attributes:
+        generation: the generation the old record named (None: it named none).
+        holder: the old record, described.
+    """
+
+    generation: int | None
+    holder: str
 
 
 def _process_exists(pid: int) -> bool:
@@ -161,6 +218,7 @@ class _Held:
             "owner": self.owner,
             "host": socket.gethostname(),
             "pid": self.pid,
+            "boot": _boot_id(),
             "pidns": _pid_namespace(),
             "job": job_id(),
             "generation": self.generation,
@@ -173,21 +231,26 @@ class _Held:
 
     # -------------------------------------------------------------- taking
 
-    def acquire(self, generation: int, claiming: bool) -> None:
+    def acquire(
+        self, generation: int, claiming: bool, before_takeover: Callable[[], None] | None
+    ) -> Takeover | None:
         with self.lock:
             if self.sequence is not None and self.lost is None:
                 if generation > self.generation or claiming:
                     self.check()  # before recording the newer generation in our record
                     self.generation = max(self.generation, generation)
                     self._write(overwrite=True)
-                return  # held: the heartbeat and the check before each commit watch it
+                return None  # held: the heartbeat and the check before each commit watch it
             if self.lost is not None and not claiming:
                 self.check()
             self.generation = max(self.generation, generation)
             while True:
                 current = newest(self.storage)
+                taking = current is not None and _unreleased(current, self.owner)
                 if current is not None:
                     self._may_take(current, generation, claiming)
+                    if taking and before_takeover is not None:
+                        before_takeover()  # what was there before this process took over
                 sequence = 0 if current is None else current.sequence + 1
                 self.sequence, self.lost = sequence, None
                 self.acquired = datetime.datetime.now(datetime.timezone.utc).isoformat()
@@ -197,17 +260,24 @@ class _Held:
                 ):
                     break
                 self.sequence = None  # another process took this number first: look again
-            if current is not None and not current.doc.get("released"):
+            takeover = None
+            if current is not None and taking:
                 log.warning(
                     "took over the writer lease of %s from %s", self.storage.url, current.describe()
+                )
+                held = current.doc.get("generation")
+                takeover = Takeover(
+                    held if isinstance(held, int) and not isinstance(held, bool) else None,
+                    current.describe(),
                 )
             for old in range(max(0, sequence - 8), sequence):
                 self.storage.delete(lease_path(old))  # keep the directory small
             self._start()
+            return takeover
 
     def _may_take(self, current: Record, generation: int, claiming: bool) -> None:
         doc = current.doc
-        if doc.get("released") or current.owner == self.owner:
+        if not _unreleased(current, self.owner):
             return
         now = self.clock()
         beat, ttl = doc.get("heartbeat"), doc.get("ttl_s")
@@ -215,14 +285,14 @@ class _Held:
             return  # malformed: names no live holder
         if now - beat > ttl:
             return
-        if doc.get("host") == socket.gethostname() and doc.get("pidns") == _pid_namespace():
+        if _same_machine(doc):
             pid = doc.get("pid")
             if pid == os.getpid() and not _live_here(current.owner):
                 return  # this process wrote it, but none of its stores holds it any more
             if isinstance(pid, int) and pid != os.getpid() and not _process_exists(pid):
                 return
         theirs, mine = doc.get("job"), job_id()
-        same_job = theirs is None or mine is None or theirs == mine
+        same_job = theirs is not None and mine is not None and theirs == mine
         held_generation = doc.get("generation")
         if (
             same_job
@@ -230,12 +300,19 @@ class _Held:
             and (claiming or generation > held_generation)
         ):
             return
+        unknown = (
+            " A restarted job takes over by generation only when both jobs are known by the "
+            "same launcher id (torchrun's run id, SLURM_JOB_ID); this one is "
+            f"{mine or 'unknown'}, the holder's {theirs or 'unknown'}."
+            if claiming or generation > 0
+            else ""
+        )
         raise WriterLeaseError(
             f"{self.storage.url} is being written by another process: {current.describe()}. "
             "One writer per store: stop the other writer, or save to another location. If that "
             f"writer is gone, its lease expires {ttl:.0f}s after its last heartbeat (or delete "
             f"{lease_path(current.sequence)} once you are sure). Reading, verify and gc with a "
-            "grace period need no lease."
+            f"grace period need no lease.{unknown}"
         )
 
     # -------------------------------------------------------------- holding
@@ -324,6 +401,11 @@ def _heartbeat(held: _Held, stop: threading.Event) -> None:
             log.warning("writer lease heartbeat of %s failed (retrying): %s", held.storage.url, exc)
 
 
+def _unreleased(record: Record, owner: str) -> bool:
+    """Whether ``record`` names a holder other than ``owner`` that did not release it."""
+    return not record.doc.get("released") and record.owner != owner
+
+
 _REGISTRY: dict[str, _Held] = {}
 _REGISTRY_LOCK = threading.Lock()
 # Leases of stores dropped (garbage-collected) while the registry was busy: released by the next
@@ -364,8 +446,16 @@ class Lease:
     def held(self) -> bool:
         return self._held is not None
 
-    def acquire(self, generation: int, *, claiming: bool = False) -> None:
-        """Take (or confirm) the lease for a write.
+    def acquire(
+        self,
+        generation: int,
+        *,
+        claiming: bool = False,
+        before_takeover: Callable[[], None] | None = None,
+    ) -> Takeover | None:
+        """Take (or confirm) the lease for a write. Returns a :class:`Takeover` when this call
+        took it over from a holder that had not released it (``before_takeover`` is called
+        just before this process's record is written then), else None.
 
         Raises:
             WriterLeaseError: another process holds it, or this one lost it.
@@ -379,7 +469,7 @@ class Lease:
                     held = _REGISTRY[self.storage.url] = _Held(self.storage, self.ttl_s, self.clock)
                 held.users += 1
             self._held = held
-        held.acquire(generation, claiming)
+        return held.acquire(generation, claiming, before_takeover)
 
     def check(self) -> None:
         """Raise WriterLeaseError unless this process still holds the lease."""

@@ -9,8 +9,13 @@ Rules, in order:
    checkpoint is removed. ``thorough`` checks read every object (``verify``); otherwise the
    store's knowledge is used (what it wrote or checked, what it found damaged).
 3. Delete the manifests first, then every object that no kept manifest (nor the next save's
-   parent) names and that is older than the grace period. Objects or manifests that vanish
+   parent) names and that is older than the grace period and the minimum object age
+   (``StoreConfig.min_object_age_s``, by the storage's clock). Objects or manifests that vanish
    while this runs (another process collecting the same store) are skipped, not errors.
+4. Deletions are fenced like commits: a writer that lost its lease, or that a newer generation
+   took over from, deletes nothing (checked before the first deletion and again during a long
+   sweep); the minimum age spares what a save in flight may name when a check and a late
+   delete race (:meth:`.fencing.Generation.check_current`).
 
 :class:`Maintainer` runs ``gc``, ``delete`` and ``compact`` (which rewrites the newest
 checkpoint as a full base, so the ones before it can be removed) under the store's locks and
@@ -87,12 +92,16 @@ def collect(
     read: Callable[[int], Manifest],
     intact: Callable[[int, Manifest, bool], bool],
     pinned: set[str],
+    min_age_s: float = 0.0,
+    guard: Callable[[], None] | None = None,
 ) -> GcReport:
-    """Apply ``plan`` to the store; see the module docstring.
+    """Apply ``plan`` to the store; see the module docstring. ``guard`` raises when this
+    process may no longer delete.
 
     Raises:
         CorruptCheckpointError: a kept manifest cannot be read, so the objects it needs are
             unknown (nothing is deleted then).
+        FencedError, WriterLeaseError: from ``guard`` (nothing deleted past it).
     """
     # One listing for both: a checkpoint committed while gc runs is in neither list, so it is
     # neither removed as fenced off nor counted against keep_last.
@@ -153,11 +162,15 @@ def collect(
     # Manifests a fenced-off generation wrote are invisible: they go too.
     report = GcReport(sorted(kept), sorted(doomed + fenced), [], 0, plan.dry_run)
     report.kept_intact = spared[0] if len(spared) == 1 else None
+    if doomed + fenced and not plan.dry_run and guard is not None:
+        guard()
     for step in doomed + fenced:
         if not plan.dry_run:
             storage.delete(mf.manifest_path(step))
             fence.forget(step)
-    report.removed_objects, report.bytes_freed = sweep(storage, live, plan.grace_s, plan.dry_run)
+    report.removed_objects, report.bytes_freed = sweep(
+        storage, live, plan.grace_s, plan.dry_run, min_age_s=min_age_s, guard=guard
+    )
     if doomed:
         log.info(
             "gc removed steps %s and %d objects (%d bytes)",
@@ -173,9 +186,17 @@ class Collector:
     trusted, what is quarantined) and the delta base (whose objects the next save needs)."""
 
     def __init__(
-        self, storage: Storage, fencing: Fencing, history: History, base: DeltaBase
+        self,
+        storage: Storage,
+        fencing: Fencing,
+        history: History,
+        base: DeltaBase,
+        *,
+        min_age_s: float = 0.0,
+        guard: Callable[[], None] | None = None,
     ) -> None:
         self.storage, self.fencing, self.history, self.base = storage, fencing, history, base
+        self.min_age_s, self.guard = min_age_s, guard
 
     def run(self, plan: Plan) -> GcReport:
         """Apply ``plan`` (see :func:`collect`). The caller holds the store's write lock."""
@@ -187,6 +208,8 @@ class Collector:
             read=self.history.read,
             intact=self.intact,
             pinned=self.base.pinned(),
+            min_age_s=self.min_age_s,
+            guard=self.guard,
         )
         if not plan.dry_run and self.base.step in report.removed_steps:
             # Its objects are pinned by this call only: another process's gc may collect them at
@@ -260,18 +283,21 @@ class Maintainer:
         self.lease, self.history, self.base = lease, history, base
         self.generation, self.lock = generation, lock
 
+    def admit(self) -> None:
+        self.generation.admit(self.committer.fencing, self.lease, self.history)
+
     def gc(self, plan: Plan) -> GcReport:
         with self.lock, self.history.lock:
             if plan.grace_s == 0 and not plan.dry_run:
                 # Without a grace period gc may remove what a running save is about to
                 # reference: only the writer may do that.
-                self.lease.acquire(self.generation.value)
+                self.admit()
             return self.collector.run(plan)
 
     def delete(self, step: int) -> GcReport:
         with self.lock, self.history.lock:
             target = self.history.resolve(step)
-            self.lease.acquire(self.generation.value)
+            self.admit()
             return self.collector.run(Plan(None, (), (target,), 0.0, False, thorough=False))
 
     def compact(self) -> SaveResult | None:
@@ -279,7 +305,7 @@ class Maintainer:
         make it the next save's delta base; None when it already is one."""
         with self.lock, self.history.lock:
             step = self.history.resolve(None)
-            self.lease.acquire(self.generation.value)
+            self.admit()
             started = time.perf_counter()
             done = rewrite_as_base(self.committer, self.pool, step)
             if done is None:

@@ -123,6 +123,10 @@ class Saver:
         inflight.track(self.storage.url, handle._done)  # loads in this process wait for it
         return handle
 
+    def admit(self) -> None:
+        """Take the writer lease for this save (:meth:`.fencing.Generation.admit`)."""
+        self.generation.admit(self.committer.fencing, self.lease, self.history)
+
     def adopt(self, loaded: Loaded) -> None:
         """After a restore that verified every chunk: its objects are trusted. When the restored
         step is what the next save builds on (the newest committed one, no save pending), tell
@@ -153,7 +157,7 @@ class Saver:
     ) -> SaveResult:
         try:
             with self.lock:
-                self.lease.acquire(self.generation.value)  # one writer per store
+                self.admit()  # one writer per store
                 self.history.write_marker()
                 previous = self.base.parent
                 part: Part = self.committer.write_part(step, leaves)
@@ -202,7 +206,7 @@ class Saver:
         def write() -> Part:
             with self.lock:
                 if coordinator:
-                    self.lease.acquire(self.generation.value)  # one writer per store: rank 0
+                    self.admit()  # one writer per store: rank 0
                     self.history.write_marker()
                 return self.committer.write_part(step, flat.leaves)
 
@@ -213,7 +217,7 @@ class Saver:
                 step,
                 flat,
                 write,
-                generation=self.generation.value,
+                generation=lambda: self.generation.value,  # once admitted (it may claim)
                 audit=audit,
             )
             with self.history.lock:

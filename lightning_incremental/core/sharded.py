@@ -166,11 +166,12 @@ def commit_sharded(
     flat: Flat,
     write: Callable[[], Part],
     *,
-    generation: int,
+    generation: Callable[[], int],
     audit: Mapping[str, Any],
 ) -> tuple[Part, Manifest, Committed | None]:
     """Run steps 1-4 of the module docstring on this rank. Returns its part, the committed
-    manifest and, on the coordinator, the commit.
+    manifest and, on the coordinator, the commit. ``generation``: the coordinator's
+    generation, read when it commits (taking the lease in ``write`` may claim a new one).
 
     Raises:
         DistributedSaveError: a rank died or did not report within the group's timeout.
@@ -195,7 +196,7 @@ def commit_sharded(
     outcome = Outcome(None, ("CheckpointError", "no outcome"))
     if records is not None:
         try:
-            committed = _coordinate(committer, step, records, flat, generation, audit)
+            committed = _coordinate(committer, step, records, flat, generation(), audit)
             outcome = Outcome(fmt.dumps(committed.manifest))
         except Exception as exc:
             outcome = Outcome(None, describe_error(exc))

@@ -218,9 +218,11 @@ ZOMBIE = textwrap.dedent(
 )
 
 
-def test_a_frozen_writer_that_wakes_up_writes_nothing_visible(local_url: str) -> None:
+def test_a_frozen_writer_that_wakes_up_writes_nothing_visible(local_url: str, monkeypatch) -> None:
     """A real process frozen with SIGSTOP between its check and its commit; a new generation
-    claims the store; SIGCONT: its manifest lands, is never visible, and it is told so."""
+    of the same job (the same run id) claims the store; SIGCONT: its manifest lands, is never
+    visible, and it is told so."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-z")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     zombie = subprocess.Popen(
         [sys.executable, "-c", ZOMBIE, local_url], env=env, stdout=subprocess.PIPE, text=True

@@ -188,7 +188,10 @@ def test_keep_last_bounds_disk_use(local_url: str) -> None:
     about two to three checkpoints, not the ten a full_every=10 chain would pin."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 256, generator=g)
-    with small_store(local_url, keep_last=2, full_every=10, chunk_size=16384) as store:
+    # One writer, nothing in flight elsewhere: sweep at once (min_object_age_s=0).
+    with small_store(
+        local_url, keep_last=2, full_every=10, chunk_size=16384, min_object_age_s=0
+    ) as store:
         first = store.save({"w": w}, 0).wait().bytes_written
         peak = 0
         for step in range(1, 25):
@@ -221,7 +224,8 @@ def test_a_full_disk_recovers_after_gc(local_url: str) -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(128, 128, generator=g)
     storage = _QuotaStorage(local_url, quota=6 * w.numel() * 4)
-    with small_store(storage, chunk_size=16384, full_every=1) as store:
+    # One writer, nothing in flight elsewhere: gc may sweep at once (min_object_age_s=0).
+    with small_store(storage, chunk_size=16384, full_every=1, min_object_age_s=0) as store:
         saved = {}
         with pytest.raises(StorageError, match="disk full"):
             for step in range(20):
@@ -234,7 +238,7 @@ def test_a_full_disk_recovers_after_gc(local_url: str) -> None:
         assert store.save(saved[failed], failed).wait()
         assert_state_equal(store.load(), saved[failed])
     # and with keep_last the same disk never fills
-    with small_store(storage, chunk_size=16384, keep_last=2) as store:
+    with small_store(storage, chunk_size=16384, keep_last=2, min_object_age_s=0) as store:
         for step in range(100, 130):
             w = w + torch.randn(w.shape, generator=g)
             store.save({"w": w}, step).wait()

@@ -100,7 +100,12 @@ def test_a_live_writer_elsewhere_blocks_writes_but_not_reads(local_url: str) -> 
     [
         {"heartbeat": time.time() - 3600},  # stale
         {"released": True},
-        {"host": socket.gethostname(), "pidns": lease_mod._pid_namespace(), "pid": 2**22 + 7},
+        {
+            "host": socket.gethostname(),
+            "boot": lease_mod._boot_id(),
+            "pidns": lease_mod._pid_namespace(),
+            "pid": 2**22 + 7,
+        },
     ],
     ids=["stale", "released", "dead-process-on-this-host"],
 )
@@ -268,3 +273,72 @@ def test_a_store_collected_while_another_takes_the_lease_does_not_deadlock(
     records = sorted((tmp_path / "a" / "lease").iterdir())
     assert json.loads(records[-1].read_text())["released"] is True
     assert not lease_mod._DROPPED
+
+
+def test_a_second_independent_job_cannot_take_over_a_live_lease(
+    local_url: str, monkeypatch
+) -> None:
+    """A takeover by generation needs both jobs known by the same launcher id: an unknown id on
+    either side is another, independent job, and a live holder is not taken over."""
+    seeded(local_url)
+    for theirs, mine in ((None, None), (None, "job-b"), ("job-a", None)):
+        if mine is None:
+            monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        else:
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", mine)
+        monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+        plant(local_url, 7, job=theirs, generation=0)
+        with small_store(local_url) as store:
+            with pytest.raises(WriterLeaseError, match="launcher id"):
+                store.claim_generation(1)
+            with pytest.raises(WriterLeaseError, match="host another-host pid 4242"):
+                store.save({"w": torch.zeros(64)}, 2).wait()
+        assert fencing.generations(LocalStorage(local_url)) == [], "no fence written"
+
+
+def test_the_job_id_comes_from_the_launcher(monkeypatch) -> None:
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert lease_mod.job_id() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # static multi-node torchrun
+    assert lease_mod.job_id() is None
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert lease_mod.job_id() == "torchrun:node0:29500"
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    assert lease_mod.job_id() == "slurm:4711"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a")
+    assert lease_mod.job_id() == "3f2a"
+
+
+def test_another_machine_of_the_same_host_name_is_not_this_one(local_url: str) -> None:
+    """Host name and pid namespace are not unique (the pid namespace inode is one constant on
+    every Linux host): a live record from another boot is not checked against this machine's
+    processes, so its absent pid does not make it abandoned."""
+    seeded(local_url)
+    same_name = {"host": socket.gethostname(), "pidns": lease_mod._pid_namespace()}
+    plant(local_url, 3, boot="another-boot-id", pid=2**22 + 7, **same_name)
+    with small_store(local_url) as store:
+        with pytest.raises(WriterLeaseError, match="is being written by another process"):
+            store.save({"w": torch.zeros(64)}, 2).wait()
+    plant(local_url, 4, pid=2**22 + 7, **same_name)  # an older record without a boot id
+    with small_store(local_url) as store:
+        with pytest.raises(WriterLeaseError, match="is being written by another process"):
+            store.save({"w": torch.zeros(64)}, 2).wait()
+    assert lease_mod._boot_id(), "this machine has a boot id"
+
+
+def test_taking_over_an_unreleased_lease_claims_a_generation(local_url: str) -> None:
+    """A stale holder may wake and commit: the new holder claims a generation above the
+    holder's before its first commit, accepting only the steps that were there before."""
+    seeded(local_url)
+    plant(local_url, 3, heartbeat=time.time() - 3600, generation=4)
+    with small_store(local_url) as store:
+        store.save({"w": torch.zeros(64)}, 2).wait()
+        assert store.generation == 5 and store.manifest(2).generation == 5
+        fence = fencing.newest(store.storage)
+        assert fence is not None and fence.generation == 5 and fence.accepted == {1}
+    plant(local_url, 9, released=True)  # a released lease: no claim
+    with small_store(local_url) as store:
+        store.save({"w": torch.ones(64)}, 3).wait()
+        assert fencing.generations(store.storage) == [5]

@@ -315,7 +315,7 @@ def test_background_error_is_raised_by_next_save_or_close(local_url: str) -> Non
 def test_keep_last_retention_keeps_what_is_needed(local_url: str) -> None:
     state = make_state(0, rows=512)
     saved = {}
-    with small_store(local_url, keep_last=2, full_every=3) as store:
+    with small_store(local_url, keep_last=2, full_every=3, min_object_age_s=0) as store:
         for step in range(1, 8):
             state["model"]["w"][step * 8 : step * 8 + 4] += 1.0
             state["step"] = step
@@ -340,7 +340,7 @@ def test_keep_last_retention_keeps_what_is_needed(local_url: str) -> None:
 
 
 def test_gc_dry_run_and_grace(local_url: str) -> None:
-    with small_store(local_url, full_every=1) as store:
+    with small_store(local_url, full_every=1, min_object_age_s=0) as store:
         for step in range(3):
             store.save(make_state(step), step).wait()
         report = store.gc(keep_last=1, dry_run=True)

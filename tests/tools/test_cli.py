@@ -136,7 +136,10 @@ def test_compact_then_gc(store_dir: Path, capsys) -> None:
     code, doc = run_json(capsys, "compact", str(store_dir))
     assert code == 0 and doc["compacted"] and doc["step"] == 30, doc
     code, doc = run_json(capsys, "gc", str(store_dir), "--keep-last", "1", "--grace", "0")
-    assert code == 0 and doc["removed_steps"] == [10, 20] and doc["removed_objects"] > 0
+    assert code == 0 and doc["removed_steps"] == [10, 20]
+    assert doc["removed_objects"] == 0, "objects younger than the minimum age stay"
+    code, doc = run_json(capsys, "gc", str(store_dir), "--grace", "0", "--min-age", "0")
+    assert code == 0 and doc["removed_objects"] > 0
     assert_state_equal(CheckpointStore(str(store_dir)).load(), lightning_like(30))
     code, doc = run_json(capsys, "gc", str(store_dir), "--dry-run")
     assert code == 0 and doc["dry_run"] and doc["removed_objects"] == 0

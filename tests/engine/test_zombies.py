@@ -1,0 +1,254 @@
+"""Zombies and races: a writer that lost its lease, or that a newer generation took over from,
+commits nothing visible and deletes nothing; no sweep removes an object a save in flight may
+name.
+
+Real processes are frozen with SIGSTOP at a chosen point (the way ``scontrol suspend`` or a
+stalled host freezes a job) and woken with SIGCONT after another writer moved on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_incremental.core import CheckpointStore, ConfigError, FencedError
+from lightning_incremental.core import lease as lease_mod
+from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.codecs import chunk_hash
+from lightning_incremental.core.maintenance import CLOCK_DIR
+from lightning_incremental.core.storage import LocalStorage
+from tests.conftest import assert_state_equal, small_store
+
+ROOT = Path(__file__).resolve().parents[2]
+HOUR = 3600.0
+
+
+def state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((2048,), value), "b": torch.arange(8) * value}
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _start_frozen(script: str, url: str) -> subprocess.Popen[str]:
+    """Run ``script`` in a new process and return once it stopped itself (SIGSTOP)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), url],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while _proc_state(proc.pid) != "T":
+        if proc.poll() is not None:
+            raise AssertionError(f"the writer ended before freezing:\n{proc.stdout.read()}")
+        assert time.monotonic() < deadline, "the writer never froze"
+        time.sleep(0.05)
+    return proc
+
+
+def _wake(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    os.kill(proc.pid, signal.SIGCONT)
+    out, _ = proc.communicate(timeout=120)
+    return proc.returncode, out
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+# A single-process writer (it never claims a generation) frozen between its lease check and
+# its manifest write, holding a short lease.
+FROZEN_HOLDER = """
+    import os, signal, sys, torch
+    from lightning_incremental.core import CheckpointStore, FencedError
+
+    store = CheckpointStore(sys.argv[1], chunk_size=4096, pack_size=16384, lease_ttl_s=1.0)
+    store.save({"w": torch.full((2048,), 10.0), "b": torch.arange(8) * 10.0}, 10).wait()
+    put = store.storage.put
+
+    def freeze_before_manifest(path, data, **kw):
+        if path.startswith("manifests/"):
+            os.kill(os.getpid(), signal.SIGSTOP)  # after the lease check, before the commit
+        return put(path, data, **kw)
+
+    store.storage.put = freeze_before_manifest
+    try:
+        store.save({"w": torch.full((2048,), 20.0), "b": torch.zeros(8)}, 20).wait()
+    except FencedError as exc:
+        print("FENCED", exc, flush=True)
+        sys.exit(3)
+    print("COMMITTED", flush=True)
+"""
+
+
+def test_a_frozen_lease_holder_commits_nothing_visible_after_a_takeover(local_url: str) -> None:
+    """The lease expires while its holder is frozen; the next writer takes it over and, because
+    the holder never released it, claims a new generation before its first commit. The holder
+    wakes and writes its manifest: it lands, is never visible, and its save raises."""
+    holder = _start_frozen(FROZEN_HOLDER, local_url)
+    try:
+        with small_store(local_url, lease_ttl_s=1.0) as new:
+            assert new.load()["w"][0] == 10.0 and new.steps() == [10]
+            record = lease_mod.newest(new.storage)
+            assert record is not None and record.doc["pid"] == holder.pid
+            while time.time() - record.doc["heartbeat"] <= 1.5:  # the holder's lease expires
+                time.sleep(0.1)
+            new.save(state(15.0), 15).wait()
+            code, out = _wake(holder)
+            assert code == 3, out
+            assert "FENCED checkpoint step 20 committed after it was fenced off" in out
+            assert new.generation == 1, "the takeover claimed a new generation"
+            assert new.storage.exists(mf.manifest_path(20)), "it landed ..."
+            assert new.steps() == [10, 15], "... and is not visible"
+            assert_state_equal(new.load(), state(15.0))
+        with small_store(local_url) as reader:
+            assert reader.steps() == [10, 15]
+            assert_state_equal(reader.load(), state(15.0))
+    finally:
+        _kill(holder)
+
+
+# A restarted job's previous incarnation (same run id, generation 0, keep_last=1) frozen in
+# its retention after committing step 2: it planned what to keep, and stops at the sweep.
+FROZEN_RETENTION = """
+    import os, signal, sys, torch
+    from lightning_incremental.core import CheckpointStore
+
+    store = CheckpointStore(
+        sys.argv[1], chunk_size=4096, pack_size=16384, keep_last=1, min_object_age_s=0
+    )
+    store.claim_generation()
+    store.save({"w": torch.full((2048,), 1.0), "b": torch.arange(8) * 1.0}, 1).wait()
+    put, listing, armed = store.storage.put, store.storage.list, []
+
+    def arm_after_commit(path, data, **kw):
+        done = put(path, data, **kw)
+        if path.startswith("manifests/"):
+            armed.append(True)
+        return done
+
+    def freeze_at_sweep(prefix):
+        if armed and prefix == "packs":
+            armed.clear()
+            os.kill(os.getpid(), signal.SIGSTOP)  # the sweep lists the objects next
+        return listing(prefix)
+
+    store.storage.put, store.storage.list = arm_after_commit, freeze_at_sweep
+    result = store.save({"w": torch.full((2048,), 2.0), "b": torch.arange(8) * 2.0}, 2).wait()
+    print("COMMITTED", result.step, "WARNINGS", *result.warnings, flush=True)
+"""
+
+
+def test_a_fenced_zombie_deletes_nothing(local_url: str, monkeypatch) -> None:
+    """The restarted job (same run id) claims generation 1 over the frozen one, resumes from
+    step 2 and saves step 3; the zombie wakes mid-retention and must delete nothing (with no
+    minimum object age to help it): every object of step 3 stays."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-retention")
+    zombie = _start_frozen(FROZEN_RETENTION, local_url)
+    try:
+        with small_store(local_url) as new:
+            assert new.claim_generation(1) == 1
+            assert_state_equal(new.load(), state(2.0))
+            new.save(state(3.0), 3).wait()
+            before = set(new.storage.list("packs"))
+            code, out = _wake(zombie)
+            assert code == 0, out
+            assert "COMMITTED 2" in out, out
+            assert "retention after step 2 failed, nothing was deleted past the failure" in out
+            assert "lost the writer lease" in out, out
+            assert set(new.storage.list("packs")) == before, "the zombie deleted objects"
+            assert new.verify(3).ok
+            assert new.steps() == [2, 3]
+            assert_state_equal(new.load(), state(3.0))
+    finally:
+        _kill(zombie)
+
+
+# ------------------------------------------------------------------ minimum object age
+
+
+def _orphan(store: CheckpointStore, age_s: float = 0.0) -> str:
+    """An unreferenced pack object, as a save in flight leaves it, ``age_s`` old."""
+    data = np.random.default_rng().bytes(512)
+    path = mf.pack_path(chunk_hash(data))
+    store.storage.put(path, data)
+    if age_s:
+        full = Path(store.url, *path.split("/"))
+        stamp = time.time() - age_s
+        os.utime(full, (stamp, stamp))
+    return path
+
+
+def test_no_sweep_removes_an_object_younger_than_the_minimum_age(local_url: str) -> None:
+    with small_store(local_url, keep_last=1) as store:
+        assert store.config.min_object_age_s == 900.0
+        store.save(state(1.0), 1).wait()
+        young, old = _orphan(store), _orphan(store, age_s=1000)
+        report = store.gc()  # no grace period: the minimum age still holds
+        assert report.removed_objects == [old]
+        assert store.storage.exists(young)
+        # retention after a commit spares the young objects of the removed checkpoint
+        first = set(store.storage.list("packs"))
+        store.save(state(2.0), 2).wait()
+        assert store.steps() == [2]
+        assert first <= set(store.storage.list("packs"))
+        assert store.verify(2).ok
+
+
+def test_the_minimum_age_is_validated() -> None:
+    for bad in (-1, float("nan"), "900", True):
+        with pytest.raises(ConfigError, match="min_object_age_s"):
+            CheckpointStore("memory://min-age-validated", min_object_age_s=bad)
+
+
+class SkewedStorage(LocalStorage):
+    """A storage whose own clock runs an hour behind this host's (an object store's
+    ``LastModified`` is the server's time)."""
+
+    def mtime(self, path: str) -> float | None:
+        stamp = super().mtime(path)
+        return None if stamp is None else stamp - HOUR
+
+
+def test_ages_are_read_by_the_storage_clock(local_url: str) -> None:
+    """By this host's clock every object of the skewed storage looks an hour old; by the
+    storage's own clock the young one is young and the old one old."""
+    with small_store(SkewedStorage(local_url)) as store:
+        store.save(state(1.0), 1).wait()
+        young, old = _orphan(store), _orphan(store, age_s=2 * HOUR)
+        report = store.gc(grace_s=600)
+        assert report.removed_objects == [old]
+        assert store.storage.exists(young)
+        assert store.storage.list(CLOCK_DIR) == [], "the clock object is gone"
+
+
+def test_a_lease_less_gc_is_not_fenced_but_a_writers_is(local_url: str) -> None:
+    """A maintenance gc with a grace period holds no lease and is not judged by generations;
+    a writer behind the newest fence deletes nothing."""
+    with small_store(local_url, min_object_age_s=0) as writer:
+        writer.save(state(1.0), 1).wait()
+        writer.save(state(2.0), 2).wait()
+        with small_store(local_url) as other:  # shares this process's lease
+            assert other.claim_generation(5) == 5
+        with pytest.raises(FencedError, match="deletes nothing"):
+            writer.gc(keep_last=1)
+        assert writer.steps() == [1, 2]
+    with small_store(local_url) as maintenance:
+        assert maintenance.gc(keep_last=1, grace_s=1).removed_steps == [1]

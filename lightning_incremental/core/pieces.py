@@ -67,19 +67,126 @@ class Read(NamedTuple):
     box: Box
 
 
+# Exact-cover check (shared by plan_reads and check_tiling). Counting corners is linear in the
+# pieces and exponential in the dims they split: always used up to _CORNER_DIMS split dims
+# (2**6 = 64 corners a piece), beyond that while pieces * 2**dims <= _CORNER_BUDGET. Otherwise
+# the pairwise sweep, quadratic in the worst case, for at most _SWEEP_LIMIT pieces; more pieces
+# split along that many dims are refused (real sharding splits 1-3 dims).
+_CORNER_DIMS = 6
+_CORNER_BUDGET = 1 << 22
+_SWEEP_LIMIT = 1024
+
+
+class _Fault(NamedTuple):
+    """Why boxes do not cover a region exactly once: an element held by no box or by several
+    (None when the sweep found the boxes disjoint but too few), and the boxes holding it."""
+
+    element: tuple[int, ...] | None
+    holders: tuple[int, ...]
+
+
+def _holding(boxes: Sequence[Box], element: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(
+        i
+        for i, b in enumerate(boxes)
+        if all(o <= x < o + s for o, s, x in zip(b.offsets, b.sizes, element))
+    )
+
+
+def _cover_fault(region: Box, boxes: Sequence[Box]) -> _Fault | None:
+    """None when ``boxes`` (each non-empty and inside ``region``) hold every element of
+    ``region`` exactly once; else an element held by no box or by several.
+
+    Signed corners: in each dim ``1[a <= x < b] = 1[x >= a] - 1[x >= b]``, so the indicator of
+    a box ``[a, b)`` is the sum over its ``2**d`` corners ``c`` (each coordinate taken from
+    ``a`` or ``b``) of ``(-1)**(coordinates taken from b) * 1[x >= c]``, an orthant indicator.
+    Summing the signs per corner point over the boxes, minus the region's own, gives weights
+    ``w`` with ``count(x) - 1[x in region] = sum of w(c) over the points c <= x``. Take the
+    lexicographically smallest point ``p`` with ``w(p) != 0``: no other point with a weight is
+    ``<= p`` (it would be lexicographically smaller), so the sum at ``p`` is ``w(p) != 0``.
+    ``p`` lies inside the region (a point outside it is outside every box too, where the sum is
+    0), so it is an element held ``1 + w(p) != 1`` times. Hence the boxes cover the region
+    exactly once iff every weight is 0, and when they do not, ``p`` names where: O(n * 2**d).
+    Dims every box spans whole carry no information and are dropped first (so are dims of
+    size 1); past the corner budget a bounded pairwise sweep is used instead.
+
+    Raises:
+        ValueError: more than ``_SWEEP_LIMIT`` boxes split the region along so many dims that
+            neither check is affordable.
+    """
+    if region.numel == 0:
+        return None if not boxes else _Fault(boxes[0].offsets, (0,))
+    ndim = len(region.offsets)
+    split = [
+        d
+        for d in range(ndim)
+        if any(b.offsets[d] != region.offsets[d] or b.sizes[d] != region.sizes[d] for b in boxes)
+    ]
+    k = len(split)
+    n = len(boxes)
+    if k <= _CORNER_DIMS or n << k <= _CORNER_BUDGET:
+        found = _corner_fault(region, boxes, split)
+        return None if found is None else _Fault(found, _holding(boxes, found))
+    if n > _SWEEP_LIMIT:
+        raise ValueError(
+            f"{n} pieces split the tensor along {k} dims: checking that they tile it would take "
+            f"{n} x 2**{k} corner counts or up to {n * (n - 1) // 2} pairwise comparisons; at "
+            f"most {_SWEEP_LIMIT} pieces are accepted when more than {_CORNER_DIMS} dims are "
+            "split (real sharding splits 1-3 dims)"
+        )
+    return _sweep_fault(region, boxes)
+
+
+def _corner_fault(
+    region: Box, boxes: Sequence[Box], split: Sequence[int]
+) -> tuple[int, ...] | None:
+    signs = [math.prod(s) for s in itertools.product((1, -1), repeat=len(split))]
+    weights: dict[tuple[int, ...], int] = {}
+    get = weights.get
+    for box, scale in itertools.chain(((b, 1) for b in boxes), ((region, -1),)):
+        pairs = [(box.offsets[d], box.offsets[d] + box.sizes[d]) for d in split]
+        for corner, sign in zip(itertools.product(*pairs), signs):
+            weights[corner] = get(corner, 0) + scale * sign
+    wrong = [point for point, w in weights.items() if w]
+    if not wrong:
+        return None
+    first = min(wrong)
+    element = list(region.offsets)
+    for d, x in zip(split, first):
+        element[d] = x
+    return tuple(element)
+
+
+def _sweep_fault(region: Box, boxes: Sequence[Box]) -> _Fault | None:
+    ndim = len(region.offsets)
+    dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b in boxes}))
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i].offsets[dim])
+    active: list[int] = []
+    for i in order:
+        box = boxes[i]
+        start = box.offsets[dim]
+        active = [a for a in active if boxes[a].offsets[dim] + boxes[a].sizes[dim] > start]
+        for a in active:
+            common = intersect(box, boxes[a])
+            if common is not None:
+                return _Fault(common.offsets, _holding(boxes, common.offsets))
+        active.append(i)
+    # disjoint boxes inside the region holding as many elements as it has: they cover it
+    return None if sum(b.numel for b in boxes) == region.numel else _Fault(None, ())
+
+
 def plan_reads(stored: Sequence[Box], wanted: Box) -> list[Read]:
     """Which parts of which stored pieces fill ``wanted``, each element exactly once.
 
     ``stored`` may hold the same box more than once (a replica reported twice): the first one is
     used. Partially overlapping distinct pieces are an error, as is a ``wanted`` element that no
-    piece holds.
+    piece holds. Linear in the pieces (see :func:`_cover_fault`).
 
     Raises:
         ValueError: overlapping pieces, or ``wanted`` not covered.
     """
     reads: list[Read] = []
     seen: set[Box] = set()
-    covered = 0
     for index, box in enumerate(stored):
         if len(box.offsets) != len(wanted.offsets):
             raise ValueError(f"piece {index} {box} has another rank than {wanted}")
@@ -89,24 +196,31 @@ def plan_reads(stored: Sequence[Box], wanted: Box) -> list[Read]:
         common = intersect(box, wanted) if wanted.numel else None
         if common is None:
             continue
-        for earlier in reads:
-            if intersect(common, earlier.box) is not None:
-                raise ValueError(f"piece {index} {box} overlaps piece {earlier.piece}")
         reads.append(Read(index, relative(common, box), relative(common, wanted), common))
-        covered += common.numel
-    if covered != wanted.numel:
+    fault = _cover_fault(wanted, [r.box for r in reads])
+    if fault is None:
+        return reads
+    if len(fault.holders) > 1:
+        first, second = (reads[i].piece for i in fault.holders[:2])
         raise ValueError(
-            f"the stored pieces cover {covered} of the {wanted.numel} elements of {wanted}"
+            f"piece {second} {stored[second]} overlaps piece {first} {stored[first]}: both hold "
+            f"element {list(fault.element or ())}"
         )
-    return reads
+    covered = sum(r.box.numel for r in reads)
+    where = "" if fault.element is None else f"; none holds element {list(fault.element)}"
+    raise ValueError(
+        f"the stored pieces cover {covered} of the {wanted.numel} elements of {wanted}"
+        f"{', some more than once' if covered >= wanted.numel else ''}{where}"
+    )
 
 
 def check_tiling(global_shape: Sequence[int], stored: Sequence[Box]) -> None:
     """Non-empty pieces inside ``global_shape``, pairwise disjoint, covering it exactly: what a
     manifest's piece table must satisfy.
 
-    Disjointness is checked by a sweep along the dim that separates the pieces best, so a table
-    of thousands of row shards is checked in about linear time.
+    Linear in the pieces for the layouts sharding makes (signed corner counts, see
+    :func:`_cover_fault`); pieces split along many dims get a bounded pairwise sweep, or are
+    refused when there are too many of them.
 
     Raises:
         ValueError: naming the first problem.
@@ -127,17 +241,17 @@ def check_tiling(global_shape: Sequence[int], stored: Sequence[Box]) -> None:
         return
     if held != total:
         raise ValueError(f"the pieces hold {held} elements, the tensor {total}")
-    dim = max(range(len(shape)), key=lambda d: len({b.offsets[d] for b in stored}))
-    order = sorted(stored, key=lambda b: b.offsets[dim])
-    active: list[Box] = []
-    for box in order:
-        start = box.offsets[dim]
-        active = [a for a in active if a.offsets[dim] + a.sizes[dim] > start]
-        for other in active:
-            if intersect(box, other) is not None:
-                raise ValueError(f"piece {box} overlaps piece {other}")
-        active.append(box)
-    # disjoint pieces inside the tensor holding as many elements as it has: they cover it
+    fault = _cover_fault(whole(shape), stored)
+    if fault is None:
+        return
+    element = list(fault.element or ())
+    if len(fault.holders) > 1:
+        first, second = (stored[i] for i in fault.holders[:2])
+        raise ValueError(f"piece {second} overlaps piece {first}: both hold element {element}")
+    # as many elements held as the tensor has, one of them by none: others by several
+    raise ValueError(
+        f"no piece holds element {element}, yet the pieces hold {held} elements: some overlap"
+    )
 
 
 def range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[int, Box]]:

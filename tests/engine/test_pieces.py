@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from unittest import mock
 
 import hypothesis.strategies as st
 import numpy as np
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
+from lightning_incremental.core import pieces
 from lightning_incremental.core.pieces import (
     Box,
     check_tiling,
@@ -152,6 +154,147 @@ def test_outside_and_rank_mismatch():
         check_tiling((4,), [Box((0,), (5,))])
     with pytest.raises(ValueError, match="rank"):
         plan_reads([Box((0, 0), (2, 2))], Box((0,), (2,)))
+
+
+# --- exact cover: near-linear, and the same answer as counting every element ----------------
+
+
+def _counts(shape: tuple[int, ...], boxes: list[Box]) -> np.ndarray:
+    count = np.zeros(shape, dtype=np.int64)
+    for b in boxes:
+        count[_slices(b)] += 1
+    return count
+
+
+@st.composite
+def near_tilings(draw):
+    """A tiling of a small shape, then perhaps damaged: a piece dropped, duplicated, grown,
+    shrunk or shifted (the damage a manifest could carry)."""
+    shape = draw(st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple))
+    boxes = list(dict.fromkeys(draw(st.one_of(guillotine(shape), grid(shape)))))
+    for _ in range(draw(st.integers(0, 2))):
+        if not boxes or not shape:
+            break
+        i = draw(st.integers(0, len(boxes) - 1))
+        b = boxes[i]
+        d = draw(st.integers(0, len(shape) - 1))
+        kind = draw(st.sampled_from(["drop", "dup", "grow", "shrink", "shift"]))
+        if kind == "drop":
+            del boxes[i]
+        elif kind == "dup":
+            boxes.append(b)
+        elif kind == "grow" and b.stops()[d] < shape[d]:
+            boxes[i] = Box(b.offsets, b.sizes[:d] + (b.sizes[d] + 1,) + b.sizes[d + 1 :])
+        elif kind == "shrink" and b.sizes[d] > 1:
+            boxes[i] = Box(b.offsets, b.sizes[:d] + (b.sizes[d] - 1,) + b.sizes[d + 1 :])
+        elif kind == "shift" and b.stops()[d] < shape[d]:
+            at = b.offsets[:d] + (b.offsets[d] + 1,) + b.offsets[d + 1 :]
+            boxes[i] = Box(at, b.sizes)
+    return shape, draw(st.permutations(boxes))
+
+
+def _agrees_with_brute_force(shape: tuple[int, ...], boxes: list[Box]) -> None:
+    exact = bool((_counts(shape, boxes) == 1).all()) if shape else len(boxes) == 1
+    if exact:
+        check_tiling(shape, boxes)
+    else:
+        with pytest.raises(ValueError, match=r"overlaps|hold|cover|0-dim"):
+            check_tiling(shape, boxes)
+    wanted = Box(tuple(0 for _ in shape), tuple(shape))
+    distinct = list(dict.fromkeys(boxes))  # plan_reads skips a repeated box
+    exact = bool((_counts(shape, distinct) == 1).all()) if shape else len(distinct) == 1
+    if exact:
+        reads = plan_reads(boxes, wanted)
+        assert sum(r.box.numel for r in reads) == wanted.numel
+    else:
+        with pytest.raises(ValueError, match=r"overlaps|cover"):
+            plan_reads(boxes, wanted)
+
+
+@settings(max_examples=500, deadline=None)
+@given(near_tilings())
+def test_tiling_check_agrees_with_counting_every_element(case):
+    shape, boxes = case
+    _agrees_with_brute_force(shape, boxes)
+
+
+@settings(max_examples=150, deadline=None)
+@given(near_tilings())
+def test_bounded_sweep_agrees_with_counting_every_element(case):
+    """The fallback for pieces split along many dims gives the same answers."""
+    shape, boxes = case
+    with mock.patch.multiple(pieces, _CORNER_DIMS=0, _CORNER_BUDGET=0):
+        _agrees_with_brute_force(shape, boxes)
+
+
+class _Counted:
+    """``intersect`` wrapped to count its calls: the work a check does, not its wall time."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.inner = pieces.intersect
+
+    def __call__(self, a: Box, b: Box) -> Box | None:
+        self.calls += 1
+        return self.inner(a, b)
+
+
+def _unit_grid(n: int) -> list[Box]:
+    return [Box((i, j), (1, 1)) for i in range(n) for j in range(n)]
+
+
+def test_tiling_and_reads_do_linear_work_on_a_grid_of_tiny_pieces(monkeypatch):
+    boxes = _unit_grid(40)  # 1600 pieces: a quadratic check does ~1.3M intersections
+    counted = _Counted()
+    monkeypatch.setattr(pieces, "intersect", counted)
+    check_tiling((40, 40), boxes)
+    reads = plan_reads(boxes, Box((0, 0), (40, 40)))
+    assert len(reads) == len(boxes)
+    assert counted.calls <= 2 * len(boxes)
+
+
+@pytest.mark.timeout(120)
+def test_a_grid_of_40k_pieces_validates_and_one_fault_in_it_is_found():
+    n = 200
+    boxes = _unit_grid(n)
+    shape = (n, n)
+    wanted = Box((0, 0), shape)
+    check_tiling(shape, boxes)
+    assert len(plan_reads(boxes, wanted)) == n * n
+    # a gap
+    gap = boxes[: 123 * n + 45] + boxes[123 * n + 46 :]
+    with pytest.raises(ValueError, match="hold 39999 elements"):
+        check_tiling(shape, gap)
+    with pytest.raises(ValueError, match=r"cover .*\[123, 45\]"):
+        plan_reads(gap, wanted)
+    # an overlap that keeps the count: (150, 7) grows over (150, 8) and (150, 9) is dropped, so
+    # the pieces still hold 40000 elements
+    at = 150 * n + 7
+    grown = [*boxes[:at], Box((150, 7), (1, 2)), boxes[at + 1], *boxes[at + 3 :]]
+    with pytest.raises(ValueError, match=r"overlaps .*\[150, 8\]"):
+        check_tiling(shape, grown)
+    with pytest.raises(ValueError, match=r"overlaps .*\[150, 8\]"):
+        plan_reads(grown, wanted)
+    # an overlap that keeps the count and leaves a gap before it
+    moved = [Box((0, 0), (1, 1)) if b == Box((0, 1), (1, 1)) else b for b in boxes]
+    with pytest.raises(ValueError, match=r"overlaps|element \[0, 1\]"):
+        check_tiling(shape, moved)
+
+
+def test_pieces_split_along_too_many_dims_are_refused_not_checked_for_minutes():
+    shape = (2,) * 14
+    boxes = [Box(c, (1,) * 14) for c in itertools.product((0, 1), repeat=14)]  # 16384 pieces
+    with pytest.raises(ValueError, match=r"16384 pieces .* 14 dims"):
+        check_tiling(shape, boxes)
+
+
+def test_dims_every_piece_spans_cost_nothing():
+    # 30 dims, split along one: the 29 others are dropped before the corners are counted
+    shape = (4,) + (1,) * 20 + (3,) * 9
+    rest = (0,) * 29
+    boxes = [Box((i, *rest), (1, *shape[1:])) for i in range(4)]
+    check_tiling(shape, boxes)
+    assert len(plan_reads(boxes, Box((0,) * 30, shape))) == 4
 
 
 @settings(max_examples=400, deadline=None)

@@ -5,12 +5,15 @@ Loading into existing tensors is how a training job restores without a second co
 each chunk is decoded straight into the memory of the model's parameters and buffers (host
 tensors), or through one chunk of scratch memory into a device tensor. Shapes and dtypes are
 checked for every tensor before anything is read, so a checkpoint of another model fails with an
-error naming the key and leaves the caller's tensors untouched.
+error naming the key and leaves the caller's tensors untouched. So is aliasing: two tensors of
+the checkpoint are never decoded into overlapping memory of ``into`` (tied weights the checkpoint
+holds apart), which would mix their bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +146,9 @@ def plan(
         ConfigError: with ``strict``, an ``into`` tensor whose shape or dtype differs from the
             checkpoint's (or a numpy array in the checkpoint where ``into`` has a tensor),
             naming its key. Without ``strict`` such a tensor is restored as a new one (for a
-            caller that reports mismatches its own way, e.g. ``load_state_dict``).
+            caller that reports mismatches its own way, e.g. ``load_state_dict``). In either
+            mode: two ``into`` tensors that share memory and would receive two different
+            tensors of the checkpoint (see :func:`check_disjoint`), naming both keys.
     """
     entries = manifest.tensors
     mine = tensors_of(into) if into is not None else {}
@@ -158,6 +163,7 @@ def plan(
                     raise
                 target = None
         chosen.append(target)
+    check_disjoint(entries, chosen, where)
     holders: list[Any] = []
     inplace: list[bool] = []
     after: list[tuple[np.ndarray, torch.Tensor]] = []
@@ -181,6 +187,85 @@ def plan(
             inplace.append(True)
             targets.append(_into(target, entry, after))
     return Destinations(holders, inplace, after), targets
+
+
+def check_disjoint(
+    entries: Sequence[TensorEntry], chosen: Sequence[torch.Tensor | None], where: str
+) -> None:
+    """Check that no two tensors of the checkpoint are decoded into overlapping memory:
+    ``chosen[i]`` is the ``into`` tensor that ``entries[i]`` is restored into (None: none).
+
+    Their chunks are decoded concurrently, straight into that memory: two of them sharing bytes
+    (tied weights in the model that the checkpoint holds as two tensors, overlapping views of
+    one storage, two arrays over one buffer) would restore a mix of both — and a chunk checked
+    while the other overwrites it reads as corrupt. A checkpoint that holds one tensor under
+    two keys (tied when saved) has one entry for both: nothing to check. Two entries of the
+    same chunks restored into the same view (tied destinations, equal values saved apart) write
+    the same bytes, each chunk by one decode (see ``decoder.restore_chunks``): allowed. Overlap
+    is found in memory, per device, from each destination's byte range (see :func:`_extents`),
+    sorted: O(n log n) in the number of destinations.
+
+    Raises:
+        ConfigError: naming both key paths, before anything is read.
+    """
+    ranges: dict[torch.device, list[tuple[int, int, int]]] = defaultdict(list)
+    same: dict[tuple[Any, ...], int] = {}  # a view and the chunks it gets -> its first entry
+    for index, target in enumerate(chosen):
+        if target is None:
+            continue
+        entry = entries[index]
+        if entry.pieces is None and sharded_kind(target) is None and target.numel():
+            view = (target.device, target.data_ptr(), target.dtype, target.shape, target.stride())
+            first = same.setdefault((*view, entry.chunks), index)
+            if first != index:
+                continue  # the same bytes, into the same place, as entry ``first``
+        for device, start, end in _extents(target):
+            ranges[device].append((start, end, index))
+    for spans in ranges.values():
+        spans.sort()
+        # The two furthest-reaching ranges seen so far, of two different tensors: (end, index).
+        # Pieces of one sharded tensor may share memory (replicas); only two tensors clash.
+        best, second = (-1, -1), (-1, -1)
+        for start, end, index in spans:
+            reach, other = best if best[1] != index else second
+            if reach > start:
+                one, two = sorted((other, index))
+                raise ConfigError(
+                    f"{entries[one].path} and {entries[two].path} are two tensors in "
+                    f"checkpoint {where}, but their tensors in `into` overlap in memory (tied "
+                    "weights, or views of one storage): restoring both would mix their bytes. "
+                    "Untie them before loading (and tie them again after), leave one of them out "
+                    "of `into` (it is then returned as a new tensor), or load without `into`"
+                )
+            if index == best[1]:
+                best = (max(best[0], end), index)
+            elif end > best[0]:
+                best, second = (end, index), best
+            elif end > second[0]:
+                second = (end, index)
+
+
+def _extents(target: torch.Tensor) -> list[tuple[torch.device, int, int]]:
+    """The memory a restore writes into ``target``: ``(device, first byte, last byte + 1)``
+    address ranges, one per local piece of a sharded tensor (the whole of a plain tensor), none
+    when empty.
+
+    Conservative: a range runs from a view's first byte to its last whatever its strides, so two
+    views that interleave without sharing a byte (``w[:, :2]`` and ``w[:, 2:]``) count as
+    overlapping. Addresses, not storages: two tensors over one buffer with storages of their own
+    (``torch.from_numpy`` of two views of one array) are found too."""
+    if sharded_kind(target) is not None:
+        pieces = [piece.tensor for piece in describe(target)]
+    else:
+        pieces = [target]
+    out = []
+    for piece in pieces:
+        if piece.numel() == 0 or piece.device.type == "meta":
+            continue
+        last = sum((n - 1) * stride for n, stride in zip(piece.shape, piece.stride()))
+        start = piece.data_ptr()
+        out.append((piece.device, start, start + (last + 1) * piece.element_size()))
+    return out
 
 
 def allocating(

@@ -16,6 +16,7 @@ from typing import Any
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.decoder import restore_arrays
 from lightning_incremental.core.errors import (
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     ManifestError,
     PickleNotAllowedError,
@@ -28,6 +29,10 @@ from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.tree import unflatten
 
 log = logging.getLogger("lightning_incremental")
+
+# With ``step=None``: how many checkpoints may vanish under one load (deleted while being read,
+# each time the newest committed one is tried again) before it gives up.
+VANISH_LIMIT = 8
 
 
 @dataclass(frozen=True)
@@ -67,22 +72,59 @@ class Loader:
         """Checkpoint ``step``, or with None the newest that restores, falling back past corrupt
         ones with a warning (unless ``strict``). Corrupt ones are quarantined in the history.
 
+        A checkpoint deleted while being read (retention of the writing job, in another process)
+        is not corrupt: with None the committed steps are listed again and the newest is tried,
+        at most ``VANISH_LIMIT`` times.
+
         Raises:
             CorruptCheckpointError: the step (or with None, every one) is corrupt.
+            CheckpointNotFoundError: the step was deleted while being read; with None, one
+                checkpoint after another was, ``VANISH_LIMIT`` times.
         """
         if step is not None:
             step = self.history.resolve(step)
             try:
                 return self.load_step(step, map_location, selection)
-            except CorruptCheckpointError:
-                self.history.saw_damage(step)  # a new history may replace it
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                if self.vanished(step):
+                    raise CheckpointNotFoundError(
+                        f"checkpoint step {step} in {self.storage.url} was deleted while being "
+                        f"read (retention of the job writing it?): {exc}. Load a newer step, or "
+                        "keep more checkpoints (a larger keep_last)"
+                    ) from exc
+                if isinstance(exc, CorruptCheckpointError):
+                    self.history.saw_damage(step)  # a new history may replace it
                 raise
         newest = self.history.resolve(None)
-        problems = []
-        for candidate in reversed([s for s in self.history.steps() if s <= newest]):
+        candidates = [s for s in reversed(self.history.steps()) if s <= newest]
+        problems: list[str] = []
+        corrupt: set[int] = set()
+        vanished: list[int] = []
+        while candidates:
+            candidate = candidates.pop(0)
             try:
                 loaded = self.load_step(candidate, map_location, selection)
-            except CorruptCheckpointError as exc:
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                if self.vanished(candidate):
+                    vanished.append(candidate)
+                    log.info(
+                        "checkpoint step %d in %s was deleted while being read; trying the "
+                        "newest committed one",
+                        candidate,
+                        self.storage.url,
+                    )
+                    if len(vanished) >= VANISH_LIMIT:
+                        raise CheckpointNotFoundError(
+                            f"checkpoints in {self.storage.url} keep being deleted while being "
+                            f"read: steps {vanished} were, one after another. The job writing "
+                            "them removes old ones faster than a load takes; keep more "
+                            "(a larger keep_last) or load from a copy"
+                        ) from exc
+                    candidates = [s for s in reversed(self.history.steps()) if s not in corrupt]
+                    continue
+                if not isinstance(exc, CorruptCheckpointError):
+                    raise
+                corrupt.add(candidate)
                 self.history.saw_damage(candidate)
                 if strict:
                     raise
@@ -98,10 +140,21 @@ class Loader:
                     len(problems),
                 )
             return loaded
+        if not problems:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint left in {self.storage.url}: steps {vanished} were "
+                "deleted while being read"
+            )
+        gone = f" (steps {vanished} were deleted while being read)" if vanished else ""
         raise CorruptCheckpointError(
-            f"no intact checkpoint in {self.storage.url}; every committed one is corrupt:\n  "
-            + "\n  ".join(problems)
+            f"no intact checkpoint in {self.storage.url}; every committed one is corrupt{gone}:"
+            "\n  " + "\n  ".join(problems)
         )
+
+    def vanished(self, step: int) -> bool:
+        """Whether ``step`` is no longer committed: deleted (retention removes the manifest
+        before the objects), or fenced off. What then failed to read is not corruption."""
+        return step not in self.history.steps()
 
     def load_step(
         self, step: int, map_location: MapLocation, selection: Selection = Selection()

@@ -15,7 +15,10 @@ Invariants, checked after every step with a fresh reader:
 - no operation but an explicit ``delete`` of it removes the last intact checkpoint;
 - a save reported committed after the writer has seen all damage done so far (it loaded or
   verified since) verifies;
-- a save that raised committed nothing.
+- a save that raised committed nothing;
+- no committed step of the newest generation ever loses an object (but to the damage rule),
+  whatever a zombie does, and a zombie commits nothing visible;
+- every tensor but the lossy-opted one restores bit-exactly.
 """
 
 from __future__ import annotations
@@ -43,9 +46,14 @@ from lightning_incremental.core import (
     CheckpointError,
     CheckpointStore,
     CorruptCheckpointError,
+    fencing,
 )
+from lightning_incremental.core.retention import Plan
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal
+
+LOSSY_KEY = "state['model']['ema']"
+JOB = "li-stateful-job"  # the run id every incarnation shares (a takeover by generation)
 
 OPTIONS = {
     "chunk_size": 256,
@@ -54,7 +62,18 @@ OPTIONS = {
     "fsync": False,
     "workers": 1,
     "lease_ttl_s": 3600.0,  # no heartbeat write lands inside an example
+    "lossy_codecs": {LOSSY_KEY: "b16"},
 }
+
+
+def assert_same_state(restored: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Exact, but for the lossy-opted tensor (bf16: close)."""
+    restored, expected = dict(restored), dict(expected)
+    got, want = dict(restored.pop("model")), dict(expected.pop("model"))
+    lossy, exact = got.pop("ema"), want.pop("ema")
+    assert_state_equal({**restored, "model": got}, {**expected, "model": want})
+    assert lossy.dtype == exact.dtype and lossy.shape == exact.shape
+    assert torch.allclose(lossy, exact, rtol=1e-2, atol=1e-2)
 
 
 class Crash(OSError):
@@ -63,10 +82,13 @@ class Crash(OSError):
 
 class HookStorage(LocalStorage):
     """A local store whose N-th call from now runs an action first (raise: a crash before the
-    call; anything else: another process acting between two calls)."""
+    call; anything else: another process acting between two calls). ``process``: which process
+    it stands for (its own location key, hence its own lease and locks)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, process: int = 0) -> None:
         super().__init__(root, fsync=False)
+        if process:
+            self.url = f"{root} (process {process})"
         self.countdown: int | None = None
         self.action: Any = None
 
@@ -151,7 +173,12 @@ class StoreMachine(RuleBasedStateMachine):
         import tempfile
 
         self.root = tempfile.mkdtemp(prefix="li-stateful-")
+        self.job_before = os.environ.get("TORCHELASTIC_RUN_ID")
+        os.environ["TORCHELASTIC_RUN_ID"] = JOB
         self.keep_last = keep_last
+        self.process = 0
+        self.zombie: CheckpointStore | None = None
+        self.removed: set[str] = set()  # objects the damage rule removed
         self.storage = HookStorage(self.root)
         self.writer = CheckpointStore(self.storage, keep_last=keep_last, **self.options)
         g = torch.Generator().manual_seed(0)
@@ -167,7 +194,12 @@ class StoreMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not self.root:
             return
+        if self.job_before is None:
+            os.environ.pop("TORCHELASTIC_RUN_ID", None)
+        else:
+            os.environ["TORCHELASTIC_RUN_ID"] = self.job_before
         self.close_writer()
+        self.bury_zombie()
         import shutil
 
         shutil.rmtree(self.root, ignore_errors=True)
@@ -177,12 +209,12 @@ class StoreMachine(RuleBasedStateMachine):
     def close_writer(self) -> None:
         """Close the writer whatever state the rules left it in (its errors are not checked
         here: the invariants judge what it committed)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                self.writer.close()
-            except Exception:
-                pass
+        _close(self.writer)
+
+    def bury_zombie(self) -> None:
+        if self.zombie is not None:
+            _close(self.zombie)
+            self.zombie = None
 
     def state(self, step: int, change: str) -> dict[str, Any]:
         if change in ("dense", "both"):
@@ -194,6 +226,7 @@ class StoreMachine(RuleBasedStateMachine):
             "model": {
                 "frozen": self.frozen.clone(),
                 "dense": self.dense.clone(),
+                "ema": self.dense.clone(),  # lossy-opted, the same bytes as "dense"
                 "sparse": self.sparse.clone(),
             },
             "step": step,
@@ -230,6 +263,7 @@ class StoreMachine(RuleBasedStateMachine):
         step = self.next_step
         self.next_step += 1
         state = self.state(step, change)
+        self.zombie_state = state
         before = self.intact()
         if arm is not None:
             self.storage.arm(*arm)
@@ -243,6 +277,10 @@ class StoreMachine(RuleBasedStateMachine):
             ok = True
         finally:
             self.storage.disarm()
+        if self.zombie is self.writer:  # taken over during the save: the writer is a zombie
+            self.writer = self.successor
+            self.after_takeover(step, ok)
+            return
         with self.reader() as reader:
             visible = step in reader.steps()
         if not ok:
@@ -259,6 +297,62 @@ class StoreMachine(RuleBasedStateMachine):
                     raise AssertionError(f"step {step} was reported committed: {exc}") from exc
         if before and not self.unseen_damage:
             assert self.intact(), "a save's retention removed the last intact checkpoint"
+
+    def take_over(self, change: str | None) -> None:
+        """Another incarnation of the job claims a new generation over the live writer (and,
+        with ``change``, resumes and saves a step); the writer becomes a zombie."""
+        self.bury_zombie()
+        self.process += 1
+        storage = HookStorage(self.root, self.process)
+        successor = CheckpointStore(storage, keep_last=self.keep_last, **self.options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            successor.claim_generation(fencing.restart_count())
+            if change is not None:
+                step = self.next_step
+                self.next_step += 1
+                state = self.state(step, change)
+                try:
+                    successor.load()
+                except CheckpointError:
+                    pass
+                try:
+                    successor.save(state, step).wait()
+                except CheckpointError:
+                    pass  # e.g. damage it cannot build on: the invariants judge what committed
+                else:
+                    self.expected[step] = state
+        self.zombie, self.successor = self.writer, successor
+        self.storage = storage
+
+    def after_takeover(self, step: int, ok: bool) -> None:
+        """The save the writer made while it was taken over: visible only if it returned (it
+        committed before the claim); one that returned may since have been removed by the
+        successor's retention, never otherwise."""
+        with self.reader() as reader:
+            steps = reader.steps()
+        visible = step in steps
+        assert ok or not visible, f"the zombie's save of step {step} raised, yet it is visible"
+        if ok and not visible:
+            assert self.keep_last is not None and steps and steps[-1] > step, (
+                f"the zombie's save of step {step} returned, but it is not visible"
+            )
+        if visible:
+            self.expected[step] = self.zombie_state
+
+    def newest_generation_objects(self) -> dict[int, set[str]]:
+        """The objects of every visible step the newest generation wrote."""
+        out = {}
+        with self.reader() as reader:
+            fence = fencing.newest(reader.storage)
+            for step in reader.steps():
+                try:
+                    doc = reader.manifest(step)
+                except CheckpointError:
+                    continue
+                if fence is None or doc.generation >= fence.generation:
+                    out[step] = set(doc.packs)
+        return out
 
     # ------------------------------------------------------------ rules
 
@@ -282,6 +376,64 @@ class StoreMachine(RuleBasedStateMachine):
 
         arm = {"nothing": None, "crash": (nth, crash(bare)), "concurrent gc": (nth, collect)}
         self.save(change, arm[disturb])
+
+    @rule(
+        change=st.sampled_from([None, "none", "dense", "sparse", "both"]),
+        during=st.sampled_from(["rule boundary", "writer's save"]),
+        nth=st.integers(1, 40),
+        saving=st.sampled_from(["none", "dense", "sparse", "both"]),
+    )
+    def restarted_job_takes_over(
+        self, change: str | None, during: str, nth: int, saving: str
+    ) -> None:
+        """A restarted incarnation takes over: between rules, or at the ``nth`` storage call
+        of a save the writer makes (it froze there), claiming a new generation and, unless
+        ``change`` is None, saving a step of its own."""
+        self.age()
+        if during == "rule boundary":
+            self.take_over(change)
+            self.writer = self.successor
+            return
+        self.save(saving, (nth, lambda: self.take_over(change)))
+
+    @precondition(lambda self: self.zombie is not None)
+    @rule(
+        action=st.sampled_from(["save", "retention", "gc", "gc with grace", "delete", "compact"]),
+        keep=st.integers(1, 2),
+    )
+    def zombie_wakes(self, action: str, keep: int) -> None:
+        """The zombie wakes and acts: nothing visible changes, and no object of the newest
+        generation's steps goes."""
+        assert self.zombie is not None
+        self.age()
+        before = self.newest_generation_objects()
+        with self.reader() as reader:
+            visible = reader.steps()
+        zombie = self.zombie
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                if action == "save":
+                    step = self.next_step
+                    self.next_step += 1
+                    zombie.save(self.state(step, "both"), step).wait()
+                elif action == "retention":  # as it runs right after a commit
+                    zombie._engine.retention.collector.run(Plan(keep, (), (), 0.0, False, False))
+                elif action == "gc":
+                    zombie.gc(keep_last=keep)
+                elif action == "gc with grace":
+                    zombie.gc(keep_last=keep, grace_s=60)
+                elif action == "delete" and visible:
+                    zombie.delete(visible[-1])
+                elif action == "compact":
+                    zombie.compact()
+            except (CheckpointError, Crash):
+                pass
+        with self.reader() as reader:
+            assert reader.steps() == visible, f"the zombie's {action} changed what is visible"
+        for step, packs in before.items():
+            gone = {p for p in packs if not Path(self.root, *p.split("/")).exists()}
+            assert gone <= self.removed, f"the zombie's {action} removed objects of step {step}"
 
     @rule()
     def load_newest(self) -> None:
@@ -402,6 +554,7 @@ class StoreMachine(RuleBasedStateMachine):
             path.write_bytes(bytes(blob[: recipe["offset"] + recipe["length"] // 2]))
         else:
             path.unlink()
+            self.removed.add(recipe["pack"])
         self.unseen_damage = True
 
     # ------------------------------------------------------------ invariants
@@ -424,13 +577,30 @@ class StoreMachine(RuleBasedStateMachine):
                     continue
                 # verify may also flag damage in bytes of a shared object this step does not
                 # use; what load returns is exact either way
-                assert_state_equal(restored, self.expected[step])
+                assert_same_state(restored, self.expected[step])
                 intact.append(step)
             if intact:
-                assert_state_equal(reader.load(), self.expected[intact[-1]])
+                assert_same_state(reader.load(), self.expected[intact[-1]])
             elif steps:
                 with pytest.raises(CorruptCheckpointError):
                     reader.load()
+
+    @invariant()
+    def the_newest_generation_loses_no_object(self) -> None:
+        if not self.root:
+            return
+        for step, packs in self.newest_generation_objects().items():
+            gone = {p for p in packs if not Path(self.root, *p.split("/")).exists()}
+            assert gone <= self.removed, f"committed step {step} lost objects {sorted(gone)}"
+
+
+def _close(store: CheckpointStore) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            store.close()
+        except Exception:
+            pass
 
 
 QUICK = settings(

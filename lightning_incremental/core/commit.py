@@ -207,14 +207,26 @@ class Committer:
             )
             adopted = {p: enc.packs[p] for p in set(enc.packs) - enc.written}
             vanished = sorted(p for p in adopted if not self.storage.exists(p))
+            if vanished and explicit:
+                raise CorruptCheckpointError(
+                    f"step {step} not committed: objects it would reuse are missing from "
+                    f"{self.storage.url} ({', '.join(vanished[:3])}): lost, or deleted by "
+                    "another process (give a gc beside training a grace period, grace_s)"
+                )
+            if vanished and reloaded:
+                # Still missing from what is committed now: lost (or still being deleted).
+                # Their chunks are encoded again from the state; each round avoids more
+                # objects, so this ends (at worst with nothing reused).
+                log.warning(
+                    "step %d: objects it would reuse are missing (%s); encoding their chunks "
+                    "again from the state being saved",
+                    step,
+                    ", ".join(vanished[:3]),
+                )
+                self.history.saw_damage()
+                avoid |= set(vanished)
+                continue
             if vanished:
-                if reloaded or explicit:
-                    raise CorruptCheckpointError(
-                        f"step {step} not committed: objects it would reuse are missing from "
-                        f"{self.storage.url} ({', '.join(vanished[:3])}); another process is "
-                        "deleting objects of this store — give gc a grace period (grace_s) "
-                        "while training runs"
-                    )
                 # Another process compacted and collected this store since our parent was
                 # read: build on what is committed now, as a full base, not on what is gone.
                 log.warning(

@@ -333,7 +333,7 @@ def _mixed_key(out: Encoded, exact: set[str]) -> str | None:
             for digest in tensor.chunks:
                 if not out.chunks[digest].lossless:
                     return digest
-    for digest, recipe in out.chunks.items():
+    for recipe in out.chunks.values():
         if recipe.base is not None and out.chunks[recipe.base].lossless != recipe.lossless:
             return recipe.base
     return None

@@ -234,13 +234,17 @@ class CheckpointStore:
                 are not read. The returned dict holds just these keys.
 
         Raises:
-            CheckpointNotFoundError: no store at the URL, an empty store, or a missing step.
+            CheckpointNotFoundError: no store at the URL, an empty store, or a missing step
+                (also one deleted by retention while it was read; with ``step=None`` the load
+                goes on with the newest committed step instead, unless checkpoints keep
+                vanishing faster than they are read).
             NotAStoreError: the location exists but is not a store.
             CorruptCheckpointError: the checkpoint (or with ``step=None`` every one) is corrupt.
             FormatVersionError: written by a newer version of this library.
             PickleNotAllowedError: it holds pickles and ``allow_pickle`` is off.
             ConfigError: a key of ``keys`` the checkpoint lacks; a tensor of ``into`` whose shape
-                or dtype differs from the checkpoint's (naming its key).
+                or dtype differs from the checkpoint's (naming its key); tensors of ``into``
+                that share memory but would receive different checkpoint tensors.
             TypeError: ``keys`` is not a str or a list of str.
 
         Memory: the restore holds a bounded window of the checkpoint's objects at a time
@@ -323,12 +327,15 @@ class CheckpointStore:
                 and only remove unreferenced objects).
             keep: steps to keep in addition.
             grace_s: leave unreferenced objects younger than this many seconds (a save in
-                another process may be about to reference them).
+                another process may be about to reference them). Objects younger than the
+                store's ``min_object_age_s`` stay whatever it says.
             dry_run: report what would be removed, remove nothing.
 
         Raises:
             ConfigError: bad arguments. CorruptCheckpointError: a kept manifest is unreadable
                 (nothing is deleted then: the live set is unknown).
+            WriterLeaseError, FencedError: this store writes, and it lost the writer lease or
+                a newer generation took over: it deletes nothing.
         """
         plan = Plan.for_gc(keep_last, keep, grace_s, dry_run)
         self.wait()

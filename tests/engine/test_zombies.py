@@ -252,3 +252,19 @@ def test_a_lease_less_gc_is_not_fenced_but_a_writers_is(local_url: str) -> None:
         assert writer.steps() == [1, 2]
     with small_store(local_url) as maintenance:
         assert maintenance.gc(keep_last=1, grace_s=1).removed_steps == [1]
+
+
+def test_a_save_after_an_object_went_missing_encodes_its_chunks_again(local_url: str) -> None:
+    """An object the newest checkpoint names is gone (lost, or removed by hand): a new
+    writer's save, which would reuse it, encodes its chunks again from the state instead of
+    failing with a message about another process deleting objects."""
+    with small_store(local_url) as store:
+        store.save(state(1.0), 1).wait()
+        doc = store.manifest(1)
+    frozen = next(t for t in doc.tensors if t.path == "state['w']")
+    lost = doc.chunks[frozen.chunks[0]].pack
+    LocalStorage(local_url).delete(lost)
+    with small_store(local_url) as store:
+        store.save(state(1.0), 2).wait()  # the same values: every chunk would be reused
+        assert store.verify(2).ok
+        assert_state_equal(store.load(2), state(1.0))

@@ -41,7 +41,9 @@ def test_piece_reader_fills_wanted_boxes_from_only_the_needed_chunks(layout, dty
     """Any tiling, any wanted boxes, chunks of any size: the boxes get exactly the stored values,
     and the chunks read are exactly those holding a wanted element (flat_runs, brute force)."""
     shape, tiling, wanted = layout
-    full = (torch.randn(shape) * 100).to(dtype)
+    # Distinct values (exact in every dtype here: at most 216 elements), so no two pieces hold
+    # the same chunks and each decode target below is matched to its own piece.
+    full = (torch.randperm(math.prod(shape)) - 108).reshape(shape).to(dtype)
     itemsize = full.element_size()
     chunk_bytes = 16 * per_chunk
     blobs: dict[str, np.ndarray] = {}

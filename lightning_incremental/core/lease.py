@@ -255,8 +255,8 @@ class _Held:
                 self.sequence, self.lost = sequence, None
                 self.acquired = datetime.datetime.now(datetime.timezone.utc).isoformat()
                 data = self.body()
-                if self.storage.put(lease_path(sequence), data) and (
-                    self.storage.get(lease_path(sequence)) == data
+                if self.storage.put(lease_path(sequence), data) and self._reads_back(
+                    sequence, data
                 ):
                     break
                 self.sequence = None  # another process took this number first: look again
@@ -274,6 +274,15 @@ class _Held:
                 self.storage.delete(lease_path(old))  # keep the directory small
             self._start()
             return takeover
+
+    def _reads_back(self, sequence: int, data: bytes) -> bool:
+        """Whether our record at ``sequence`` is still there as written (a racing writer may
+        have replaced it, on a backend without atomic create-only writes, or a newer holder
+        already removed it with the other old records)."""
+        try:
+            return self.storage.get(lease_path(sequence)) == data
+        except FileNotFoundError:
+            return False
 
     def _may_take(self, current: Record, generation: int, claiming: bool) -> None:
         doc = current.doc

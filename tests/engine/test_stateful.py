@@ -178,6 +178,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.keep_last = keep_last
         self.process = 0
         self.zombie: CheckpointStore | None = None
+        self.taken_over: CheckpointStore | None = None  # the writer a successor took over from
         self.removed: set[str] = set()  # objects the damage rule removed
         self.storage = HookStorage(self.root)
         self.writer = CheckpointStore(self.storage, keep_last=keep_last, **self.options)
@@ -277,9 +278,9 @@ class StoreMachine(RuleBasedStateMachine):
             ok = True
         finally:
             self.storage.disarm()
-        if self.zombie is self.writer:  # taken over during the save: the writer is a zombie
-            self.writer = self.successor
+        if self.taken_over is self.writer:  # taken over during the save
             self.after_takeover(step, ok)
+            self.succeed()
             return
         with self.reader() as reader:
             visible = step in reader.steps()
@@ -322,8 +323,17 @@ class StoreMachine(RuleBasedStateMachine):
                     pass  # e.g. damage it cannot build on: the invariants judge what committed
                 else:
                     self.expected[step] = state
-        self.zombie, self.successor = self.writer, successor
+        # Only a writer that holds the lease is a zombie: one that never wrote (or had not
+        # taken the lease yet) is a new writer when it next writes, joining the newest claim.
+        self.zombie = self.writer if self.writer._lease.held else None
+        self.taken_over, self.successor = self.writer, successor
         self.storage = storage
+
+    def succeed(self) -> None:
+        """The successor is the writer now; the old one lives on only as a zombie."""
+        old, self.writer, self.taken_over = self.writer, self.successor, None
+        if self.zombie is not old:
+            _close(old)
 
     def after_takeover(self, step: int, ok: bool) -> None:
         """The save the writer made while it was taken over: visible only if it returned (it
@@ -392,7 +402,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.age()
         if during == "rule boundary":
             self.take_over(change)
-            self.writer = self.successor
+            self.succeed()
             return
         self.save(saving, (nth, lambda: self.take_over(change)))
 

@@ -619,7 +619,9 @@ QUICK = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-LONG = settings(QUICK, max_examples=1000, stateful_step_count=40)
+# Fewer examples than the rules' variety alone would ask for: each example now also takes the
+# store over and wakes zombies, and the two long machines must stay within a few minutes of CI.
+LONG = settings(QUICK, max_examples=650, stateful_step_count=40)
 
 
 def test_store_state_machine() -> None:
@@ -667,5 +669,5 @@ def test_held_store_state_machine() -> None:
 
 @pytest.mark.slow
 def test_held_store_state_machine_long() -> None:
-    HeldStoreMachine.TestCase.settings = settings(LONG, max_examples=400)
+    HeldStoreMachine.TestCase.settings = settings(LONG, max_examples=250)
     HeldStoreMachine.TestCase().runTest()

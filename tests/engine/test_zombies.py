@@ -27,6 +27,7 @@ from lightning_incremental.core.codecs import chunk_hash
 from lightning_incremental.core.maintenance import CLOCK_DIR
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal, small_store
+from tests.engine.test_fencing import _proc_state
 
 ROOT = Path(__file__).resolve().parents[2]
 HOUR = 3600.0
@@ -34,11 +35,6 @@ HOUR = 3600.0
 
 def state(value: float) -> dict[str, torch.Tensor]:
     return {"w": torch.full((2048,), value), "b": torch.arange(8) * value}
-
-
-def _proc_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _start_frozen(script: str, url: str) -> subprocess.Popen[str]:

@@ -6,6 +6,7 @@ the store's methods stay short and the logic can be read (and tested) in one pla
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -20,6 +21,8 @@ from lightning_incremental.core.format import Manifest
 from lightning_incremental.core.history import History
 from lightning_incremental.core.results import ObjectCheck, VerifyReport
 from lightning_incremental.core.storage import TMP_PREFIX, Storage
+
+log = logging.getLogger("lightning_incremental")
 
 STALE_TMP_S = 3600.0  # temporary files younger than this may belong to a write in progress
 
@@ -153,6 +156,7 @@ def sweep(
     now: Callable[[], float] | None = None
     checked_at: float | None = None
     since_check = 0
+    undated = 0  # objects whose age the backend cannot tell: never removed
     for directory in TMP_DIRS:
         for path in storage.list(directory):
             name = path.rsplit("/", 1)[-1]
@@ -167,7 +171,10 @@ def sweep(
                     if now is None:
                         now = time.time if dry_run else storage_clock(storage)
                     mtime = storage.mtime(path)
-                    if mtime is None or now() - mtime < min_age:
+                    if mtime is None:
+                        undated += 1
+                        continue
+                    if now() - mtime < min_age:
                         continue
                 size = storage.size(path)
                 if not dry_run:
@@ -184,4 +191,12 @@ def sweep(
                 continue  # gone already
             removed.append(path)
             freed += size
+    if undated:
+        log.warning(
+            "%s gives no modification times: %d unreferenced object(s) were kept, their age "
+            "unknown (a minimum age or grace period needs one); with min_object_age_s=0 and no "
+            "grace period, and no other process writing to the store, gc removes them",
+            storage.url,
+            undated,
+        )
     return removed, freed

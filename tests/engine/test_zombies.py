@@ -278,3 +278,23 @@ def test_the_minimum_age_holds_on_every_backend(store_url: str) -> None:
         assert store.storage.list(CLOCK_DIR) == []
     with small_store(store_url, min_object_age_s=0) as store:
         assert store.gc().removed_objects == [young]
+
+
+class UndatedStorage(LocalStorage):
+    """A backend that cannot tell when an object was written."""
+
+    def mtime(self, path: str) -> float | None:
+        return None
+
+
+def test_a_backend_without_modification_times_keeps_objects_and_says_so(
+    local_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with small_store(UndatedStorage(local_url)) as store:
+        store.save(state(1.0), 1).wait()
+        orphan = _orphan(store)
+        assert store.gc().removed_objects == []
+        assert store.storage.exists(orphan)
+        assert "gives no modification times: 1 unreferenced object(s) were kept" in caplog.text
+    with small_store(UndatedStorage(local_url), min_object_age_s=0) as store:
+        assert store.gc().removed_objects == [orphan]

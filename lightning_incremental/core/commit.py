@@ -359,7 +359,8 @@ class Committer:
         """After a failed manifest write: its bytes if it landed anyway.
 
         Raises:
-            StorageError: it did not land (not committed), or that cannot be read.
+            OSError: ``exc`` itself when it did not land (not committed).
+            StorageError: whether it landed cannot be read.
         """
         code = exc.errno or 0
         try:

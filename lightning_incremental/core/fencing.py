@@ -310,29 +310,35 @@ class Generation:
         Raises:
             WriterLeaseError: another process holds the lease, or this one lost it.
         """
-        seen: list[set[int]] = []
-        takeover = lease.acquire(
-            self.value, before_takeover=lambda: seen.append(set(history.steps()))
-        )
+        takeover, seen = self._acquire(lease, history, claiming=False)
         if takeover is None:
             return
         with history.lock:
-            self._claim_after(takeover, seen[-1], 0, fencing, lease, history)
+            self._claim_after(takeover, seen, 0, fencing, lease, history)
 
     def claim(self, minimum: int, fencing: Fencing, lease: Lease, history: History) -> int:
         """Claim a new generation for this writer (see :meth:`Fencing.claim`): take the writer
         lease, claim, and record the new generation in the lease. The caller holds the store's
         write lock and the history's lock."""
-        seen: list[set[int]] = []
-        takeover = lease.acquire(
-            self.value, claiming=True, before_takeover=lambda: seen.append(set(history.steps()))
-        )
+        takeover, seen = self._acquire(lease, history, claiming=True)
         if takeover is not None:
-            return self._claim_after(takeover, seen[-1], minimum, fencing, lease, history)
+            return self._claim_after(takeover, seen, minimum, fencing, lease, history)
         history.write_marker()
         self._value = fencing.claim(minimum, history.steps)
         lease.acquire(self._value)  # the record names the new generation
         return self._value
+
+    def _acquire(
+        self, lease: Lease, history: History, *, claiming: bool
+    ) -> tuple[Takeover | None, set[int]]:
+        """Take the lease; on a takeover also the steps visible just before it."""
+        seen: list[set[int]] = []
+        takeover = lease.acquire(
+            self.value,
+            claiming=claiming,
+            before_takeover=lambda: seen.append(set(history.steps())),
+        )
+        return takeover, seen[-1] if takeover is not None else set()
 
     def _claim_after(
         self,

@@ -104,10 +104,9 @@ def damaged_objects(storage: Storage, packs: Mapping[str, int]) -> set[str]:
 
 
 # Where temporary files of interrupted writes can be left: beside the objects they were for.
-TMP_DIRS = (mf.PACK_DIR, mf.MANIFEST_DIR, mf.QUARANTINE_DIR, "fences", "lease")
+CLOCK_DIR = "clock"  # markers of storage_clock: every one there is a temporary file
 
-
-CLOCK_DIR = "clock"
+TMP_DIRS = (mf.PACK_DIR, mf.MANIFEST_DIR, mf.QUARANTINE_DIR, "fences", "lease", CLOCK_DIR)
 
 
 def storage_clock(storage: Storage) -> Callable[[], float]:
@@ -160,7 +159,7 @@ def sweep(
     for directory in TMP_DIRS:
         for path in storage.list(directory):
             name = path.rsplit("/", 1)[-1]
-            stale_tmp = name.startswith(TMP_PREFIX)
+            stale_tmp = name.startswith(TMP_PREFIX) or directory == CLOCK_DIR
             if directory != mf.PACK_DIR and not stale_tmp:
                 continue
             if not stale_tmp and (path in live or not mf.is_pack_path(path)):

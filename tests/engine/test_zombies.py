@@ -298,3 +298,16 @@ def test_a_backend_without_modification_times_keeps_objects_and_says_so(
         assert "gives no modification times: 1 unreferenced object(s) were kept" in caplog.text
     with small_store(UndatedStorage(local_url), min_object_age_s=0) as store:
         assert store.gc().removed_objects == [orphan]
+
+
+def test_a_clock_marker_left_by_a_crash_is_swept_later(local_url: str) -> None:
+    """A process that died between writing the clock's marker and removing it leaves it
+    behind: a later sweep removes it once it is an hour old, like any temporary file."""
+    with small_store(local_url, min_object_age_s=0) as store:
+        store.save(state(1.0), 1).wait()
+        store.storage.put(f"{CLOCK_DIR}/left-by-a-crash", b"")
+        store.storage.put(f"{CLOCK_DIR}/written-just-now", b"")
+        stamp = time.time() - 2 * HOUR
+        os.utime(Path(local_url, CLOCK_DIR, "left-by-a-crash"), (stamp, stamp))
+        store.gc()
+        assert store.storage.list(CLOCK_DIR) == [f"{CLOCK_DIR}/written-just-now"]

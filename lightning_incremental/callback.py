@@ -33,13 +33,8 @@ from lightning_incremental import _resume as resume
 from lightning_incremental._resume import KEY, ResumeHook
 from lightning_incremental._saver import Saver
 from lightning_incremental._schedule import Schedule
-from lightning_incremental.core import (
-    CheckpointStore,
-    ConfigError,
-    SaveResult,
-    StoreConfig,
-    fencing,
-)
+from lightning_incremental.core import CheckpointStore, ConfigError, SaveResult, StoreConfig
+from lightning_incremental.core.commit import fencing
 from lightning_incremental.runtime import replica_policy
 from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
@@ -94,7 +89,7 @@ class IncrementalCheckpoint(Checkpoint):
         optimizer_state: ``"exact"`` (default: lossless, restored bit-exact), ``"bf16"`` or
             ``"int8"``: optimizer moments (``exp_avg``, ``exp_avg_sq``) stored quantized, about
             2x or 4x fewer bytes for them; a resume from such a checkpoint is not bit-exact
-            (see :mod:`lightning_incremental.core.optimizer_state`). Weights stay lossless.
+            (see :mod:`lightning_incremental.core.codecs.optimizer_state`). Weights stay lossless.
         store_options: any other :class:`~lightning_incremental.core.StoreConfig` field
             (``chunk_size``, ``compression_level``, ``xor_base_memory``, ``max_in_flight``, ...).
         max_consecutive_failures: a save that fails in the background (storage error, full
@@ -135,7 +130,7 @@ class IncrementalCheckpoint(Checkpoint):
     In multi-process runs (and under torchrun) every start of ``fit`` also claims a new fencing
     generation in the store: checkpoints a previous incarnation of the job writes afterwards — a
     frozen or cut-off rank 0 that wakes up — are never visible (see
-    :mod:`lightning_incremental.core.fencing`).
+    :mod:`lightning_incremental.core.commit.fencing`).
 
     Raises:
         TypeError: an argument of the wrong type.

@@ -32,7 +32,7 @@ predict(ckpt_path=...)`` checks that the file exists). So each path stays a real
   new one commits, and released only then.
 - a pointer whose step has not committed is *pending*. Loading it waits for the save when this
   process is making it, through this plug-in instance or another (a second ``Trainer``): every
-  save is registered in :mod:`lightning_incremental.core.inflight` under its store. Otherwise
+  save is registered in :mod:`lightning_incremental.core.save.inflight` under its store. Otherwise
   another process is still writing it (its ``writer`` is alive), or the save never committed
   (its writer died between the pointer and the commit, or the save failed): the load falls back
   to ``previous`` when that is committed, with a warning naming both steps and which case it
@@ -163,9 +163,9 @@ from lightning_incremental.core import (
     PickleNotAllowedError,
     StoreConfig,
     UnsupportedValueError,
-    inflight,
 )
-from lightning_incremental.core.at_exit import drain_at_exit
+from lightning_incremental.core.save import inflight
+from lightning_incremental.core.save.at_exit import drain_at_exit
 from lightning_incremental.core.workers import WorkerPool
 from lightning_incremental.runtime import collectives
 from lightning_incremental.runtime.backpressure import wait_for_room
@@ -235,7 +235,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         optimizer_state: ``"exact"`` (default: lossless, restored bit-exact), ``"bf16"`` or
             ``"int8"``: optimizer moments (``exp_avg``, ``exp_avg_sq``) stored quantized; a
             checkpoint loaded from them is not bit-exact (see
-            :mod:`lightning_incremental.core.optimizer_state`). Weights stay lossless.
+            :mod:`lightning_incremental.core.codecs.optimizer_state`). Weights stay lossless.
         **options: :class:`~lightning_incremental.core.StoreConfig` fields (``chunk_size``,
             ``full_every``, ``xor_base_memory``, ``max_in_flight``, ``fsync``, ...).
             ``keep_last`` is not accepted: what is kept is decided by ModelCheckpoint's
@@ -998,7 +998,7 @@ class _Plan(NamedTuple):
 
 def _finish_jobs(plugin: IncrementalCheckpointIO) -> None:
     """Let saves still in flight when the interpreter exits commit and get their pointer file
-    (see :mod:`lightning_incremental.core.at_exit`).
+    (see :mod:`lightning_incremental.core.save.at_exit`).
 
     A save made after ``teardown`` (``trainer.save_checkpoint`` after ``fit``, ``ddp_spawn``
     handing the weights back to the main process) may still be running when the script ends.

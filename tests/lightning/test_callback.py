@@ -707,7 +707,7 @@ def test_under_torchrun_each_start_claims_a_generation(
 ) -> None:
     """Under torchrun (here: its environment, one process) every start of fit claims a fencing
     generation at least the restart count; a run that refuses the store claims nothing."""
-    from lightning_incremental.core import fencing
+    from lightning_incremental.core.commit import fencing
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")

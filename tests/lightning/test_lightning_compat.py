@@ -32,8 +32,8 @@ from lightning_incremental.core import (
     PickleNotAllowedError,
     StorageError,
     StoreConfig,
-    inflight,
 )
+from lightning_incremental.core.save import inflight
 from lightning_incremental.core.storage import open_storage
 from lightning_incremental.core.workers import WorkerPool
 from tests.conftest import assert_state_equal

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from lightning_incremental.core.errors import CheckpointError, ConfigError
-from lightning_incremental.core.format import TensorEntry
-from lightning_incremental.core.tree import torch_dtype
+from lightning_incremental.core.format.records import TensorEntry
+from lightning_incremental.core.format.tree import torch_dtype
 
 MapLocation = Union[
     None, str, torch.device, dict[str, str], Callable[[torch.UntypedStorage, str], Any]

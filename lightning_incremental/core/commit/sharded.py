@@ -3,7 +3,7 @@ manifest, every rank learns the outcome.
 
 1. Each rank encodes the arrays it snapshotted (its pieces of sharded tensors; on rank 0 also
    the plain tensors) against its own delta base and writes their objects
-   (:meth:`~lightning_incremental.core.commit.Committer.write_part`).
+   (:meth:`~lightning_incremental.core.commit.committer.Committer.write_part`).
 2. Every rank sends a :class:`PartRecord` (its part's tables, or the error that stopped it) to
    the coordinator over the store's own group (:mod:`.collective`); the objects stay where the
    rank wrote them: nothing but these records is gathered.
@@ -25,14 +25,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_incremental.core import format as fmt
-from lightning_incremental.core.collective import Group, describe_error, rebuild
-from lightning_incremental.core.commit import Committed, Committer, Part
-from lightning_incremental.core.encoder import Encoded
+from lightning_incremental.core.chunks.encode import Encoded
+from lightning_incremental.core.commit.committer import Committed, Committer, Part
+from lightning_incremental.core.commit.group import Group, describe_error, rebuild
 from lightning_incremental.core.errors import DistributedSaveError, ManifestError
-from lightning_incremental.core.format import Manifest, PieceEntry, TensorEntry
+from lightning_incremental.core.format import canonical
+from lightning_incremental.core.format.records import Manifest, PieceEntry, TensorEntry
+from lightning_incremental.core.format.tree import Flat, ShardedInfo, torch_dtype
 from lightning_incremental.core.results import SaveResult
-from lightning_incremental.core.tree import Flat, ShardedInfo, torch_dtype
 
 log = logging.getLogger("lightning_incremental")
 
@@ -197,7 +197,7 @@ def commit_sharded(
     if records is not None:
         try:
             committed = _coordinate(committer, step, records, flat, generation(), audit)
-            outcome = Outcome(fmt.dumps(committed.manifest))
+            outcome = Outcome(canonical.dumps(committed.manifest))
         except Exception as exc:
             outcome = Outcome(None, describe_error(exc))
     try:
@@ -215,7 +215,7 @@ def commit_sharded(
     assert part is not None and outcome.manifest is not None
     if committed is not None:
         return part, committed.manifest, committed
-    return part, fmt.loads(outcome.manifest, f"step {step}"), None
+    return part, canonical.loads(outcome.manifest, f"step {step}"), None
 
 
 def _coordinate(

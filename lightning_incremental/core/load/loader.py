@@ -2,7 +2,7 @@
 
 Restore-side only: it reads and reports what it found (damage to the history, which step it
 returned and whether whole); what the save side makes of a restore is the store's decision
-(:meth:`~lightning_incremental.core.delta_base.DeltaBase.adopt`).
+(:meth:`~lightning_incremental.core.chunks.delta_base.DeltaBase.adopt`).
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_incremental.core.commit.history import History
 from lightning_incremental.core.config import StoreConfig
-from lightning_incremental.core.decoder import restore_arrays
 from lightning_incremental.core.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ManifestError,
     PickleNotAllowedError,
 )
-from lightning_incremental.core.format import Manifest
-from lightning_incremental.core.history import History
-from lightning_incremental.core.materialise import MapLocation, materialise
-from lightning_incremental.core.restore import finish_inplace, plan, prune
+from lightning_incremental.core.format.records import Manifest
+from lightning_incremental.core.format.tree import unflatten
+from lightning_incremental.core.load.materialise import MapLocation, materialise
+from lightning_incremental.core.load.pipeline import restore_arrays
+from lightning_incremental.core.load.restore import finish_inplace, plan, prune
 from lightning_incremental.core.storage import Storage
-from lightning_incremental.core.tree import unflatten
 
 log = logging.getLogger("lightning_incremental")
 

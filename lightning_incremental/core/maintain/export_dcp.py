@@ -24,13 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_incremental.core.decoder import ChunkTarget, restore_chunks
 from lightning_incremental.core.errors import PickleNotAllowedError
-from lightning_incremental.core.format import Manifest, TensorEntry
-from lightning_incremental.core.pieces import Box
-from lightning_incremental.core.restore import prune
+from lightning_incremental.core.format.pieces import Box
+from lightning_incremental.core.format.records import Manifest, TensorEntry
+from lightning_incremental.core.format.tree import torch_dtype, unflatten
+from lightning_incremental.core.load.pipeline import restore_chunks
+from lightning_incremental.core.load.restore import prune
+from lightning_incremental.core.load.targets import ChunkTarget
 from lightning_incremental.core.storage import Storage
-from lightning_incremental.core.tree import torch_dtype, unflatten
 
 
 class StoredTensor:

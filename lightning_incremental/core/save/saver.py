@@ -2,10 +2,12 @@
 arguments.
 
 On the caller's thread, :meth:`Saver.submit` checks the step, waits for a place in the save
-queue (back-pressure) and takes the snapshot. In the background, a local save writes its one
-part and commits the manifest (:mod:`.commit`); a distributed or sharded one runs
-:func:`~lightning_incremental.core.sharded.commit_sharded`. Either way the delta base learns
-what the next save builds on, and retention runs after the commit (on the coordinator).
+queue (back-pressure) and takes the snapshot (:mod:`~lightning_incremental.core.save.snapshot`).
+In the background, a local save writes its one part and commits the manifest
+(:mod:`~lightning_incremental.core.commit.committer`); a distributed or sharded one runs
+:func:`~lightning_incremental.core.commit.sharded.commit_sharded`. Either way the delta base
+learns what the next save builds on, and ``after_commit`` (retention, wired by
+:mod:`~lightning_incremental.core.engine`) runs after the commit (on the coordinator).
 """
 
 from __future__ import annotations
@@ -13,23 +15,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from lightning_incremental.core import inflight
-from lightning_incremental.core.collective import Group
-from lightning_incremental.core.commit import Committer, Part, save_result
+from lightning_incremental.core.chunks.delta_base import DeltaBase, Parent
+from lightning_incremental.core.commit.committer import Committer, Part, save_result
+from lightning_incremental.core.commit.fencing import Generation
+from lightning_incremental.core.commit.group import Group
+from lightning_incremental.core.commit.history import History
+from lightning_incremental.core.commit.lease import Lease
+from lightning_incremental.core.commit.sharded import commit_sharded, rank_result
 from lightning_incremental.core.config import StoreConfig
-from lightning_incremental.core.delta_base import DeltaBase, Parent
-from lightning_incremental.core.fencing import Generation
-from lightning_incremental.core.history import History
-from lightning_incremental.core.lease import Lease
-from lightning_incremental.core.loader import Loaded
+from lightning_incremental.core.format.records import Manifest
+from lightning_incremental.core.format.tree import Flat, Leaf
 from lightning_incremental.core.results import SaveResult
-from lightning_incremental.core.retention import KeepLast
-from lightning_incremental.core.save_queue import SaveHandle, SaveQueue
-from lightning_incremental.core.sharded import commit_sharded, rank_result
+from lightning_incremental.core.save import inflight
+from lightning_incremental.core.save.queue import SaveHandle, SaveQueue
+from lightning_incremental.core.save.snapshot import flatten_state
 from lightning_incremental.core.storage import Storage
-from lightning_incremental.core.tree import Flat, Leaf, flatten_state
 
 log = logging.getLogger("lightning_incremental")
 
@@ -56,7 +59,7 @@ class Saver:
         lease: Lease,
         history: History,
         base: DeltaBase,
-        retention: KeepLast,
+        after_commit: Callable[[SaveResult], SaveResult],
         generation: Generation,
         lock: threading.RLock,
     ) -> None:
@@ -67,7 +70,7 @@ class Saver:
             distributed,
         )
         self.queue, self.committer, self.lease = queue, committer, lease
-        self.history, self.base, self.retention = history, base, retention
+        self.history, self.base, self.after_commit = history, base, after_commit
         self.generation, self.lock = generation, lock
         self.initialised = False
 
@@ -127,22 +130,21 @@ class Saver:
         """Take the writer lease for this save (:meth:`.fencing.Generation.admit`)."""
         self.generation.admit(self.committer.fencing, self.lease, self.history)
 
-    def adopt(self, loaded: Loaded) -> None:
-        """After a restore that verified every chunk: its objects are trusted. When the restored
-        step is what the next save builds on (the newest committed one, no save pending), tell
-        the delta base: a resumed job writes deltas from its first save on, their bases read
-        from storage (``xor_base_from_storage``), not kept in memory."""
-        if not loaded.whole:
-            return
-        self.history.trust(loaded.manifest.packs)
+    def adopt(self, step: int, manifest: Manifest) -> None:
+        """After a restore of the whole of ``step`` that verified every chunk: its objects are
+        trusted. When the restored step is what the next save builds on (the newest committed
+        one, no save pending), tell the delta base: a resumed job writes deltas from its first
+        save on, their bases read from storage (``xor_base_from_storage``), not kept in
+        memory."""
+        self.history.trust(manifest.packs)
         with self.history.lock:
             if self.queue.pending():
                 return
             self.initialise()
-            if self.history.committed_last() != loaded.step:
+            if self.history.committed_last() != step:
                 return
-            self.base.adopt(loaded.step, loaded.manifest)
-            self.history.committed = loaded.step
+            self.base.adopt(step, manifest)
+            self.history.committed = step
 
     def _run_local(
         self,
@@ -189,7 +191,7 @@ class Saver:
             result.ratio,
             snapshot_s,
         )
-        return self.retention.after_commit(result)
+        return self.after_commit(result)
 
     def _run_sharded(
         self,
@@ -200,7 +202,7 @@ class Saver:
         snapshot_s: float,
         waited: float,
     ) -> SaveResult:
-        """One rank's side of a sharded save (:mod:`~lightning_incremental.core.sharded`)."""
+        """One rank's side of a sharded save (:mod:`~lightning_incremental.core.commit.sharded`)."""
         coordinator = self.group.rank == 0
 
         def write() -> Part:
@@ -247,4 +249,4 @@ class Saver:
             result.bytes_logical,
             snapshot_s,
         )
-        return self.retention.after_commit(result) if coordinator else result
+        return self.after_commit(result) if coordinator else result

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -44,12 +43,13 @@ from lightning_incremental.core.errors import (
     FormatVersionError,
     ManifestError,
 )
+from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.storage import Storage
 
 if TYPE_CHECKING:
-    from lightning_incremental.core.format import Manifest
-    from lightning_incremental.core.history import History
-    from lightning_incremental.core.lease import Lease, Takeover
+    from lightning_incremental.core.commit.history import History
+    from lightning_incremental.core.commit.lease import Lease, Takeover
+    from lightning_incremental.core.format.records import Manifest
 
 log = logging.getLogger("lightning_incremental")
 

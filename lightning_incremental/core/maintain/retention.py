@@ -33,20 +33,23 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from lightning_incremental.core import manifest as mf
-from lightning_incremental.core.commit import Committer, rewrite_as_base, save_result
-from lightning_incremental.core.delta_base import DeltaBase, Parent
+from lightning_incremental.core.chunks.delta_base import DeltaBase, Parent
+from lightning_incremental.core.chunks.packs import damaged_objects
+from lightning_incremental.core.commit.committer import Committer, save_result
+from lightning_incremental.core.commit.fencing import Fencing, Generation
+from lightning_incremental.core.commit.history import History, check_step_type
+from lightning_incremental.core.commit.lease import Lease
 from lightning_incremental.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
 )
-from lightning_incremental.core.fencing import Fencing, Generation
-from lightning_incremental.core.format import Manifest
-from lightning_incremental.core.history import History, check_step_type
-from lightning_incremental.core.lease import Lease
-from lightning_incremental.core.maintenance import damaged_objects, sweep, verify_manifest
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.format.records import Manifest
+from lightning_incremental.core.maintain.compact import rewrite_as_base
+from lightning_incremental.core.maintain.sweep import sweep
+from lightning_incremental.core.maintain.verify import verify_manifest
 from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
 from lightning_incremental.core.storage import Storage
 
@@ -301,7 +304,7 @@ class Maintainer:
             return self.collector.run(Plan(None, (), (target,), 0.0, False, thorough=False))
 
     def compact(self) -> SaveResult | None:
-        """Rewrite the newest checkpoint as a full base (:func:`~.commit.rewrite_as_base`), and
+        """Rewrite the newest checkpoint as a full base (:func:`~.compact.rewrite_as_base`), and
         make it the next save's delta base; None when it already is one."""
         with self.lock, self.history.lock:
             step = self.history.resolve(None)

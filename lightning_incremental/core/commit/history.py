@@ -9,8 +9,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lightning_incremental.core import format as fmt
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.commit.fencing import Fencing
 from lightning_incremental.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -18,8 +17,9 @@ from lightning_incremental.core.errors import (
     NotAStoreError,
     StepError,
 )
-from lightning_incremental.core.fencing import Fencing
-from lightning_incremental.core.format import Manifest
+from lightning_incremental.core.format import canonical
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.format.records import Manifest
 from lightning_incremental.core.storage import Storage
 
 log = logging.getLogger("lightning_incremental")
@@ -36,7 +36,7 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
         data = storage.get(mf.manifest_path(step))
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"checkpoint {where} does not exist") from exc
-    doc = fmt.loads(data, where)
+    doc = canonical.loads(data, where)
     if doc.step != step:
         raise ManifestError(f"manifest {where} records step {doc.step}")
     return doc

@@ -20,12 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_incremental.core.decoder import Regions, Staged, Target
 from lightning_incremental.core.errors import ConfigError, CorruptCheckpointError
-from lightning_incremental.core.format import Manifest, TensorEntry
-from lightning_incremental.core.materialise import allocate
-from lightning_incremental.core.pieces import describe, global_shape, sharded_kind, whole
-from lightning_incremental.core.tree import (
+from lightning_incremental.core.format.pieces import describe, global_shape, sharded_kind, whole
+from lightning_incremental.core.format.records import Manifest, TensorEntry
+from lightning_incremental.core.format.tree import (
     T_DICT,
     T_FROZENSET,
     T_LIST,
@@ -37,6 +35,8 @@ from lightning_incremental.core.tree import (
     key_path,
     torch_dtype,
 )
+from lightning_incremental.core.load.materialise import allocate
+from lightning_incremental.core.load.targets import Regions, Staged, Target
 
 
 def check_keys(keys: Any) -> tuple[str, ...] | None:

@@ -3,11 +3,11 @@ where each decoded chunk's elements go.
 
 A tensor is stored as pieces (dense boxes of the global tensor, one per rank that held it) or as
 one whole array. A reader wants other boxes: its own local shards under another layout, or the
-whole tensor. For every wanted box, :func:`~lightning_incremental.core.pieces.plan_reads` picks
-the overlapping stored pieces; of each, only the chunks holding overlapping elements are read.
+whole tensor. For every wanted box, :func:`~lightning_incremental.core.format.pieces.plan_reads`
+picks the overlapping stored pieces; of each, only the chunks holding overlapping elements are read.
 A chunk is a contiguous run of its piece's row-major elements, i.e. at most ``2*ndim - 1`` boxes
-(:func:`~lightning_incremental.core.pieces.range_boxes`); each box's overlap with a wanted box
-is one tensor copy. Memory: one chunk of scratch per decode in flight, never a whole piece.
+(:func:`~lightning_incremental.core.format.pieces.range_boxes`); each box's overlap with a wanted
+box is one tensor copy. Memory: one chunk of scratch per decode in flight, never a whole piece.
 """
 
 from __future__ import annotations
@@ -20,11 +20,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lightning_incremental.core.decoder import ChunkTarget, Regions, Staged
 from lightning_incremental.core.errors import CorruptCheckpointError
-from lightning_incremental.core.format import ChunkRecipe, TensorEntry
-from lightning_incremental.core.pieces import Box, intersect, plan_reads, range_boxes, relative
-from lightning_incremental.core.tree import torch_dtype
+from lightning_incremental.core.format.pieces import (
+    Box,
+    intersect,
+    plan_reads,
+    range_boxes,
+    relative,
+)
+from lightning_incremental.core.format.records import ChunkRecipe, TensorEntry
+from lightning_incremental.core.format.tree import torch_dtype
+from lightning_incremental.core.load.targets import ChunkTarget, Regions, Staged
 
 
 def _local(box: Box, origin: Box) -> Box:

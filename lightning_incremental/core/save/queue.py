@@ -15,8 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
 
-from lightning_incremental.core import at_exit
 from lightning_incremental.core.results import SaveResult
+from lightning_incremental.core.save import at_exit
 from lightning_incremental.core.workers import WorkerPool
 
 log = logging.getLogger("lightning_incremental")
@@ -169,7 +169,7 @@ class _Closable(Protocol):
 
 def drain_at_exit(store: _Closable) -> None:
     """Close ``store`` (waiting for its saves) when the interpreter exits, if still open (see
-    :mod:`lightning_incremental.core.at_exit`: Python stops thread pools from accepting work at
+    :mod:`lightning_incremental.core.save.at_exit`: Python stops thread pools from accepting work at
     shutdown, so the stores drain first)."""
     at_exit.drain_at_exit(store, _close)
 

@@ -18,10 +18,10 @@ one wins), and only when the current record:
   host name, boot id and pid namespace: the host name alone is not unique, and a pid namespace
   inode is the same constant on every Linux host) and that process no longer exists;
 - belongs to an older fencing generation of the same job: a restarted job (it claimed a newer
-  generation, see :mod:`~lightning_incremental.core.fencing`) takes over from its own previous
-  incarnation at once. The job is known by the launcher's id (:func:`job_id`); a takeover by
-  generation needs both ids known and equal, so a second, independent job is refused however
-  new a generation it claims.
+  generation, see :mod:`~lightning_incremental.core.commit.fencing`) takes over from its own
+  previous incarnation at once. The job is known by the launcher's id (:func:`job_id`); a
+  takeover by generation needs both ids known and equal, so a second, independent job is
+  refused however new a generation it claims.
 
 Taking over a record that was not released reports a :class:`Takeover`: the new holder then
 claims a new fencing generation before its first commit (:meth:`.fencing.Generation.admit`),
@@ -56,8 +56,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.commit.owner import (
+    boot_id,
+    job_id,
+    pid_namespace,
+    process_exists,
+    same_machine,
+)
 from lightning_incremental.core.errors import WriterLeaseError
+from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.storage import Storage
 
 log = logging.getLogger("lightning_incremental")
@@ -69,55 +76,6 @@ _MAX_RECORD = 1 << 16
 
 def lease_path(sequence: int) -> str:
     return f"{LEASE_DIR}/{sequence:010d}.json"
-
-
-def job_id() -> str | None:
-    """The launcher's id of this job, the same across its restarts; None when unknown.
-
-    torchrun's rendezvous id (a fresh uuid per single-node or ``--standalone`` job); a static
-    multi-node torchrun job, whose id is ``"none"``, by its fixed master endpoint (two jobs
-    cannot listen on one); a SLURM job by its job id (kept when it is requeued).
-    """
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if run not in ("", "none"):
-        return run
-    slurm = os.environ.get("SLURM_JOB_ID", "")
-    if slurm:
-        return f"slurm:{slurm}"
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    if run == "none" and addr and port:
-        return f"torchrun:{addr}:{port}"
-    return None
-
-
-def _pid_namespace() -> str | None:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def _boot_id() -> str | None:
-    """This boot of this host (Linux): with the host name and the pid namespace it says that a
-    record's pid is a process of this very machine."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def _same_machine(doc: dict[str, Any]) -> bool:
-    """Whether the lease record ``doc`` was written on this machine, in this pid namespace
-    (a record without a boot id, or on a host without one, never is: its pid cannot be
-    checked here)."""
-    boot = _boot_id()
-    return (
-        boot is not None
-        and doc.get("boot") == boot
-        and doc.get("host") == socket.gethostname()
-        and doc.get("pidns") == _pid_namespace()
-    )
 
 
 @dataclass(frozen=True)
@@ -132,16 +90,6 @@ class Takeover:
 
     generation: int | None
     holder: str
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -218,8 +166,8 @@ class _Held:
             "owner": self.owner,
             "host": socket.gethostname(),
             "pid": self.pid,
-            "boot": _boot_id(),
-            "pidns": _pid_namespace(),
+            "boot": boot_id(),
+            "pidns": pid_namespace(),
             "job": job_id(),
             "generation": self.generation,
             "acquired": self.acquired,
@@ -294,11 +242,11 @@ class _Held:
             return  # malformed: names no live holder
         if now - beat > ttl:
             return
-        if _same_machine(doc):
+        if same_machine(doc):
             pid = doc.get("pid")
             if pid == os.getpid() and not _live_here(current.owner):
                 return  # this process wrote it, but none of its stores holds it any more
-            if isinstance(pid, int) and pid != os.getpid() and not _process_exists(pid):
+            if isinstance(pid, int) and pid != os.getpid() and not process_exists(pid):
                 return
         theirs, mine = doc.get("job"), job_id()
         same_job = theirs is not None and mine is not None and theirs == mine

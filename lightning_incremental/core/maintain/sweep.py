@@ -1,106 +1,20 @@
-"""Maintenance on stored checkpoints: verification and the sweep of unreferenced objects.
+"""The sweep of unreferenced objects: what no kept manifest names, old enough by the storage's own
+clock, removed under the deletion guard (a process that lost its lease or was fenced stops).
 
-Functions of a storage and manifests (and, for :func:`verify_step`, the store's history), so
-the store's methods stay short and the logic can be read (and tested) in one place.
-"""
+Ages are read by the storage's clock (:func:`storage_clock`), not this host's: a grace period
+means the same on every writer whatever their clocks say."""
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-import numpy as np
-
-from lightning_incremental.core import manifest as mf
-from lightning_incremental.core.codecs import chunk_hash
-from lightning_incremental.core.decoder import decode_chunk
-from lightning_incremental.core.errors import CheckpointError, CorruptCheckpointError
-from lightning_incremental.core.format import Manifest
-from lightning_incremental.core.history import History
-from lightning_incremental.core.results import ObjectCheck, VerifyReport
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.maintain.verify import log
 from lightning_incremental.core.storage import TMP_PREFIX, Storage
 
-log = logging.getLogger("lightning_incremental")
-
 STALE_TMP_S = 3600.0  # temporary files younger than this may belong to a write in progress
-
-
-def verify_manifest(
-    storage: Storage, doc: Manifest, report: VerifyReport, where: str
-) -> VerifyReport:
-    """Read every object ``doc`` names, check its size and content hash, then decode every chunk
-    and check its hash; record each finding in ``report``."""
-    blobs: dict[str, memoryview] = {}
-    read: dict[str, memoryview] = {}
-    for path, size in sorted(doc.packs.items()):
-        check = ObjectCheck(path=path, ok=False, size=size)
-        try:
-            data = storage.get(path)
-        except FileNotFoundError:
-            check.error = "missing"
-        else:
-            digest = chunk_hash(data)
-            if len(data) != size:
-                check.error = f"size {len(data)}, expected {size}"
-            elif mf.pack_path(digest) != path:
-                check.error = "content hash does not match its name"
-            else:
-                check.ok = True
-            read[path] = memoryview(data)  # decoded below even when bad: names the chunks hit
-            report.bytes_checked += len(data)
-        report.objects.append(check)
-    for digest, recipe in doc.chunks.items():
-        view = read.get(recipe.pack)
-        if view is not None:
-            blobs[digest] = view[recipe.offset : recipe.offset + recipe.length]
-    for digest, recipe in doc.chunks.items():
-        out = np.empty(recipe.size, dtype=np.uint8)
-        try:
-            decode_chunk(digest, doc.chunks, blobs, out, where)
-        except KeyError:
-            report.errors.append(f"chunk {digest}: its object {recipe.pack} is unreadable")
-        except CorruptCheckpointError as exc:
-            report.errors.append(str(exc))
-        report.chunks_checked += 1
-    return report
-
-
-def verify_step(storage: Storage, history: History, step: int | None) -> VerifyReport:
-    """Verify one committed checkpoint (default: the newest) with :func:`verify_manifest`; a
-    damaged one is recorded in ``history`` (quarantine, fallback).
-
-    Raises:
-        CheckpointNotFoundError: empty store or missing step.
-    """
-    step = history.resolve(step)
-    report = VerifyReport(step=step)
-    try:
-        doc = history.read(step)
-    except CheckpointError as exc:
-        report.errors.append(str(exc))
-    else:
-        report.lossy = doc.lossy_tensors
-        verify_manifest(storage, doc, report, f"step {step} of {storage.url}")
-    if not report.ok:
-        history.saw_damage(step)
-    return report
-
-
-def damaged_objects(storage: Storage, packs: Mapping[str, int]) -> set[str]:
-    """Of ``packs`` (path -> size), those missing, of the wrong size, or whose content
-    hash does not match their name: each is read whole."""
-    bad = set()
-    for path, size in packs.items():
-        try:
-            data = storage.get(path)
-        except FileNotFoundError:
-            bad.add(path)
-            continue
-        if len(data) != size or mf.pack_path(chunk_hash(data)) != path:
-            bad.add(path)
-    return bad
 
 
 # Where temporary files of interrupted writes can be left: beside the objects they were for.
@@ -126,6 +40,7 @@ def storage_clock(storage: Storage) -> Callable[[], float]:
 
 
 GUARD_EVERY = 64  # deletions between two checks that this process may still delete
+
 GUARD_EVERY_S = 1.0  # ... or seconds
 
 

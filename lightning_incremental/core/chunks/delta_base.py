@@ -27,8 +27,8 @@ import torch
 
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.config import StoreConfig
-from lightning_incremental.core.format import ChunkRecipe, Manifest, TensorEntry
-from lightning_incremental.core.tree import Leaf
+from lightning_incremental.core.format.records import ChunkRecipe, Manifest, TensorEntry
+from lightning_incremental.core.format.tree import Leaf
 
 
 @dataclass

@@ -15,22 +15,25 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 
 from lightning_incremental.core import codecs
+from lightning_incremental.core.chunks.decode import ObjectReader, decode_chunk
+from lightning_incremental.core.chunks.delta_base import Parent
+from lightning_incremental.core.chunks.lossy import (
+    family,
+    lossy_codec,
+    lossy_key,
+    reusable,
+)
+from lightning_incremental.core.chunks.packs import PackWriter
 from lightning_incremental.core.codecs import Codec, Hint, chunk_hash
-from lightning_incremental.core.codecs.bytes import chunk_hasher
 from lightning_incremental.core.config import StoreConfig
-from lightning_incremental.core.decoder import ObjectReader, decode_chunk
-from lightning_incremental.core.delta_base import Parent
 from lightning_incremental.core.errors import CorruptCheckpointError
-from lightning_incremental.core.format import ChunkRecipe, Manifest, TensorEntry, closure
-from lightning_incremental.core.manifest import pack_path
-from lightning_incremental.core.optimizer_state import codec_kind
+from lightning_incremental.core.format.records import ChunkRecipe, Manifest, TensorEntry, closure
+from lightning_incremental.core.format.tree import Leaf
 from lightning_incremental.core.storage import Storage
-from lightning_incremental.core.tree import Leaf
 
 log = logging.getLogger("lightning_incremental")
 
@@ -153,8 +156,6 @@ def _since(start: float) -> float:
     return time.perf_counter() - start
 
 
-TAIL_PACK = 2 << 20  # the smallest pack written near the end of a save (see _PackWriter.limit)
-
 HINT_TTL = 8  # saves a remembered choice is reused before its place is raced again
 
 
@@ -197,131 +198,7 @@ class Hints:
         self._places = places
 
 
-class _PackWriter:
-    """Appends encoded chunks to pack objects and writes full packs in the background.
-
-    A pack is assembled, hashed (its name) and written on a writer thread, off the thread that
-    schedules the encoding; its chunks join the tables when its write has completed."""
-
-    def __init__(
-        self, storage: Storage, pool: Executor, pack_size: int, out: Encoded, remaining: int
-    ) -> None:
-        self.storage, self.pool, self.pack_size, self.out = storage, pool, pack_size, out
-        self.remaining = remaining  # raw bytes of the chunks not scheduled yet
-        self.parts: list[bytes | memoryview] = []
-        self.filled = 0
-        self.pending: list[tuple[str, dict[str, Any]]] = []
-        self.writes: deque[tuple[Future[tuple[str, int, float]], list[tuple[str, dict[str, Any]]]]]
-        self.writes = deque()
-
-    def add(self, digest: str, blob: bytes | memoryview, fields: dict[str, Any]) -> None:
-        """Append ``blob``; its recipe (``fields`` of a ``ChunkRecipe``, and where it lies) joins
-        the tables once its pack is written."""
-        fields["offset"], fields["length"] = self.filled, len(blob)
-        self.pending.append((digest, fields))
-        self.parts.append(blob)
-        self.filled += len(blob)
-        if self.filled >= self.limit():
-            self.flush()
-
-    def limit(self) -> int:
-        """The size at which the current pack is written: ``pack_size``, smaller near the end
-        of the save (a quarter of the raw bytes not scheduled yet, at least ``TAIL_PACK``). The
-        writes still running when the last chunk is encoded are what the save then waits for:
-        with 16 MiB packs that was a quarter of a 100 MB save's time to durable."""
-        return min(self.pack_size, max(TAIL_PACK, self.remaining // 4))
-
-    def flush(self) -> None:
-        if not self.parts:
-            return
-        self.writes.append((self.pool.submit(self._write, self.parts), self.pending))
-        self.parts, self.filled, self.pending = [], 0, []
-        while len(self.writes) > 2:
-            self._collect()
-
-    def _collect(self) -> None:
-        future, pending = self.writes.popleft()
-        path, size, seconds = future.result()
-        for digest, fields in pending:
-            # A chunk adopted meanwhile as another's delta base keeps its adopted recipe.
-            if digest not in self.out.chunks:
-                self.out.chunks[digest] = ChunkRecipe(pack=path, **fields)
-        self.out.packs[path] = size
-        self.out.written.add(path)
-        self.out.bytes_written += size
-        self.out.write_s += seconds
-
-    def _write(self, parts: list[bytes | memoryview]) -> tuple[str, int, float]:
-        start = time.perf_counter()
-        hasher = chunk_hasher()  # the pack's name: the hash of its parts, in order, unjoined
-        for part in parts:
-            hasher.update(part)
-        path = pack_path(hasher.hexdigest())
-        if not self.storage.put_parts(path, parts):
-            # Same content, same name: an earlier checkpoint's object, or one left behind by a
-            # deleted checkpoint or a crashed save. It is written again all the same: it may
-            # have rotted or been truncated, and an old object that no manifest names yet may
-            # be collected by a concurrent gc at any moment — a fresh one is protected by its
-            # grace period, like every other object this save writes.
-            self.storage.put_parts(path, parts, overwrite=True)
-        return path, sum(len(part) for part in parts), time.perf_counter() - start
-
-    def finish(self) -> None:
-        """Flush the last pack and wait until every pack is durable (re-raising write errors)."""
-        self.flush()
-        while self.writes:
-            self._collect()
-
-    def abandon(self) -> None:
-        for fut, _ in self.writes:
-            fut.cancel()
-        for fut, _ in self.writes:
-            if not fut.cancelled():
-                fut.exception()  # wait; the first error is already being raised
-
-
-def lossy_codec(path: str, config: StoreConfig, dtype: str = "float32") -> Codec | None:
-    """The lossy codec for the tensor at key path ``path``: the one ``config.lossy_codecs``
-    names (the longest matching prefix), else the one ``config.optimizer_state`` gives an
-    optimizer moment of dtype float32; None for lossless encoding."""
-    if config.lossy_codecs:
-        matches = [p for p in config.lossy_codecs if path == p or path.startswith(p)]
-        if matches:
-            return codecs.get(config.lossy_codecs[max(matches, key=len)])
-    kind = codec_kind(path, config.optimizer_state) if dtype == "float32" else None
-    return codecs.get(kind) if kind else None
-
-
-def _family(lossy: Codec) -> set[str]:
-    """The kinds of a lossy codec's chunks: its own and its delta codec's."""
-    delta = codecs.delta_of(lossy)
-    return {lossy.kind} | ({delta.kind} if delta else set())
-
-
-def lossy_key(digest: str, kind: str) -> str:
-    """The key of a chunk of raw hash ``digest`` coded by the lossy codec ``kind`` (the
-    standalone kind the tensor is configured with; its delta codec's chunks share the key).
-
-    Chunks are deduplicated by key, within a save and against the parent's chunks. Keyed by its
-    raw hash, a lossy chunk would stand for every chunk of the same bytes: a lossless tensor
-    sharing them (a weight equal to its average, a zero buffer equal to a zero moment) would
-    restore the lossy bytes. A key of its own — the chunk hash of the kind and the raw hash, 32
-    hex digits like any other key — keeps a lossless and a lossy chunk of the same bytes apart,
-    and lossy tensors of the same code still share chunks. It is reproducible, so the next save
-    finds an unchanged lossy chunk in its parent. Restore checks a lossy chunk against the hash
-    of its decoded bytes (``ChunkRecipe.decoded``), never against its key: checkpoints written
-    when lossy chunks were keyed by their raw hash load all the same."""
-    return chunk_hash(f"lossy:{kind}:{digest}".encode())
-
-
-def _reusable(known: ChunkRecipe, lossy: Codec | None, full_base: bool) -> bool:
-    """Whether a parent's chunk of the same key may be referenced as it is: encoded the way this
-    tensor is now (lossless, or by the same lossy code), and no delta in a full base."""
-    same = known.lossless if lossy is None else known.kind in _family(lossy)
-    return same and (not full_base or known.depth == 0)
-
-
-def _mixed_key(out: Encoded, exact: set[str]) -> str | None:
+def mixed_key(out: Encoded, exact: set[str]) -> str | None:
     """A key whose recipe contradicts a use of it in ``out``: a lossy chunk named by a tensor
     of ``exact`` (those coded losslessly), or a delta on a base of the other kind; else None.
 
@@ -368,7 +245,7 @@ def encode(
             if not any(whole[link].pack in avoid for link in closure(digest, whole))
         }
     out = Encoded(tensors=[], chunks={}, packs={})
-    pack = _PackWriter(
+    pack = PackWriter(
         storage, writer or pool, config.pack_size, out, sum(leaf.nbytes for leaf in leaves)
     )
     fetch = None
@@ -457,7 +334,7 @@ def encode(
                     out.chunks_reused += 1
                     continue
                 known = parent_chunks.get(digest)
-                if known is not None and _reusable(known, lossy, full_base):
+                if known is not None and reusable(known, lossy, full_base):
                     adopt(digest)
                     out.chunks_reused += 1
                     continue
@@ -474,7 +351,7 @@ def encode(
                         and (
                             base_recipe.lossless
                             if lossy is None
-                            else base_recipe.kind in _family(lossy)
+                            else base_recipe.kind in family(lossy)
                         )
                         and base_recipe.depth < config.max_chain
                         and base_recipe.size == piece.size
@@ -520,7 +397,7 @@ def encode(
         out.tensors = [
             replace(t, chunks=tuple(declined.get(d, d) for d in t.chunks)) for t in out.tensors
         ]
-    mixed = _mixed_key(out, exact)
+    mixed = mixed_key(out, exact)
     if mixed is not None:
         if full_base:  # no delta, no adopted chain: every key has one meaning
             raise AssertionError(f"chunk {mixed} is both lossy and lossless in one save")

@@ -248,7 +248,7 @@ class IncrementalLightningIO(System):
         super().__init__(root, options)
         from lightning.pytorch import Trainer
 
-        from lightning_incremental.checkpoint_io import IncrementalCheckpointIO
+        from lightning_incremental.lightning.checkpoint_io import IncrementalCheckpointIO
 
         self._plugin = lambda: IncrementalCheckpointIO(**options)
         self.plugin = self._plugin()

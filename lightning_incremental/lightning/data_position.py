@@ -30,7 +30,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
-from lightning_incremental import _compat
+from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.runtime import data_position as position
 from lightning_incremental.runtime import rng
 

@@ -18,9 +18,10 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 
-from lightning_incremental import _compat, _sharded
-from lightning_incremental._resume import FORMAT, KEY
 from lightning_incremental.core import CheckpointError, CheckpointStore, SaveHandle, SaveResult
+from lightning_incremental.lightning import compat as _compat
+from lightning_incremental.lightning import sharded as _sharded
+from lightning_incremental.lightning.resume import FORMAT, KEY
 from lightning_incremental.runtime import collectives
 from lightning_incremental.runtime.coordinate import Outcome
 from lightning_incremental.runtime.failures import (
@@ -43,7 +44,7 @@ class Saver:
     ``max_consecutive_failures``-th failed save in a row raises on every rank.
 
     ``sharded``: the strategy shards the model and optimizer state (see
-    :mod:`lightning_incremental._sharded`): the checkpoint holds every rank's sharded state
+    :mod:`lightning_incremental.lightning.sharded`): the checkpoint holds every rank's sharded state
     dicts in place of the strategy's own. With a store opened with ``distributed=True`` (on
     every rank), every rank saves (its own shards; rank 0 also the rest) and commits with the
     others."""

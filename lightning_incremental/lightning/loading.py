@@ -28,10 +28,10 @@ from lightning.pytorch.core.saving import load_hparams_from_tags_csv, load_hpara
 from lightning.pytorch.utilities.migration import pl_legacy_patch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_incremental import _compat
-from lightning_incremental._compat import MapLocation, PathLike
-from lightning_incremental.checkpoint_io import IncrementalCheckpointIO
 from lightning_incremental.core import PickleNotAllowedError
+from lightning_incremental.lightning import compat as _compat
+from lightning_incremental.lightning.checkpoint_io import IncrementalCheckpointIO
+from lightning_incremental.lightning.compat import MapLocation, PathLike
 
 __all__ = ["load_from_checkpoint"]
 

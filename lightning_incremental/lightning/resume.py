@@ -35,14 +35,15 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_incremental import _compat, _sharded
-from lightning_incremental import _data_position as dp
 from lightning_incremental.core import CheckpointError, CheckpointStore
+from lightning_incremental.lightning import compat as _compat
+from lightning_incremental.lightning import data_position as dp
+from lightning_incremental.lightning import sharded as _sharded
 from lightning_incremental.runtime import rng as _rng
 from lightning_incremental.runtime.coordinate import coordinated, describe
 
 if TYPE_CHECKING:
-    from lightning_incremental.callback import IncrementalCheckpoint
+    from lightning_incremental.lightning.callback import IncrementalCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def rank_state(
 ) -> dict[str, Any]:
     """This rank's random state and data position, as plain data. ``boundary``: saved between
     epochs (the next epoch has not started); else mid-epoch, where ``epoch_record`` (from
-    :func:`~lightning_incremental._data_position.record_epoch_start`) recreates the epoch."""
+    :func:`~.data_position.record_epoch_start`) recreates the epoch."""
     return {
         "rng": _rng.capture(),
         "generators": dp.generator_states(dp.train_loaders(trainer)),

@@ -5,7 +5,7 @@ Hooks map to engine calls: a schedule decides when, the trainer's own checkpoint
 :class:`~lightning_incremental.core.CheckpointStore` saves it in the background. On top, what a
 restarted job needs to continue as if nothing had happened: automatic resume from the newest
 committed checkpoint, and each rank's random state and position in its training data (see
-:mod:`lightning_incremental._resume` and :mod:`lightning_incremental._data_position`).
+:mod:`~.resume` and :mod:`~.data_position`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_incremental import _compat, _sharded
-from lightning_incremental import _data_position as dp
-from lightning_incremental import _resume as resume
-from lightning_incremental._resume import KEY, ResumeHook
-from lightning_incremental._saver import Saver
-from lightning_incremental._schedule import Schedule
 from lightning_incremental.core import CheckpointStore, ConfigError, SaveResult, StoreConfig
 from lightning_incremental.core.commit import fencing
+from lightning_incremental.lightning import compat as _compat
+from lightning_incremental.lightning import data_position as dp
+from lightning_incremental.lightning import resume
+from lightning_incremental.lightning import sharded as _sharded
+from lightning_incremental.lightning.resume import KEY, ResumeHook
+from lightning_incremental.lightning.saver import Saver
+from lightning_incremental.lightning.schedule import Schedule
 from lightning_incremental.runtime import replica_policy
 from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
@@ -124,7 +125,7 @@ class IncrementalCheckpoint(Checkpoint):
     Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` every rank
     saves its own shards (the sharded state dicts of ``torch.distributed.checkpoint.state_dict``,
     nothing gathered) and a resume fills the live shards in place, from a checkpoint of any
-    number of ranks (see :mod:`lightning_incremental._sharded`); there ``replica_check`` does not
+    number of ranks (see :mod:`~.sharded`); there ``replica_check`` does not
     apply. DeepSpeed is refused.
 
     In multi-process runs (and under torchrun) every start of ``fit`` also claims a new fencing

@@ -18,7 +18,7 @@ predict(ckpt_path=...)`` checks that the file exists). So each path stays a real
 - at the path Lightning asked for, a small *pointer file* names the store (relative to the
   pointer's own directory, so a checkpoint directory can be moved or copied whole) and the step:
   a short header that makes ``torch.load`` fail saying what the file is and how to load it
-  (:mod:`lightning_incremental._pointers`), then the JSON document::
+  (:mod:`lightning_incremental.lightning.pointers`), then the JSON document::
 
       {"format": "lightning-incremental-pointer", "version": 1, "store": ".incremental",
        "step": 7, "id": "<32 hex digits>", "global_step": 400, "epoch": 3,
@@ -99,7 +99,7 @@ The plug-in warns where it can tell: at the first save a full-state sharded stra
 through it (``materialize`` makes the best/last files plain ones when ``fit`` ends), and at the
 end of a ``fit`` under ``FSDPStrategy`` that saved nothing through it
 (``ModelParallelStrategy`` does not even call a CheckpointIO's ``teardown``, so nothing tells
-the plug-in there). See :mod:`lightning_incremental._sharded`.
+the plug-in there). See :mod:`lightning_incremental.lightning.sharded`.
 
 The ``IncrementalCheckpoint`` callback covers these strategies where it can.
 
@@ -135,26 +135,6 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_incremental import _sharded
-from lightning_incremental._compat import (
-    PathLike,
-    saving_trainer,
-    strategy_fitted,
-    tearing_down_strategy,
-    torch_load_checkpoint,
-    trainer_stage_running,
-)
-from lightning_incremental._pointers import (
-    CheckpointFile,
-    NotATorchCheckpointError,
-    Pointer,
-    PointerError,
-    Writer,
-    is_int,
-    looks_like_pointer,
-    valid_store_name,
-)
-from lightning_incremental._trainer import MATERIALIZE, marks_of
 from lightning_incremental.core import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -167,6 +147,26 @@ from lightning_incremental.core import (
 from lightning_incremental.core.save import inflight
 from lightning_incremental.core.save.at_exit import drain_at_exit
 from lightning_incremental.core.workers import WorkerPool
+from lightning_incremental.lightning import sharded as _sharded
+from lightning_incremental.lightning.compat import (
+    PathLike,
+    saving_trainer,
+    strategy_fitted,
+    tearing_down_strategy,
+    torch_load_checkpoint,
+    trainer_stage_running,
+)
+from lightning_incremental.lightning.pointers import (
+    CheckpointFile,
+    NotATorchCheckpointError,
+    Pointer,
+    PointerError,
+    Writer,
+    is_int,
+    looks_like_pointer,
+    valid_store_name,
+)
+from lightning_incremental.lightning.trainer import MATERIALIZE, marks_of
 from lightning_incremental.runtime import collectives
 from lightning_incremental.runtime.backpressure import wait_for_room
 from lightning_incremental.runtime.coordinate import Outcome, coordinated
@@ -646,7 +646,7 @@ class IncrementalCheckpointIO(CheckpointIO):
 
     def _warn_strategy(self) -> None:
         """Once: a sharded strategy's full-state mode saves here but loads without the
-        plug-in (see :func:`lightning_incremental._sharded.plugin_save_warning`)."""
+        plug-in (see :func:`lightning_incremental.lightning.sharded.plugin_save_warning`)."""
         trainer = saving_trainer()
         if self._warned_strategy or trainer is None:
             return

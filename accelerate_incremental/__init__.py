@@ -17,6 +17,6 @@ from __future__ import annotations
 
 from accelerate_incremental._flag import ENV_CONFIG, ENV_DIR, enable
 from accelerate_incremental.checkpointer import IncrementalCheckpointer
-from lightning_incremental import __version__
+from lightning_incremental._version import __version__
 
 __all__ = ["ENV_CONFIG", "ENV_DIR", "IncrementalCheckpointer", "__version__", "enable"]

@@ -40,7 +40,7 @@ from accelerate_incremental._flag import (
 )
 from accelerate_incremental.checkpointer import IncrementalCheckpointer, check_arguments
 from lightning_incremental.core import ConfigError
-from lightning_incremental.core.optimizer_state import POLICIES
+from lightning_incremental.core.codecs.optimizer_state import POLICIES
 
 USAGE = (
     "accelerate launch [accelerate options] -m accelerate_incremental "

@@ -25,8 +25,8 @@ from lightning_incremental.core import (
     StepError,
     StepTypeError,
     StoreConfig,
-    fencing,
 )
+from lightning_incremental.core.commit import fencing
 from lightning_incremental.runtime import collectives, replica_policy, rng
 from lightning_incremental.runtime.backpressure import wait_for_room
 from lightning_incremental.runtime.coordinate import coordinated
@@ -95,7 +95,7 @@ class IncrementalCheckpointer:
         optimizer_state: ``"exact"`` (default: lossless, restored bit-exact), ``"bf16"`` or
             ``"int8"``: optimizer moments (``exp_avg``, ``exp_avg_sq``) stored quantized; a
             resume from such a checkpoint is not bit-exact (see
-            :mod:`lightning_incremental.core.optimizer_state`). Weights stay lossless.
+            :mod:`lightning_incremental.core.codecs.optimizer_state`). Weights stay lossless.
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.state import tensors
 from lightning_incremental.core import codecs as codec
-from lightning_incremental.core.encoder import HINT_TTL
+from lightning_incremental.core.chunks.encode import HINT_TTL
 
 
 def category(path: str) -> str:

@@ -38,7 +38,7 @@ from benchmarks.memory import peak_extra_rss
 from benchmarks.model import FULL, QUICK
 from benchmarks.scenarios import SCENARIOS, Params
 from benchmarks.state import tensor_bytes
-from lightning_incremental.core.format import Manifest
+from lightning_incremental.core.format.records import Manifest
 
 
 def _workload(quick: bool, scenario: str = "dense_fp32") -> Any:

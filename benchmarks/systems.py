@@ -216,7 +216,7 @@ class Incremental(System):
         return SaveStats(stall, result.total_s, result.bytes_written, extra)
 
     def restore(self) -> Any:
-        from lightning_incremental.core.format import forget_parsed
+        from lightning_incremental.core.format.canonical import forget_parsed
 
         # As a resuming process: manifests not already parsed (this one kept those it wrote).
         forget_parsed()
@@ -248,7 +248,7 @@ class IncrementalLightningIO(System):
         super().__init__(root, options)
         from lightning.pytorch import Trainer
 
-        from lightning_incremental.checkpoint_io import IncrementalCheckpointIO
+        from lightning_incremental.lightning.checkpoint_io import IncrementalCheckpointIO
 
         self._plugin = lambda: IncrementalCheckpointIO(**options)
         self.plugin = self._plugin()
@@ -283,7 +283,7 @@ class IncrementalLightningIO(System):
         return SaveStats(stall, elapsed, self.disk_bytes() - before)
 
     def restore(self) -> Any:
-        from lightning_incremental.core.format import forget_parsed
+        from lightning_incremental.core.format.canonical import forget_parsed
 
         assert self.newest is not None
         forget_parsed()  # as a resuming process

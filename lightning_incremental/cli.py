@@ -28,9 +28,9 @@ from lightning_incremental.core import (
     CorruptCheckpointError,
     StepError,
 )
-from lightning_incremental.core.export import FORMATS, export_state
-from lightning_incremental.core.export_dcp import export_dcp
-from lightning_incremental.core.format import Manifest
+from lightning_incremental.core.format.records import Manifest
+from lightning_incremental.core.maintain.export import FORMATS, export_state
+from lightning_incremental.core.maintain.export_dcp import export_dcp
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_ERROR = 0, 1, 2, 3, 4
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the Lightning adapter's quick tests against the oldest Lightning release we support
-# (lightning_incremental/_compat.py: OLDEST_SUPPORTED), in a venv of its own.
+# (lightning_incremental/lightning/compat.py: OLDEST_SUPPORTED), in a venv of its own.
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

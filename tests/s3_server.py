@@ -187,7 +187,6 @@ class FaultPlan:
             ]
 
 
-
 class _ProxyServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     upstream: tuple[str, int]

@@ -22,7 +22,7 @@ from lightning_incremental.core.errors import (
     WriterLeaseError,
 )
 from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
-from lightning_incremental.core.save_queue import SaveHandle
+from lightning_incremental.core.save.queue import SaveHandle
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.store import CheckpointStore
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_incremental.core import codecs
+from lightning_incremental.core.codecs.optimizer_state import POLICIES
 from lightning_incremental.core.errors import ConfigError
-from lightning_incremental.core.optimizer_state import POLICIES
 
 MiB = 1 << 20
 MAX_CHUNK_SIZE = 1 << 30  # manifests naming larger chunks are rejected (manifest.py)
@@ -70,8 +70,8 @@ class StoreConfig:
         allow_pickle: save values the JSON skeleton cannot express by pickling them, and accept
             loading checkpoints that hold pickles. Loading a pickle executes code: only for
             checkpoints you trust. Default False.
-        lease_ttl_s: the writer lease (see :mod:`~lightning_incremental.core.lease`) is renewed
-            every ``lease_ttl_s / 4`` seconds and counts as abandoned when not renewed for
+        lease_ttl_s: the writer lease (see :mod:`~lightning_incremental.core.commit.lease`) is
+            renewed every ``lease_ttl_s / 4`` seconds and counts as abandoned when not renewed for
             ``lease_ttl_s``: how long a writer that died on another host blocks a new one
             (on the same host a dead writer's lease is taken over at once). Default 60.
         min_object_age_s: no sweep (``gc``, ``delete``, retention after a commit) removes an
@@ -88,13 +88,13 @@ class StoreConfig:
             against the hash of their decoded bytes; it does not restore bit-exact. Default
             None: everything is lossless.
         optimizer_state: how optimizer moments are stored (see
-            :mod:`~lightning_incremental.core.optimizer_state`): ``"exact"`` (lossless, the
+            :mod:`~lightning_incremental.core.codecs.optimizer_state`): ``"exact"`` (lossless, the
             default), ``"bf16"`` or ``"int8"`` (int8 blocks for ``exp_avg``, 8-bit log blocks for
             ``exp_avg_sq``; about 4x fewer bytes for them). Lossy settings restore those tensors
             approximately, not bit-exact: labelled in the manifest, reported on load. Keys named
             in ``lossy_codecs`` take precedence.
         generation: the writer's fencing generation, recorded in every manifest (see
-            :mod:`~lightning_incremental.core.fencing`). Default None: the newest generation
+            :mod:`~lightning_incremental.core.commit.fencing`). Default None: the newest generation
             claimed in the store (0 when none was), taken at the first save;
             :meth:`CheckpointStore.claim_generation` claims a new one.
     """

@@ -11,17 +11,17 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from lightning_incremental.core import fencing
-from lightning_incremental.core.collective import Alone, GlooGroup, Group
-from lightning_incremental.core.commit import Committer
+from lightning_incremental.core.chunks.delta_base import DeltaBase
+from lightning_incremental.core.commit import fencing
+from lightning_incremental.core.commit.committer import Committer
+from lightning_incremental.core.commit.group import Alone, GlooGroup, Group
+from lightning_incremental.core.commit.history import History, read_manifest
+from lightning_incremental.core.commit.lease import Lease
 from lightning_incremental.core.config import StoreConfig
-from lightning_incremental.core.delta_base import DeltaBase
-from lightning_incremental.core.history import History, read_manifest
-from lightning_incremental.core.lease import Lease
-from lightning_incremental.core.loader import Loader
-from lightning_incremental.core.retention import Collector, KeepLast, Maintainer
-from lightning_incremental.core.save_queue import SaveQueue
-from lightning_incremental.core.saving import Saver
+from lightning_incremental.core.load.loader import Loader
+from lightning_incremental.core.maintain.retention import Collector, KeepLast, Maintainer
+from lightning_incremental.core.save.queue import SaveQueue
+from lightning_incremental.core.save.saver import Saver
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.workers import WorkerPool
 
@@ -121,7 +121,7 @@ def assemble(
         lease=lease,
         history=history,
         base=base,
-        retention=retention,
+        after_commit=retention.after_commit,
         generation=generation,
         lock=lock,
     )

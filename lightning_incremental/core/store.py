@@ -16,20 +16,20 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
-from lightning_incremental.core import inflight
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.commit.history import check_step_type
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.engine import assemble
 from lightning_incremental.core.errors import CheckpointError, ConfigError
-from lightning_incremental.core.format import Manifest
-from lightning_incremental.core.history import check_step_type
-from lightning_incremental.core.loader import Selection
-from lightning_incremental.core.maintenance import verify_step
-from lightning_incremental.core.materialise import MapLocation
-from lightning_incremental.core.restore import check_keys
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.format.records import Manifest
+from lightning_incremental.core.load.loader import Selection
+from lightning_incremental.core.load.materialise import MapLocation
+from lightning_incremental.core.load.restore import check_keys
+from lightning_incremental.core.maintain.retention import Plan
+from lightning_incremental.core.maintain.verify import verify_step
 from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
-from lightning_incremental.core.retention import Plan
-from lightning_incremental.core.save_queue import SaveHandle, drain_at_exit
+from lightning_incremental.core.save import inflight
+from lightning_incremental.core.save.queue import SaveHandle, drain_at_exit
 from lightning_incremental.core.storage import LocalStorage, Storage, open_storage
 
 log = logging.getLogger("lightning_incremental")
@@ -181,7 +181,8 @@ class CheckpointStore:
         """Claim a new fencing generation for this writer: at least ``minimum`` (e.g. the
         launcher's restart count) and greater than every generation claimed or written in
         storage. Checkpoints that older generations write from now on are never visible, and
-        their commits raise :class:`FencedError` (see :mod:`~lightning_incremental.core.fencing`).
+        their commits raise :class:`FencedError` (see
+        :mod:`~lightning_incremental.core.commit.fencing`).
 
         Call once per (re)start of a job, on the process that commits, before saving.
 
@@ -218,7 +219,7 @@ class CheckpointStore:
             map_location: exactly ``torch.load``'s: None (the saved device), a device or
                 device string, a ``{saved: target}`` dict, or a callable
                 ``(cpu_storage, saved_location) -> storage`` whose None result means the saved
-                device (see :func:`~lightning_incremental.core.materialise.place`).
+                device (see :func:`~lightning_incremental.core.load.materialise.place`).
             strict: with ``step=None``, raise on the newest checkpoint's corruption instead of
                 falling back.
             into: a state (nested dicts/lists, e.g. ``{"model": model.state_dict()}``) whose
@@ -260,7 +261,8 @@ class CheckpointStore:
         self._check_open()
         selection = Selection(check_keys(keys), into, strict_into)
         loaded = self._engine.loader.load(step, map_location, selection, strict)
-        self._engine.saver.adopt(loaded)
+        if loaded.whole:
+            self._engine.saver.adopt(loaded.step, loaded.manifest)
         self.loaded_step = loaded.step
         return loaded.state
 

@@ -1,11 +1,11 @@
-"""The exit-time drain's registry of owners (:mod:`lightning_incremental.core.at_exit`)."""
+"""The exit-time drain's registry of owners (:mod:`lightning_incremental.core.save.at_exit`)."""
 
 from __future__ import annotations
 
 import gc
 import threading
 
-from lightning_incremental.core import at_exit
+from lightning_incremental.core.save import at_exit
 
 
 class Owner:

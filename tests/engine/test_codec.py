@@ -33,6 +33,7 @@ def encode_xor(raw: np.ndarray, base: np.ndarray, width: int, level: int) -> byt
     assert blob is not None
     return blob
 
+
 WIDTHS = (1, 2, 4, 8)
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
@@ -129,8 +130,13 @@ def test_encode_full_round_trip(data: bytes, width: int, level: int) -> None:
 
 
 @fast
-@given(data=any_payloads, width=widths, level=levels, seed=st.integers(0, 2**32 - 1),
-       flips=st.integers(0, 50))
+@given(
+    data=any_payloads,
+    width=widths,
+    level=levels,
+    seed=st.integers(0, 2**32 - 1),
+    flips=st.integers(0, 50),
+)
 def test_encode_xor_round_trip_needs_its_base(
     data: bytes, width: int, level: int, seed: int, flips: int
 ) -> None:
@@ -165,8 +171,14 @@ def test_encode_xor_rejects_bases_of_another_size(
 
 
 @fast
-@given(data=any_payloads, width=widths, level=levels, with_base=st.booleans(),
-       seed=st.integers(0, 2**32 - 1), changed=st.floats(0, 1))
+@given(
+    data=any_payloads,
+    width=widths,
+    level=levels,
+    with_base=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+    changed=st.floats(0, 1),
+)
 def test_encode_best_round_trips_and_picks_the_smaller(
     data: bytes, width: int, level: int, with_base: bool, seed: int, changed: float
 ) -> None:
@@ -232,13 +244,16 @@ def test_decode_rejects_a_wrong_size(data: bytes, width: int, kind: str) -> None
 
 
 @fast
-@given(data=any_payloads, width=widths, cut=st.integers(0, 10_000), kind=st.sampled_from(
-    [KIND_FULL, KIND_XOR]))
+@given(
+    data=any_payloads,
+    width=widths,
+    cut=st.integers(0, 10_000),
+    kind=st.sampled_from([KIND_FULL, KIND_XOR]),
+)
 def test_decode_rejects_truncated_blobs(data: bytes, width: int, cut: int, kind: str) -> None:
     raw = arr(data)
     base = np.zeros(raw.size, dtype=np.uint8)
-    blob = encode_xor(raw, base, width, 1) if kind == KIND_XOR else (
-        encode_full(raw, width, 1))
+    blob = encode_xor(raw, base, width, 1) if kind == KIND_XOR else (encode_full(raw, width, 1))
     keep = cut % len(blob)  # strictly shorter than the blob
     if raw.size == 0:
         # A frame that declares 0 bytes of content is accepted once its header is complete;
@@ -255,8 +270,12 @@ def test_decode_rejects_truncated_blobs(data: bytes, width: int, cut: int, kind:
 
 
 @fast
-@given(data=any_payloads, width=widths, kind=st.sampled_from([KIND_FULL, KIND_XOR]),
-       extra=st.binary(min_size=1, max_size=64))
+@given(
+    data=any_payloads,
+    width=widths,
+    kind=st.sampled_from([KIND_FULL, KIND_XOR]),
+    extra=st.binary(min_size=1, max_size=64),
+)
 def test_decode_rejects_trailing_garbage_or_returns_exact_size(
     data: bytes, width: int, kind: str, extra: bytes
 ) -> None:
@@ -272,8 +291,12 @@ def test_decode_rejects_trailing_garbage_or_returns_exact_size(
 
 
 @fast
-@given(data=st.binary(min_size=1, max_size=3000), width=widths, position=st.integers(0),
-       mask=st.integers(1, 255))
+@given(
+    data=st.binary(min_size=1, max_size=3000),
+    width=widths,
+    position=st.integers(0),
+    mask=st.integers(1, 255),
+)
 @example(data=bytes(4) + b"\x01" + bytes(7), width=1, position=4, mask=0xC1)  # frame header
 def test_a_flipped_byte_is_rejected_or_caught_by_the_chunk_hash(
     data: bytes, width: int, position: int, mask: int
@@ -317,8 +340,9 @@ def test_decode_rejects_an_unknown_kind() -> None:
 # ---------------------------------------------------------------- fuzzed decoder
 
 
-def _decode_or_value_error(blob: bytes, kind: str, width: int, size: int,
-                           base: np.ndarray | None) -> None:
+def _decode_or_value_error(
+    blob: bytes, kind: str, width: int, size: int, base: np.ndarray | None
+) -> None:
     try:
         out = codec.decode(blob, kind, width, size, base=base)
     except ValueError:
@@ -339,8 +363,9 @@ def _decode_or_value_error(blob: bytes, kind: str, width: int, size: int,
     size=st.integers(0, 4096),
     with_base=st.booleans(),
 )
-@example(blob=ZSTD_MAGIC + b"\xf0" + bytes(7) + b"\x01", kind=KIND_FULL, width=1, size=0,
-         with_base=False)
+@example(
+    blob=ZSTD_MAGIC + b"\xf0" + bytes(7) + b"\x01", kind=KIND_FULL, width=1, size=0, with_base=False
+)
 def test_fuzz_decode_raises_only_value_error(
     blob: bytes, kind: str, width: int, size: int, with_base: bool
 ) -> None:
@@ -364,8 +389,7 @@ def test_fuzz_decode_of_garbled_valid_blobs(
         blob[position % len(blob)] = value
     size = max(0, raw.size + size_delta)
     _decode_or_value_error(bytes(blob), KIND_FULL, width, size, None)
-    _decode_or_value_error(bytes(blob), KIND_XOR, width, size,
-                           np.zeros(size, dtype=np.uint8))
+    _decode_or_value_error(bytes(blob), KIND_XOR, width, size, np.zeros(size, dtype=np.uint8))
 
 
 # ---------------------------------------------------------------- hashing
@@ -413,9 +437,19 @@ def test_chunk_hash_of_a_strided_view_hashes_its_bytes() -> None:
 @pytest.mark.parametrize(
     ("itemsize", "is_complex", "expected"),
     [
-        (1, False, 1), (2, False, 2), (4, False, 4), (8, False, 8),
-        (3, False, 1), (16, False, 1), (32, False, 1), (12, False, 1),
-        (2, True, 1), (4, True, 2), (8, True, 4), (16, True, 8), (32, True, 1),
+        (1, False, 1),
+        (2, False, 2),
+        (4, False, 4),
+        (8, False, 8),
+        (3, False, 1),
+        (16, False, 1),
+        (32, False, 1),
+        (12, False, 1),
+        (2, True, 1),
+        (4, True, 2),
+        (8, True, 4),
+        (16, True, 8),
+        (32, True, 1),
     ],
 )
 def test_group_width_values(itemsize: int, is_complex: bool, expected: int) -> None:
@@ -423,11 +457,31 @@ def test_group_width_values(itemsize: int, is_complex: bool, expected: int) -> N
 
 
 ALL_DTYPES = [
-    getattr(torch, name) for name in (
-        "float32", "float16", "float64", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz",
-        "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "int8", "int16", "int32", "int64",
-        "uint8", "uint16", "uint32", "uint64", "bool", "complex32", "complex64", "complex128",
-    ) if isinstance(getattr(torch, name, None), torch.dtype)
+    getattr(torch, name)
+    for name in (
+        "float32",
+        "float16",
+        "float64",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex32",
+        "complex64",
+        "complex128",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
 ]
 
 

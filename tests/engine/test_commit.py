@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from lightning_incremental.core import CheckpointStore
-from lightning_incremental.core.commit import Part, assemble
+from lightning_incremental.core.commit.committer import Part, assemble
 from lightning_incremental.core.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ManifestError,
 )
-from lightning_incremental.core.tree import flatten
+from lightning_incremental.core.save.snapshot import flatten
 from tests.conftest import assert_state_equal, small_store
 
 

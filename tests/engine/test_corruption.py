@@ -34,8 +34,9 @@ from lightning_incremental.core import (
     ManifestError,
     PickleNotAllowedError,
 )
-from lightning_incremental.core import format as fmt
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.format import canonical
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.format import records as fmt
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal, small_store
 
@@ -88,7 +89,7 @@ def hist(tmp_path: pathlib.Path) -> History:
     assert sum(r.chunks_delta for r in results) > 0, "the history must hold XOR deltas"
     assert sum(r.chunks_reused for r in results) > 0, "the history must reuse chunks"
     storage = LocalStorage(str(root))
-    docs = {s: fmt.loads(storage.get(mf.manifest_path(s)), str(s)).to_dict() for s in STEPS}
+    docs = {s: canonical.loads(storage.get(mf.manifest_path(s)), str(s)).to_dict() for s in STEPS}
     assert any(r["depth"] >= 2 for r in docs[4]["chunks"].values()), "want a chain of deltas"
     return History(str(root), root, states, docs)
 
@@ -118,7 +119,8 @@ def _target(hist: History, which: str) -> tuple[str, dict[str, Any]]:
         digests = [d for d in docs[4]["chunks"] if d not in docs[3]["chunks"]]
     elif which == "middle":
         digests = [
-            d for d in docs[2]["chunks"]
+            d
+            for d in docs[2]["chunks"]
             if d not in docs[1]["chunks"] and d in docs[3]["chunks"] and d in docs[4]["chunks"]
         ]
     else:
@@ -322,7 +324,7 @@ def _forge(mutate: Mutation) -> Change:
 
     def change(hist: History, doc: dict[str, Any], tmp: pathlib.Path) -> bytes:
         mutate(doc, hist, tmp)
-        return fmt.sign(doc)
+        return canonical.sign(doc)
 
     return change
 
@@ -450,8 +452,11 @@ def test_bad_manifest(hist: History, tmp_path: pathlib.Path, case: str) -> None:
                 store.load(strict=True)
             with pytest.warns(UserWarning, match=spec.match) as caught:
                 assert_state_equal(store.load(), hist.states[3])
-            assert [FALLBACK.search(str(w.message)).group(1) for w in caught  # type: ignore[union-attr]
-                    if FALLBACK.search(str(w.message))] == ["4"]
+            assert [
+                FALLBACK.search(str(w.message)).group(1)
+                for w in caught  # type: ignore[union-attr]
+                if FALLBACK.search(str(w.message))
+            ] == ["4"]
         else:
             # not corrupt: written by a newer library, or holding pickles. Falling back would
             # silently resume from an older checkpoint; the caller must upgrade or opt in.
@@ -483,8 +488,11 @@ def test_every_manifest_damaged(hist: History) -> None:
         with pytest.warns(UserWarning) as caught:
             with pytest.raises(CorruptCheckpointError, match="no intact checkpoint"):
                 store.load()
-        steps = [FALLBACK.search(str(w.message)).group(1) for w in caught  # type: ignore[union-attr]
-                 if FALLBACK.search(str(w.message))]
+        steps = [
+            FALLBACK.search(str(w.message)).group(1)
+            for w in caught  # type: ignore[union-attr]
+            if FALLBACK.search(str(w.message))
+        ]
         assert steps == ["4", "3", "2", "1"]
         with pytest.raises(CorruptCheckpointError):
             store.load(strict=True)

@@ -32,9 +32,9 @@ from lightning_incremental.core import (
     StepError,
     StorageError,
 )
-from lightning_incremental.core import format as fmt
-from lightning_incremental.core import manifest as mf
-from lightning_incremental.core.manifest import manifest_path
+from lightning_incremental.core.format import canonical
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.format.layout import manifest_path
 from lightning_incremental.core.storage import Storage, open_storage
 from tests.conftest import assert_state_equal, small_store
 from tests.faulty import FaultyStorage
@@ -76,7 +76,7 @@ def _live_packs(storage: Storage) -> set[str]:
     for path in storage.list(mf.MANIFEST_DIR):
         step = mf.step_of(path.rsplit("/", 1)[-1])
         if step is not None:
-            live.update(fmt.loads(storage.get(path), path).packs)
+            live.update(canonical.loads(storage.get(path), path).packs)
     return live
 
 

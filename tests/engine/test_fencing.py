@@ -20,15 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_incremental.core import (
-    FencedError,
-    ManifestError,
-    StepError,
-    StorageError,
-    fencing,
-)
-from lightning_incremental.core import format as fmt
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core import FencedError, ManifestError, StepError, StorageError
+from lightning_incremental.core.commit import fencing
+from lightning_incremental.core.format import canonical
+from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.storage import open_storage
 from tests.conftest import assert_state_equal, small_store
 from tests.faulty import FaultyStorage
@@ -147,7 +142,7 @@ def test_gc_removes_what_fenced_off_writers_left(local_url: str) -> None:
         store.claim_generation()
         body = dict(body, step=7, generation=0)
         body.pop("checksum", None)
-        store.storage.put(mf.manifest_path(7), fmt.sign(body))
+        store.storage.put(mf.manifest_path(7), canonical.sign(body))
         assert store.steps() == [1]
         report = store.gc()
         assert report.removed_steps == [7]

@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_incremental.core import StoreConfig, codecs
+from lightning_incremental.core.chunks.lossy import lossy_codec
 from lightning_incremental.core.codecs import registry
-from lightning_incremental.core.encoder import lossy_codec
+from lightning_incremental.core.codecs.optimizer_state import codec_kind, moment
 from lightning_incremental.core.errors import ConfigError, CorruptCheckpointError
-from lightning_incremental.core.optimizer_state import codec_kind, moment
 from tests.conftest import assert_state_equal, small_store
 
 
@@ -316,7 +316,8 @@ def test_second_moments_chain_as_lossy_deltas(local_url: str, policy: str) -> No
 
 def test_the_validator_keeps_lossless_and_lossy_chains_apart() -> None:
     from lightning_incremental.core.errors import ManifestError
-    from lightning_incremental.core.format import ChunkRecipe, _check_base
+    from lightning_incremental.core.format.records import ChunkRecipe
+    from lightning_incremental.core.format.validation import _check_base
 
     def recipe(kind: str, base: str | None = None, depth: int = 0) -> ChunkRecipe:
         lossless = codecs.get(kind).lossless

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_incremental.core import format as fmt
-from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.errors import FormatVersionError, ManifestError
-from lightning_incremental.core.format import ChunkRecipe, Manifest, TensorEntry
+from lightning_incremental.core.format import canonical
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.format import records as fmt
+from lightning_incremental.core.format.records import ChunkRecipe, Manifest, TensorEntry
 from tests.conftest import small_store
 
 PACK = mf.pack_path("ab" * 16)
@@ -56,17 +57,17 @@ def _manifest(**changes: Any) -> Manifest:
 
 def test_round_trip_through_json_is_identity() -> None:
     manifest = _manifest()
-    data = fmt.dumps(manifest)
-    again = fmt.loads(data, "test")
+    data = canonical.dumps(manifest)
+    again = canonical.loads(data, "test")
     assert again == manifest
-    assert fmt.dumps(again) == data
+    assert canonical.dumps(again) == data
     assert json.loads(data)["version"] == 1  # lossless: readable by every reader
 
 
 def test_unknown_fields_of_a_newer_writer_are_kept() -> None:
     body = _manifest().to_dict()
     body["future"] = {"x": 1}
-    again = fmt.loads(fmt.sign(body), "test")
+    again = canonical.loads(canonical.sign(body), "test")
     assert again.extra == {"future": {"x": 1}}
     assert again.to_dict()["future"] == {"x": 1}
 
@@ -109,68 +110,68 @@ def test_the_validator_rejects_hostile_or_broken_manifests(edit: Any, message: s
     body = _manifest().to_dict()
     edit(body)
     with pytest.raises(ManifestError, match=message):
-        fmt.loads(fmt.sign(body), "test")
+        canonical.loads(canonical.sign(body), "test")
 
 
 def test_checksum_and_version_are_checked() -> None:
     body = _manifest().to_dict()
-    data = bytearray(fmt.sign(body))
+    data = bytearray(canonical.sign(body))
     data[data.index(b'"step":3') + 7] = ord("4")
     with pytest.raises(ManifestError, match="checksum"):
-        fmt.loads(bytes(data), "test")
+        canonical.loads(bytes(data), "test")
     with pytest.raises(FormatVersionError, match="upgrade"):
-        fmt.loads(fmt.sign({**body, "version": fmt.VERSION + 1}), "test")
+        canonical.loads(canonical.sign({**body, "version": fmt.VERSION + 1}), "test")
 
 
 def test_a_parsed_manifest_is_reused_only_for_the_same_bytes_and_codecs() -> None:
     from lightning_incremental.core import codecs
     from lightning_incremental.core.codecs import registry
 
-    data = fmt.sign(_manifest().to_dict())
-    first = fmt.loads(data, "test")
-    assert fmt.loads(data, "test") is first  # the same bytes: checked once
+    data = canonical.sign(_manifest().to_dict())
+    first = canonical.loads(data, "test")
+    assert canonical.loads(data, "test") is first  # the same bytes: checked once
     tampered = bytearray(data)
     tampered[tampered.index(b'"step":3') + 7] = ord("4")
     with pytest.raises(ManifestError, match="checksum"):
-        fmt.loads(bytes(tampered), "test")  # other bytes are checked afresh
+        canonical.loads(bytes(tampered), "test")  # other bytes are checked afresh
     registry.unregister("x")  # a kind the manifest names is no longer known
     try:
         with pytest.raises(ManifestError, match="unknown chunk encoding"):
-            fmt.loads(data, "test")
+            canonical.loads(data, "test")
     finally:
         registry.register(codecs.XOR)
-    assert fmt.loads(data, "test") == first
+    assert canonical.loads(data, "test") == first
 
 
 def test_parsed_manifests_are_kept_within_a_byte_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    fmt.forget_parsed()
-    datas = [fmt.sign(_manifest(step=s).to_dict()) for s in range(4)]
-    monkeypatch.setattr(fmt, "PARSED_KEEP_BYTES", 2 * max(len(d) for d in datas) + 1)
-    first = [fmt.loads(d, "test") for d in datas]
-    assert fmt.loads(datas[3], "test") is first[3]  # the newest two are kept
-    assert fmt.loads(datas[2], "test") is first[2]
-    assert fmt.loads(datas[0], "test") is not first[0]  # older ones parsed again, equal
-    assert fmt.loads(datas[0], "test") == first[0]
-    sealed, parsed = fmt.seal(first[1], "test")  # sealing keeps the manifest a reader gets
-    assert sealed == datas[1] and fmt.loads(sealed, "test") is parsed and parsed == first[1]
-    monkeypatch.setattr(fmt, "PARSED_KEEP_BYTES", 0)  # larger than the bound: not kept
-    fmt.forget_parsed()
-    assert fmt.loads(datas[1], "test") is not fmt.loads(datas[1], "test")
+    canonical.forget_parsed()
+    datas = [canonical.sign(_manifest(step=s).to_dict()) for s in range(4)]
+    monkeypatch.setattr(canonical, "PARSED_KEEP_BYTES", 2 * max(len(d) for d in datas) + 1)
+    first = [canonical.loads(d, "test") for d in datas]
+    assert canonical.loads(datas[3], "test") is first[3]  # the newest two are kept
+    assert canonical.loads(datas[2], "test") is first[2]
+    assert canonical.loads(datas[0], "test") is not first[0]  # older ones parsed again, equal
+    assert canonical.loads(datas[0], "test") == first[0]
+    sealed, parsed = canonical.seal(first[1], "test")  # sealing keeps the manifest a reader gets
+    assert sealed == datas[1] and canonical.loads(sealed, "test") is parsed and parsed == first[1]
+    monkeypatch.setattr(canonical, "PARSED_KEEP_BYTES", 0)  # larger than the bound: not kept
+    canonical.forget_parsed()
+    assert canonical.loads(datas[1], "test") is not canonical.loads(datas[1], "test")
 
 
 def test_a_signed_body_that_holds_a_checksum_is_signed_again() -> None:
-    data = fmt.sign(_manifest().to_dict())
+    data = canonical.sign(_manifest().to_dict())
     body = json.loads(data)  # as stored: with its checksum
     body["audit"] = {"host": "other"}
-    again = fmt.loads(fmt.sign(body), "test")
+    again = canonical.loads(canonical.sign(body), "test")
     assert again.audit == {"host": "other"}
 
 
 def test_validate_checks_an_assembled_manifest() -> None:
     broken = _manifest(packs={})
     with pytest.raises(ManifestError, match="unlisted pack"):
-        fmt.validate(broken, "test")
-    assert fmt.validate(_manifest(), "test") == _manifest()
+        canonical.validate(broken, "test")
+    assert canonical.validate(_manifest(), "test") == _manifest()
 
 
 def test_closure_lists_a_chain_base_first() -> None:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_incremental.core import CheckpointStore, codecs
-from lightning_incremental.core import decoder as dec
+from lightning_incremental.core.chunks import decode as dec
 from lightning_incremental.core.codecs import planes
 from lightning_incremental.core.codecs import predict as pr
 from lightning_incremental.core.errors import CorruptCheckpointError

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_incremental.core import CheckpointStore, delta_base
+from lightning_incremental.core import CheckpointStore
+from lightning_incremental.core.chunks import delta_base
 from lightning_incremental.core.codecs.bytes import chunk_hash
-from lightning_incremental.core.format import ChunkRecipe
+from lightning_incremental.core.format.records import ChunkRecipe
 from tests.conftest import assert_state_equal
 
 N = 2048  # float32 elements: two chunks of 4 KiB

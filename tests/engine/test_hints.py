@@ -10,11 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_incremental.core import codecs, encoder
+from lightning_incremental.core import codecs
+from lightning_incremental.core.chunks import encode as encoder
+from lightning_incremental.core.chunks.encode import HINT_TTL, Hints
 from lightning_incremental.core.codecs import Hint
 from lightning_incremental.core.codecs import planes as P
 from lightning_incremental.core.codecs import predict as pr
-from lightning_incremental.core.encoder import HINT_TTL, Hints
 from tests.conftest import assert_state_equal, small_store
 
 

@@ -28,10 +28,10 @@ from lightning_incremental.core import (
     StorageError,
     UnsupportedValueError,
 )
-from lightning_incremental.core import format as fmt
-from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.codecs import chunk_hash
-from lightning_incremental.core.maintenance import STALE_TMP_S
+from lightning_incremental.core.format import canonical
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.maintain.sweep import STALE_TMP_S
 from lightning_incremental.core.storage import LocalStorage, open_storage, translate_errors
 from tests.conftest import assert_state_equal, small_store
 from tests.faulty import FaultyStorage
@@ -349,7 +349,7 @@ def _forge_absurd(local_url: str, single_chunk: bool) -> None:
             chunks=[digest] * ((1 << 42) // size),
         )
     )
-    path.write_bytes(fmt.sign(doc))
+    path.write_bytes(canonical.sign(doc))
 
 
 @pytest.mark.parametrize("single_chunk", [True, False], ids=["huge-chunk", "many-chunks"])

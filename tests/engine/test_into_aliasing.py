@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_incremental.core import CheckpointStore, ConfigError
-from lightning_incremental.core import loader as loader_module
+from lightning_incremental.core.load import loader as loader_module
 from tests.conftest import small_store
 
 

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_incremental.core import CheckpointStore, WriterLeaseError, fencing
-from lightning_incremental.core import lease as lease_mod
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core import CheckpointStore, WriterLeaseError
+from lightning_incremental.core.commit import fencing, owner
+from lightning_incremental.core.commit import lease as lease_mod
+from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal, small_store
 
@@ -102,8 +103,8 @@ def test_a_live_writer_elsewhere_blocks_writes_but_not_reads(local_url: str) -> 
         {"released": True},
         {
             "host": socket.gethostname(),
-            "boot": lease_mod._boot_id(),
-            "pidns": lease_mod._pid_namespace(),
+            "boot": owner.boot_id(),
+            "pidns": owner.pid_namespace(),
             "pid": 2**22 + 7,
         },
     ],
@@ -299,16 +300,16 @@ def test_a_second_independent_job_cannot_take_over_a_live_lease(
 def test_the_job_id_comes_from_the_launcher(monkeypatch) -> None:
     for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    assert lease_mod.job_id() is None
+    assert owner.job_id() is None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # static multi-node torchrun
-    assert lease_mod.job_id() is None
+    assert owner.job_id() is None
     monkeypatch.setenv("MASTER_ADDR", "node0")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    assert lease_mod.job_id() == "torchrun:node0:29500"
+    assert owner.job_id() == "torchrun:node0:29500"
     monkeypatch.setenv("SLURM_JOB_ID", "4711")
-    assert lease_mod.job_id() == "slurm:4711"
+    assert owner.job_id() == "slurm:4711"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a")
-    assert lease_mod.job_id() == "3f2a"
+    assert owner.job_id() == "3f2a"
 
 
 def test_another_machine_of_the_same_host_name_is_not_this_one(local_url: str) -> None:
@@ -316,7 +317,7 @@ def test_another_machine_of_the_same_host_name_is_not_this_one(local_url: str) -
     every Linux host): a live record from another boot is not checked against this machine's
     processes, so its absent pid does not make it abandoned."""
     seeded(local_url)
-    same_name = {"host": socket.gethostname(), "pidns": lease_mod._pid_namespace()}
+    same_name = {"host": socket.gethostname(), "pidns": owner.pid_namespace()}
     plant(local_url, 3, boot="another-boot-id", pid=2**22 + 7, **same_name)
     with small_store(local_url) as store:
         with pytest.raises(WriterLeaseError, match="is being written by another process"):
@@ -325,7 +326,7 @@ def test_another_machine_of_the_same_host_name_is_not_this_one(local_url: str) -
     with small_store(local_url) as store:
         with pytest.raises(WriterLeaseError, match="is being written by another process"):
             store.save({"w": torch.zeros(64)}, 2).wait()
-    assert lease_mod._boot_id(), "this machine has a boot id"
+    assert owner.boot_id(), "this machine has a boot id"
 
 
 def test_taking_over_an_unreleased_lease_claims_a_generation(local_url: str) -> None:

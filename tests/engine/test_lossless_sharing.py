@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_incremental.core import CheckpointStore
-from lightning_incremental.core import encoder as encoder_module
+from lightning_incremental.core.chunks import encode as encoder_module
 from lightning_incremental.core.codecs import HASH_LEN, chunk_hash
 from tests.conftest import small_store
 
@@ -38,7 +38,7 @@ def _entries(store: CheckpointStore, step: int) -> dict[str, tuple[str, ...]]:
 
 
 def test_the_lossy_key_is_a_hash_apart_from_the_raw_one() -> None:
-    from lightning_incremental.core.encoder import lossy_key
+    from lightning_incremental.core.chunks.lossy import lossy_key
 
     digest = chunk_hash(b"some chunk")
     keys = {kind: lossy_key(digest, kind) for kind in KINDS}

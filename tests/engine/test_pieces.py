@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
-from lightning_incremental.core import pieces
-from lightning_incremental.core.pieces import (
+from lightning_incremental.core.format import pieces
+from lightning_incremental.core.format.pieces import (
     Box,
     check_tiling,
     flat_runs,

@@ -33,7 +33,7 @@ from lightning_incremental.core import (
     SaveResult,
     Storage,
 )
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.storage import open_storage
 from tests.conftest import assert_state_equal
 
@@ -41,14 +41,44 @@ pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimen
 
 DTYPES = [
     getattr(torch, n)
-    for n in ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2",
-              "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "int8", "int16", "int32",
-              "int64", "uint8", "uint16", "uint32", "uint64", "bool", "complex32", "complex64",
-              "complex128")
+    for n in (
+        "float32",
+        "float16",
+        "bfloat16",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex32",
+        "complex64",
+        "complex128",
+    )
     if isinstance(getattr(torch, n, None), torch.dtype)
 ]
-NUMPY_OK = {torch.float32, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32,
-            torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128}
+NUMPY_OK = {
+    torch.float32,
+    torch.float16,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+}
 
 
 # ---------------------------------------------------------------- helpers
@@ -122,8 +152,11 @@ def logical_bytes(value: Any, seen: set[int] | None = None) -> int:
         if id(value) in seen:
             return 0
         seen.add(id(value))
-        return value.nbytes if isinstance(value, np.ndarray) else value.numel() * (
-            value.element_size())
+        return (
+            value.nbytes
+            if isinstance(value, np.ndarray)
+            else value.numel() * (value.element_size())
+        )
     if isinstance(value, dict):
         return sum(logical_bytes(v, seen) for v in value.values())
     if isinstance(value, (list, tuple)):
@@ -143,7 +176,11 @@ def check_result(result: SaveResult, step: int, expected_logical: int) -> None:
 # ---------------------------------------------------------------- random nested states
 
 plain = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=10),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=10),
     st.binary(max_size=10),
 )
 
@@ -183,8 +220,11 @@ nested = st.recursive(
 states = st.dictionaries(st.text(max_size=5), nested, min_size=1, max_size=5)
 
 
-@settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(
     state=states,
     backend=st.sampled_from(["local", "memory"]),
@@ -244,10 +284,28 @@ class Trainer:
     def modify(self) -> list[str]:
         ops = self.data.draw(
             st.lists(
-                st.sampled_from(["sparse", "sparse", "noise", "noise", "noise", "frozen", "dtype",
-                                 "reinterpret", "shape", "reshape", "add", "remove", "rewrite",
-                                 "plain", "optim", "numpy"]),
-                min_size=1, max_size=3,
+                st.sampled_from(
+                    [
+                        "sparse",
+                        "sparse",
+                        "noise",
+                        "noise",
+                        "noise",
+                        "frozen",
+                        "dtype",
+                        "reinterpret",
+                        "shape",
+                        "reshape",
+                        "add",
+                        "remove",
+                        "rewrite",
+                        "plain",
+                        "optim",
+                        "numpy",
+                    ]
+                ),
+                min_size=1,
+                max_size=3,
             ),
             label="ops",
         )
@@ -283,15 +341,18 @@ class Trainer:
     def op_dtype(self) -> None:
         key = self.pick()
         dtype = self.data.draw(st.sampled_from(DTYPES), label="new dtype")
-        self.state["model"][key] = random_tensor(dtype, self.state["model"][key].shape,
-                                                 self.seed())
+        self.state["model"][key] = random_tensor(dtype, self.state["model"][key].shape, self.seed())
 
     def op_reinterpret(self) -> None:
         """Same bytes, another dtype of the same size (chunks are reused across dtypes)."""
         key = self.pick()
         t = self.state["model"][key]
-        same = [d for d in DTYPES if d not in (torch.bool, t.dtype) and
-                torch.empty((), dtype=d).element_size() == t.element_size()]
+        same = [
+            d
+            for d in DTYPES
+            if d not in (torch.bool, t.dtype)
+            and torch.empty((), dtype=d).element_size() == t.element_size()
+        ]
         if t.dtype == torch.bool or not same or t.dim() == 0:
             return
         self.state["model"][key] = t.view(self.data.draw(st.sampled_from(same), label="as"))
@@ -300,8 +361,9 @@ class Trainer:
         key = self.pick()
         t = self.state["model"][key]
         if t.dim() == 2 and self.data.draw(st.booleans(), label="grow"):
-            extra = random_tensor(t.dtype, (self.data.draw(st.integers(1, 9)), t.shape[1]),
-                                  self.seed())
+            extra = random_tensor(
+                t.dtype, (self.data.draw(st.integers(1, 9)), t.shape[1]), self.seed()
+            )
             self.state["model"][key] = torch.cat([t, extra])
         elif t.dim() >= 1 and t.shape[0] > 0:
             self.state["model"][key] = t[: self.data.draw(st.integers(0, t.shape[0] - 1))]
@@ -360,8 +422,11 @@ def restore_all(store: CheckpointStore, saved: dict[int, Any]) -> None:
     assert_state_equal(store.load(), saved[newest], f"newest (step {newest})")
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(data=st.data())
 def test_every_step_of_a_random_history_restores_exactly(data: st.DataObject) -> None:
     backend = data.draw(st.sampled_from(["local", "memory"]), label="backend")
@@ -371,8 +436,7 @@ def test_every_step_of_a_random_history_restores_exactly(data: st.DataObject) ->
         "full_every": data.draw(st.sampled_from([1, 2, 2, 3, 3, 4]), label="full_every"),
         "max_chain": data.draw(st.sampled_from([0, 1, 2, 3, 3]), label="max_chain"),
         "max_chain_ratio": data.draw(st.sampled_from([1.0, 2.0, 16.0]), label="ratio"),
-        "xor_base_memory": data.draw(st.sampled_from([None, None, None, 0, 3000]),
-                                     label="xor mem"),
+        "xor_base_memory": data.draw(st.sampled_from([None, None, None, 0, 3000]), label="xor mem"),
         "workers": data.draw(st.sampled_from([1, 2]), label="workers"),
         "max_in_flight": data.draw(st.sampled_from([1, 2]), label="in flight"),
         "fsync": False,
@@ -421,8 +485,9 @@ def test_every_step_of_a_random_history_restores_exactly(data: st.DataObject) ->
                 trainer.modify()
                 step += 1
                 saved[step] = snapshot(trainer.state)
-                check_result(store.save(trainer.state, step).wait(), step,
-                             logical_bytes(trainer.state))
+                check_result(
+                    store.save(trainer.state, step).wait(), step, logical_bytes(trainer.state)
+                )
                 restore_all(store, saved)
 
             steps = sorted(saved)
@@ -490,15 +555,19 @@ def manifest_size(store: CheckpointStore, step: int) -> int:
 def test_an_unchanged_save_writes_under_one_percent(store_url: str) -> None:
     g = torch.Generator().manual_seed(0)
     state = {
-        "model": {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(1024, generator=g),
-                  "emb": torch.randn(512, 256, generator=g).to(torch.bfloat16)},
+        "model": {
+            "w": torch.randn(1024, 1024, generator=g),
+            "b": torch.randn(1024, generator=g),
+            "emb": torch.randn(512, 256, generator=g).to(torch.bfloat16),
+        },
         "optim": {"step": 10, "m": [torch.randn(1024, 64, generator=g)]},
     }
     logical = logical_bytes(state)
     assert logical > 4 << 20
     expected = snapshot(state)
-    with CheckpointStore(store_url, chunk_size=1 << 16, pack_size=1 << 20, full_every=3,
-                         fsync=False) as store:
+    with CheckpointStore(
+        store_url, chunk_size=1 << 16, pack_size=1 << 20, full_every=3, fsync=False
+    ) as store:
         first = store.save(state, 0).wait()
         assert first.chunks_reused == 0 and first.chunks_delta == 0
         assert first.bytes_written > logical // 2  # random data: the first save writes it all
@@ -522,8 +591,9 @@ def test_a_sparse_update_writes_about_the_changed_part(store_url: str, change: s
     g = torch.Generator().manual_seed(1)
     state = {"emb": torch.randn(rows, cols, generator=g), "bias": torch.randn(cols, generator=g)}
     n_chunks = rows + math.ceil(cols * 4 / chunk)
-    with CheckpointStore(store_url, chunk_size=chunk, pack_size=1 << 20, full_every=10,
-                         fsync=False) as store:
+    with CheckpointStore(
+        store_url, chunk_size=chunk, pack_size=1 << 20, full_every=10, fsync=False
+    ) as store:
         store.save(state, 0).wait()
         changed = sorted(torch.randperm(rows, generator=g)[: rows // 20].tolist())  # 5%
         before = snapshot(state)
@@ -611,8 +681,7 @@ def test_mutating_the_state_after_save_returns_changes_nothing_saved(store_url: 
         "list": [torch.randn(40)],
         "nested": {"k": "v", "t": torch.arange(10)},
     }
-    store = CheckpointStore(storage, chunk_size=256, pack_size=1024, max_in_flight=3,
-                            fsync=False)
+    store = CheckpointStore(storage, chunk_size=256, pack_size=1024, max_in_flight=3, fsync=False)
     try:
         expected0 = snapshot(state)
         h0 = store.save(state, 0)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from lightning_incremental.core import CheckpointNotFoundError, CheckpointStore
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal, small_store
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from lightning_incremental.core import CheckpointStore, ConfigError, codecs
-from lightning_incremental.core import decoder as dec
+from lightning_incremental.core.chunks import decode as dec
+from lightning_incremental.core.load import pipeline as pipe
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal, small_store, walk_store
 
@@ -126,19 +127,19 @@ def test_restore_holds_a_bounded_window_of_objects(tmp_path: Path) -> None:
     doc = store.manifest(2)
     assert any(r.base is not None for r in doc.chunks.values()), "needs delta chains"
     peak = 0
-    original = dec._Schedule._release
+    original = pipe._Schedule._release
 
     def watch(self, link):  # type: ignore[no-untyped-def]
         nonlocal peak
         peak = max(peak, self.held)
         original(self, link)
 
-    dec._Schedule._release = watch  # type: ignore[method-assign]
+    pipe._Schedule._release = watch  # type: ignore[method-assign]
     try:
         targets = [np.empty(t.nbytes, np.uint8) for t in doc.tensors]
-        dec.restore_arrays(store.storage, doc, store._pool, "test", targets, read_ahead=20000)
+        pipe.restore_arrays(store.storage, doc, store._pool, "test", targets, read_ahead=20000)
     finally:
-        dec._Schedule._release = original  # type: ignore[method-assign]
+        pipe._Schedule._release = original  # type: ignore[method-assign]
     largest = max(
         end - start
         for _, start, end, _ in dec.ObjectReader(store.storage, doc, "t").plan(set(doc.chunks))
@@ -222,7 +223,7 @@ def test_a_chunk_several_destinations_want_is_decoded_once(tmp_path: Path) -> No
     doc = store.manifest()
     entry = doc.tensors[0]
     calls: list[str] = []
-    original = dec.decode_chunk
+    original = pipe.decode_chunk
 
     def counting(digest, *args):  # type: ignore[no-untyped-def]
         calls.append(digest)
@@ -231,15 +232,15 @@ def test_a_chunk_several_destinations_want_is_decoded_once(tmp_path: Path) -> No
     a, b = (np.zeros(entry.nbytes, np.uint8) for _ in range(2))
     doubled = np.zeros(2 * entry.nbytes, np.uint8)
     items = [
-        dec.ChunkTarget(entry.chunks, a),
-        dec.ChunkTarget(entry.chunks, b),
-        dec.ChunkTarget(entry.chunks + entry.chunks, doubled),
+        pipe.ChunkTarget(entry.chunks, a),
+        pipe.ChunkTarget(entry.chunks, b),
+        pipe.ChunkTarget(entry.chunks + entry.chunks, doubled),
     ]
-    dec.decode_chunk = counting  # type: ignore[assignment]
+    pipe.decode_chunk = counting  # type: ignore[assignment]
     try:
-        dec.restore_chunks(store.storage, doc, store._pool, "t", items)
+        pipe.restore_chunks(store.storage, doc, store._pool, "t", items)
     finally:
-        dec.decode_chunk = original  # type: ignore[assignment]
+        pipe.decode_chunk = original  # type: ignore[assignment]
     assert sorted(calls) == sorted(set(entry.chunks))
     expect = state[entry.path[len("state['") : -2]].numpy().tobytes()
     assert a.tobytes() == b.tobytes() == expect

@@ -15,13 +15,14 @@ import torch.distributed as dist
 from hypothesis import given, settings
 
 from lightning_incremental.core import CheckpointStore, ConfigError, ManifestError
-from lightning_incremental.core import format as fmt
-from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.codecs import chunk_hash
-from lightning_incremental.core.decoder import Regions
-from lightning_incremental.core.format import ChunkRecipe, PieceEntry, TensorEntry
-from lightning_incremental.core.pieces import Box, flat_runs, relative
-from lightning_incremental.core.scatter import direct_chunks, piece_targets
+from lightning_incremental.core.format import canonical, validation
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.format import records as fmt
+from lightning_incremental.core.format.pieces import Box, flat_runs, relative
+from lightning_incremental.core.format.records import ChunkRecipe, PieceEntry, TensorEntry
+from lightning_incremental.core.load.scatter import direct_chunks, piece_targets
+from lightning_incremental.core.load.targets import Regions
 from tests.engine.test_pieces import grid, guillotine, region
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64]
@@ -154,7 +155,7 @@ def test_resharding_rows_decodes_straight_into_the_destinations():
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
-    from lightning_incremental.core.pieces import intersect
+    from lightning_incremental.core.format.pieces import intersect
 
     return intersect(a, b) if b.numel else None
 
@@ -245,7 +246,7 @@ def _sharded_doc(tmp_path) -> dict:
 
 
 def _reparse(doc: dict) -> None:
-    fmt.loads(fmt.sign(doc), "test")
+    canonical.loads(canonical.sign(doc), "test")
 
 
 def test_validator_accepts_a_tiling_and_rejects_hostile_piece_tables(tmp_path, world_of_one):
@@ -284,7 +285,7 @@ def test_validator_accepts_a_tiling_and_rejects_hostile_piece_tables(tmp_path, w
 
 
 def test_piece_arrays_are_keyed_for_the_next_delta(tmp_path, world_of_one):
-    doc = fmt.parse(_sharded_doc(tmp_path), "test")
+    doc = validation.parse(_sharded_doc(tmp_path), "test")
     arrays = doc.tensors[0].arrays()
     assert [a.path for a in arrays] == ["state['w']@0,0", "state['w']@2,0"]
     assert [a.nbytes for a in arrays] == [32, 64]

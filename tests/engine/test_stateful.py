@@ -42,13 +42,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from lightning_incremental.core import (
-    CheckpointError,
-    CheckpointStore,
-    CorruptCheckpointError,
-    fencing,
-)
-from lightning_incremental.core.retention import Plan
+from lightning_incremental.core import CheckpointError, CheckpointStore, CorruptCheckpointError
+from lightning_incremental.core.commit import fencing
+from lightning_incremental.core.maintain.retention import Plan
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal
 

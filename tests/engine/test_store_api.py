@@ -21,8 +21,8 @@ from lightning_incremental.core import (
     StoreConfig,
     UnsupportedValueError,
 )
-from lightning_incremental.core import format as fmt
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.format import canonical
+from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.storage import LocalStorage, Storage
 from tests.conftest import assert_state_equal, small_store
 
@@ -192,7 +192,7 @@ def test_cuda_checkpoint_without_cuda_needs_map_location(local_url: str) -> None
     body.pop("checksum")
     body["tensors"][0]["device"] = "cuda:0"
     with open(path, "wb") as fh:
-        fh.write(fmt.sign(body))
+        fh.write(canonical.sign(body))
     with small_store(local_url) as store:
         with pytest.raises(CheckpointError, match="map_location='cpu'"):
             store.load(1)
@@ -518,7 +518,7 @@ def test_loaded_step_world_size_and_resaving_a_corrupt_step(local_url: str) -> N
 
 
 def test_audit_records_the_code_commit_of_the_working_directory(tmp_path, monkeypatch) -> None:
-    from lightning_incremental.core.manifest import code_version
+    from lightning_incremental.core.format.layout import code_version
 
     repo = tmp_path / "repo"
     (repo / ".git" / "refs" / "heads").mkdir(parents=True)

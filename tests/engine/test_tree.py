@@ -1,4 +1,4 @@
-"""Properties of the skeleton (lightning_incremental.core.tree): flatten / unflatten.
+"""Properties of the skeleton (lightning_incremental.core.format.tree): flatten / unflatten.
 
 Every value the skeleton can express comes back with the same type and the same bits, through
 a JSON round trip of the skeleton; every value it cannot express is refused naming its key path;
@@ -28,7 +28,8 @@ from lightning_incremental.core.errors import (
     PickleNotAllowedError,
     UnsupportedValueError,
 )
-from lightning_incremental.core.tree import Leaf, flatten, unflatten
+from lightning_incremental.core.format.tree import Leaf, unflatten
+from lightning_incremental.core.save.snapshot import flatten
 from tests.conftest import assert_state_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -126,10 +127,27 @@ def dtype_list(*names: str) -> list[torch.dtype]:
 
 
 ALL_DTYPES = dtype_list(
-    "float32", "float16", "float64", "bfloat16",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
-    "complex32", "complex64", "complex128",
+    "float32",
+    "float16",
+    "float64",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+    "complex32",
+    "complex64",
+    "complex128",
 )
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (2, 3, 5), (1, 1, 1, 1), (33, 17), (256, 1024)]
 
@@ -138,8 +156,12 @@ SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (2, 3, 5), (1, 1, 1, 1), (33, 17), (2
 
 hashables = st.recursive(
     st.one_of(
-        st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
-        st.text(max_size=6), st.binary(max_size=6),
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.floats(allow_nan=False),
+        st.text(max_size=6),
+        st.binary(max_size=6),
     ),
     lambda c: st.one_of(st.tuples(c, c), st.frozensets(c, max_size=3)),
     max_leaves=4,
@@ -154,8 +176,9 @@ plain_scalars = st.one_of(
     st.binary(max_size=64),
     st.complex_numbers(),
     st.sampled_from(ALL_DTYPES),
-    st.sampled_from([torch.device("cpu"), torch.device("cuda", 1), torch.device("meta"),
-                     torch.device("cuda")]),
+    st.sampled_from(
+        [torch.device("cpu"), torch.device("cuda", 1), torch.device("meta"), torch.device("cuda")]
+    ),
     st.lists(st.integers(0, 1 << 40), max_size=5).map(torch.Size),
     st.sets(hashables, max_size=5),
     st.frozensets(hashables, max_size=5),
@@ -190,8 +213,20 @@ def test_plain_values_round_trip_at_the_top_level(value: Any) -> None:
 @pytest.mark.parametrize(
     "value",
     [
-        0.0, -0.0, 1.0, -1.5, math.inf, -math.inf, 5e-324, -5e-324, 2.2250738585072014e-308,
-        1.7976931348623157e308, 0.1, 1 / 3, math.pi, float("nan"),
+        0.0,
+        -0.0,
+        1.0,
+        -1.5,
+        math.inf,
+        -math.inf,
+        5e-324,
+        -5e-324,
+        2.2250738585072014e-308,
+        1.7976931348623157e308,
+        0.1,
+        1 / 3,
+        math.pi,
+        float("nan"),
     ],
     ids=repr,
 )
@@ -206,8 +241,13 @@ def test_float_bits_round_trip(value: float) -> None:
 
 @pytest.mark.parametrize(
     "pattern",
-    ["7ff8000000000000", "fff8000000000000", "7ff8000000000001", "7ff0000000000001",
-     "fff4000000000abc"],
+    [
+        "7ff8000000000000",
+        "fff8000000000000",
+        "7ff8000000000001",
+        "7ff0000000000001",
+        "fff4000000000abc",
+    ],
 )
 def test_nan_bits_survive(pattern: str) -> None:
     """A NaN is restored with its own sign and payload, like every other float."""
@@ -243,8 +283,19 @@ def test_ints_past_the_json_digit_limit_are_refused_or_survive(digits: int) -> N
 
 
 def test_strings_round_trip_including_unicode_and_surrogates() -> None:
-    values = ["", "ascii", "ümlaut", "日本語", "emoji 🎉", "\x00nul", "\ud800lone", "a\u2028b",
-              '"quoted"', "back\\slash", "['a']"]
+    values = [
+        "",
+        "ascii",
+        "ümlaut",
+        "日本語",
+        "emoji 🎉",
+        "\x00nul",
+        "\ud800lone",
+        "a\u2028b",
+        '"quoted"',
+        "back\\slash",
+        "['a']",
+    ]
     state = {v: v for v in values}
     assert_same(roundtrip(state), state)
 
@@ -256,8 +307,17 @@ def test_containers_keep_their_types_and_order() -> None:
         "empty": ([], (), {}, OrderedDict(), set(), frozenset()),
         "od": OrderedDict([("z", 1), ("a", 2), ("m", OrderedDict([(3, "x"), (1, "y")]))]),
         "dict": {"z": 1, "a": 2},
-        "keys": {1: "int", "1": "str", (1, "a"): "tuple", None: "none", 1.5: "float",
-                 b"b": "bytes", frozenset({1, 2}): "fset", -0.5: "neg", False: "bool"},
+        "keys": {
+            1: "int",
+            "1": "str",
+            (1, "a"): "tuple",
+            None: "none",
+            1.5: "float",
+            b"b": "bytes",
+            frozenset({1, 2}): "fset",
+            -0.5: "neg",
+            False: "bool",
+        },
         "set": {1, "a", (2, 3), None, frozenset({4})},
         "fset": frozenset({1, 2, ("x", b"y")}),
     }
@@ -272,13 +332,29 @@ def test_containers_keep_their_types_and_order() -> None:
 def test_torch_and_numpy_plain_values() -> None:
     state = {
         "dtypes": ALL_DTYPES,
-        "devices": [torch.device("cpu"), torch.device("cuda:3"), torch.device("meta"),
-                    torch.device("mps")],
+        "devices": [
+            torch.device("cpu"),
+            torch.device("cuda:3"),
+            torch.device("meta"),
+            torch.device("mps"),
+        ],
         "sizes": [torch.Size([]), torch.Size([0]), torch.Size([2, 3, 4])],
-        "np": [np.float32(1.5), np.float64("nan"), np.float16(0.1), np.int8(-3), np.int64(-2**63),
-               np.uint64(2**64 - 1), np.bool_(True), np.bool_(False), np.complex64(1 + 2j),
-               np.complex128(complex(math.inf, -0.0)), np.longdouble("1.1"), np.uint8(255),
-               np.int16(-1), np.uint32(7)],
+        "np": [
+            np.float32(1.5),
+            np.float64("nan"),
+            np.float16(0.1),
+            np.int8(-3),
+            np.int64(-(2**63)),
+            np.uint64(2**64 - 1),
+            np.bool_(True),
+            np.bool_(False),
+            np.complex64(1 + 2j),
+            np.complex128(complex(math.inf, -0.0)),
+            np.longdouble("1.1"),
+            np.uint8(255),
+            np.int16(-1),
+            np.uint32(7),
+        ],
     }
     out = roundtrip(state)
     assert_same(out, state)
@@ -305,8 +381,9 @@ def test_tensors_of_every_dtype_and_shape_round_trip(dtype: torch.dtype, shape: 
     assert leaf.data.is_contiguous() and leaf.data.dtype == dtype
     assert leaf.width == group_width(t.element_size(), t.is_complex())
     assert leaf.nbytes == t.numel() * t.element_size()
-    assert leaf.raw().tobytes() == (t.reshape(-1).view(torch.uint8).numpy().tobytes()
-                                    if t.numel() else b"")
+    assert leaf.raw().tobytes() == (
+        t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    )
     out = roundtrip(state)
     assert_same(out, state)
 
@@ -360,8 +437,13 @@ def test_non_contiguous_conj_and_neg_views_round_trip(name: str) -> None:
 
 def test_views_of_one_storage_round_trip_separately() -> None:
     base = random_tensor(torch.float32, (4, 6), seed=11)
-    state = {"base": base, "row": base[1], "col": base[:, 2], "flat": base.view(-1),
-             "ints": base.view(torch.int32)}
+    state = {
+        "base": base,
+        "row": base[1],
+        "col": base[:, 2],
+        "flat": base.view(-1),
+        "ints": base.view(torch.int32),
+    }
     _, leaves, _ = flatten(state)
     assert len(leaves) == 5
     out = roundtrip(state)
@@ -416,8 +498,9 @@ def test_aliases_keep_their_own_type_and_requires_grad() -> None:
 
 @pytest.mark.parametrize("requires_grad", [True, False])
 def test_parameters_round_trip(requires_grad: bool) -> None:
-    w = torch.nn.Parameter(random_tensor(torch.float32, (3, 4), seed=15),
-                           requires_grad=requires_grad)
+    w = torch.nn.Parameter(
+        random_tensor(torch.float32, (3, 4), seed=15), requires_grad=requires_grad
+    )
     ints = torch.nn.Parameter(torch.arange(5), requires_grad=False)
     plain = torch.randn(3, requires_grad=True)
     computed = plain * 2  # a non-leaf tensor requiring grad
@@ -450,11 +533,20 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(state=st.dictionaries(st.text(max_size=4), st.recursive(
-    st.one_of(tensors(), plain_scalars),
-    lambda c: st.one_of(st.lists(c, max_size=3), st.lists(c, max_size=3).map(tuple),
-                        st.dictionaries(hashables, c, max_size=3)),
-    max_leaves=12)))
+@given(
+    state=st.dictionaries(
+        st.text(max_size=4),
+        st.recursive(
+            st.one_of(tensors(), plain_scalars),
+            lambda c: st.one_of(
+                st.lists(c, max_size=3),
+                st.lists(c, max_size=3).map(tuple),
+                st.dictionaries(hashables, c, max_size=3),
+            ),
+            max_leaves=12,
+        ),
+    )
+)
 def test_random_states_with_tensors_round_trip(state: dict) -> None:
     out = roundtrip(state)
     assert_same(out, state)
@@ -463,8 +555,30 @@ def test_random_states_with_tensors_round_trip(state: dict) -> None:
 # ---------------------------------------------------------------- numpy arrays
 
 NUMPY_DTYPES = [
-    "?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "g", "c8", "c16",
-    ">i2", ">i4", ">i8", ">u4", ">f4", ">f8", ">c16", "<f8", "<i4",
+    "?",
+    "i1",
+    "i2",
+    "i4",
+    "i8",
+    "u1",
+    "u2",
+    "u4",
+    "u8",
+    "f2",
+    "f4",
+    "f8",
+    "g",
+    "c8",
+    "c16",
+    ">i2",
+    ">i4",
+    ">i8",
+    ">u4",
+    ">f4",
+    ">f8",
+    ">c16",
+    "<f8",
+    "<i4",
 ]
 
 
@@ -489,8 +603,13 @@ def test_numpy_arrays_round_trip(dtype: str, shape: tuple) -> None:
 
 def test_non_contiguous_numpy_arrays_round_trip() -> None:
     a = np.arange(60, dtype=">f8").reshape(3, 4, 5)
-    state = {"T": a.T, "step": a[:, ::2, 1:], "fortran": np.asfortranarray(a),
-             "neg": a[::-1, :, ::-2], "bcast": np.broadcast_to(np.arange(3), (4, 3))}
+    state = {
+        "T": a.T,
+        "step": a[:, ::2, 1:],
+        "fortran": np.asfortranarray(a),
+        "neg": a[::-1, :, ::-2],
+        "bcast": np.broadcast_to(np.arange(3), (4, 3)),
+    }
     out = roundtrip(state)
     assert_same(out, state)
     for value in out.values():
@@ -526,7 +645,7 @@ def _sparse() -> torch.Tensor:
 
 
 UNSUPPORTED = {
-    "lambda": lambda: (lambda x: x),
+    "lambda": lambda: lambda x: x,
     "custom-instance": lambda: Point(1),
     "namedtuple": lambda: Pair(1, 2),
     "dict-subclass": lambda: MyDict(a=1),
@@ -659,8 +778,15 @@ def test_malformed_skeletons_raise_manifest_error(node: Any) -> None:
 
 @pytest.mark.parametrize(
     "node",
-    [["dev", "nonsense"], ["dev", "cuda:-5"], ["dev", 3], ["npv", ["<f8", ""]],
-     ["dev", ""], ["size", [True]], ["size", [1.5]]],
+    [
+        ["dev", "nonsense"],
+        ["dev", "cuda:-5"],
+        ["dev", 3],
+        ["npv", ["<f8", ""]],
+        ["dev", ""],
+        ["size", [True]],
+        ["size", [1.5]],
+    ],
     ids=json.dumps,
 )
 def test_malformed_payloads_raise_manifest_error(node: Any) -> None:
@@ -686,12 +812,33 @@ def test_tensor_indices_in_range_are_accepted() -> None:
         unflatten(["T", 2], tensors)
 
 
-TAGS = ["f", "b", "l", "t", "d", "od", "set", "fset", "c", "dtype", "dev", "size", "T", "npv",
-        "pkl", "zz"]
+TAGS = [
+    "f",
+    "b",
+    "l",
+    "t",
+    "d",
+    "od",
+    "set",
+    "fset",
+    "c",
+    "dtype",
+    "dev",
+    "size",
+    "T",
+    "npv",
+    "pkl",
+    "zz",
+]
 json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=8), st.sampled_from(["0x1p+0", "nan", "-inf", "AAAA", "AAA=", "cpu", "<f8",
-                                          "float32", "cuda:0", ""]),
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+    st.sampled_from(
+        ["0x1p+0", "nan", "-inf", "AAAA", "AAA=", "cpu", "<f8", "float32", "cuda:0", ""]
+    ),
 )
 json_nodes = st.recursive(
     st.one_of(json_scalars, st.tuples(st.sampled_from(TAGS), json_scalars).map(list)),

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from lightning_incremental.core import CheckpointStore, ConfigError, FencedError
-from lightning_incremental.core import lease as lease_mod
-from lightning_incremental.core import manifest as mf
 from lightning_incremental.core.codecs import chunk_hash
-from lightning_incremental.core.maintenance import CLOCK_DIR
+from lightning_incremental.core.commit import lease as lease_mod
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.maintain.sweep import CLOCK_DIR
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal, small_store
 from tests.engine.test_fencing import _proc_state

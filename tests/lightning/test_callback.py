@@ -434,8 +434,8 @@ def test_saved_checkpoint_is_what_trainer_save_checkpoint_writes(tmp_path: Path)
 def test_failed_background_save_surfaces_at_the_next_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lightning_incremental import callback as module
     from lightning_incremental.core.storage import open_storage
+    from lightning_incremental.lightning import callback as module
     from tests.faulty import FaultyStorage
 
     storages: list[FaultyStorage] = []
@@ -707,7 +707,7 @@ def test_under_torchrun_each_start_claims_a_generation(
 ) -> None:
     """Under torchrun (here: its environment, one process) every start of fit claims a fencing
     generation at least the restart count; a run that refuses the store claims nothing."""
-    from lightning_incremental.core import fencing
+    from lightning_incremental.core.commit import fencing
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")

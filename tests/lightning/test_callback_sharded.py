@@ -21,8 +21,9 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
 )
 
-from lightning_incremental import IncrementalCheckpointIO, _sharded
+from lightning_incremental import IncrementalCheckpointIO
 from lightning_incremental.core import ConfigError
+from lightning_incremental.lightning import sharded as _sharded
 from tests.lightning.test_callback import assert_bit_identical
 
 JOB = Path(__file__).resolve().parents[1] / "jobs" / "lightning_sharded_job.py"
@@ -132,7 +133,7 @@ def test_a_pointer_file_is_what_full_state_strategies_cannot_load(tmp_path: Path
 
 
 def test_the_dump_takes_the_sharded_state_in_place_of_the_strategys_own(tmp_path: Path) -> None:
-    from lightning_incremental import _compat
+    from lightning_incremental.lightning import compat as _compat
     from tests.jobs.lightning_job import fit
 
     _, trainer, _ = fit(tmp_path / "store", trainer={"max_epochs": 1}, every_n_epochs=0)

@@ -24,8 +24,6 @@ from torch.multiprocessing.spawn import ProcessExitedException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_incremental import IncrementalCheckpointIO
-from lightning_incremental._pointers import document
-from lightning_incremental.checkpoint_io import PointerError
 from lightning_incremental.core import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -39,6 +37,8 @@ from lightning_incremental.core import (
     UnsupportedValueError,
 )
 from lightning_incremental.core.storage import open_storage
+from lightning_incremental.lightning.checkpoint_io import PointerError
+from lightning_incremental.lightning.pointers import document
 from tests.conftest import assert_state_equal
 from tests.faulty import FaultyStorage
 
@@ -896,7 +896,7 @@ def test_ddp_every_rank_loads_what_rank_0_saved_last(tmp_path: Path) -> None:
 def test_unreadable_pointer_files_keep_the_step(tmp_path: Path, monkeypatch, caplog) -> None:
     """Release decides from the pointer files next to a path; when they cannot be read, the
     step another one may still name is kept, not guessed away."""
-    from lightning_incremental import _pointers
+    from lightning_incremental.lightning import pointers as _pointers
 
     plugin = IncrementalCheckpointIO()
     a = tmp_path / "a.ckpt"

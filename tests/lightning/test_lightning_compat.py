@@ -23,7 +23,6 @@ from lightning.pytorch.core.saving import _default_map_location
 
 import lightning_incremental as li
 from lightning_incremental import IncrementalCheckpointIO
-from lightning_incremental._pointers import HEADER, NotATorchCheckpointError, document
 from lightning_incremental.core import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -32,10 +31,11 @@ from lightning_incremental.core import (
     PickleNotAllowedError,
     StorageError,
     StoreConfig,
-    inflight,
 )
+from lightning_incremental.core.save import inflight
 from lightning_incremental.core.storage import open_storage
 from lightning_incremental.core.workers import WorkerPool
+from lightning_incremental.lightning.pointers import HEADER, NotATorchCheckpointError, document
 from tests.conftest import assert_state_equal
 from tests.faulty import FaultyStorage
 from tests.lightning.test_checkpoint_io import (
@@ -585,8 +585,22 @@ def test_old_pointer_files_without_header_still_load(tmp_path: Path) -> None:
         IncrementalCheckpointIO().load_checkpoint(cut)
 
 
+def test_the_pointer_header_names_the_module_every_version_wrote(tmp_path: Path) -> None:
+    """The header's pickle names ``lightning_incremental._pointers`` whatever module holds the
+    code: a pointer file written by any version is recognised, and ``torch.load`` of one with
+    ``weights_only=False`` still raises the error that says how to load it."""
+    assert HEADER.startswith(b"clightning_incremental._pointers\nnot_a_torch_checkpoint\n")
+    plugin = IncrementalCheckpointIO()
+    path = tmp_path / "a.ckpt"
+    plugin.save_checkpoint(state(1), path)
+    plugin.close()
+    with pytest.raises(NotATorchCheckpointError, match="pointer file"):
+        torch.load(path, weights_only=False)
+    assert_state_equal(IncrementalCheckpointIO().load_checkpoint(path), state(1))
+
+
 def test_lightning_versions_outside_the_supported_range_are_named() -> None:
-    from lightning_incremental import _compat
+    from lightning_incremental.lightning import compat as _compat
 
     assert _compat.parse_version("2.6.1") == (2, 6)
     assert _compat.parse_version("2.7.0rc1") == (2, 7)

@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_incremental._pointers import (
+from lightning_incremental.core import StorageError
+from lightning_incremental.core.storage import TMP_PREFIX, open_storage
+from lightning_incremental.core.storage import local as local_backend
+from lightning_incremental.lightning.pointers import (
     HEAD_BYTES,
     HEADER,
     MAX_POINTER_BYTES,
@@ -24,9 +27,6 @@ from lightning_incremental._pointers import (
     Pointer,
     Writer,
 )
-from lightning_incremental.core import StorageError
-from lightning_incremental.core.storage import TMP_PREFIX, open_storage
-from lightning_incremental.core.storage import local as local_backend
 from tests.conftest import assert_state_equal, backend_url
 
 
@@ -176,8 +176,8 @@ def test_local_links(tmp_path: Path) -> None:
 def test_the_lightning_plugin_on_a_third_party_backend(tmp_path: Path, request) -> None:
     """IncrementalCheckpointIO saves, overwrites, loads and removes checkpoint files on a
     backend that is none of this library's own (tests/storage_plugin.py)."""
-    from lightning_incremental.checkpoint_io import IncrementalCheckpointIO
     from lightning_incremental.core import CheckpointStore
+    from lightning_incremental.lightning.checkpoint_io import IncrementalCheckpointIO
 
     def state(seed: int) -> dict:
         g = torch.Generator().manual_seed(seed)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lightning_incremental.core import CheckpointStore
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.format import layout as mf
 from tests.jobs.sharded_job import same
 
 pytestmark = pytest.mark.slow

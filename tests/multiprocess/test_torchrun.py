@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_incremental.core import CheckpointStore, fencing
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core import CheckpointStore
+from lightning_incremental.core.commit import fencing
+from lightning_incremental.core.format import layout as mf
 from lightning_incremental.runtime.watchdog import EXIT_PEER_DEAD, EXIT_PEER_HUNG
 
 pytestmark = pytest.mark.slow

@@ -54,7 +54,7 @@ def _policy_warnings(record: list[warnings.WarningMessage]) -> list[str]:
 
 def _faulty_callback_store(monkeypatch: pytest.MonkeyPatch, faults: Faults) -> None:
     """IncrementalCheckpoint's stores (rank 0's writer) on FaultyStorage armed with ``faults``."""
-    from lightning_incremental import callback as module
+    from lightning_incremental.lightning import callback as module
 
     def faulty_store(url: str, **kwargs: Any) -> CheckpointStore:
         storage = FaultyStorage(open_storage(url, None))

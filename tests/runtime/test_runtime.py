@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from lightning_incremental.core import CheckpointError, ConfigError, StorageError, at_exit
+from lightning_incremental.core import CheckpointError, ConfigError, StorageError
+from lightning_incremental.core.save import at_exit
 from lightning_incremental.runtime import (
     CoordinatorError,
     Outcome,

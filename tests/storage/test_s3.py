@@ -16,14 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_incremental.core import (
-    CheckpointStore,
-    ConfigError,
-    StepError,
-    StorageError,
-    encoder,
-)
-from lightning_incremental.core.manifest import manifest_path
+from lightning_incremental.core import CheckpointStore, ConfigError, StepError, StorageError
+from lightning_incremental.core.chunks import packs
+from lightning_incremental.core.format.layout import manifest_path
 from lightning_incremental.core.storage import open_storage
 from lightning_incremental.core.storage.retry import RetryPolicy
 from lightning_incremental.core.storage.s3 import S3Storage
@@ -65,8 +60,8 @@ def small_store(storage: S3Storage, **options: Any) -> CheckpointStore:
 @pytest.fixture(autouse=True)
 def full_size_packs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every pack at ``pack_size`` (the multipart tests need 11 MiB ones): the packs near the
-    end of a save are otherwise made smaller (see ``encoder.TAIL_PACK``)."""
-    monkeypatch.setattr(encoder, "TAIL_PACK", 1 << 40)
+    end of a save are otherwise made smaller (see ``packs.TAIL_PACK``)."""
+    monkeypatch.setattr(packs, "TAIL_PACK", 1 << 40)
 
 
 def big_store(storage: S3Storage) -> CheckpointStore:

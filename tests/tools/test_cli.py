@@ -13,7 +13,7 @@ import torch
 
 from lightning_incremental.cli import main
 from lightning_incremental.core import CheckpointStore
-from lightning_incremental.core import manifest as mf
+from lightning_incremental.core.format import layout as mf
 from tests.conftest import assert_state_equal
 
 

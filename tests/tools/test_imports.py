@@ -73,5 +73,8 @@ def test_public_surface() -> None:
     for name in core.__all__:
         assert hasattr(core, name)
     assert lightning_incremental.CheckpointStore is core.CheckpointStore
+    for name in lightning_incremental.__all__:  # the lazy names too, and nothing else
+        assert getattr(lightning_incremental, name) is not None
+    assert set(lightning_incremental._LAZY) <= set(lightning_incremental.__all__)
     with pytest.raises(AttributeError, match="no attribute"):
         lightning_incremental.DoesNotExist  # noqa: B018

@@ -8,7 +8,6 @@ zstd then removes.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 import numpy as np
 import xxhash
@@ -93,23 +92,6 @@ def decompress(blob: bytes | memoryview, size: int) -> bytes:
     if len(grouped) != size:
         raise ValueError(f"decoded to {len(grouped)} bytes, expected {size}")
     return grouped
-
-
-GATHER_MIN = 64 << 10  # shorter results are joined holding the GIL: a few microseconds
-
-
-def gather(parts: Sequence[bytes | memoryview]) -> memoryview:
-    """``parts`` concatenated into one new buffer. Unlike ``b"".join`` (which copies holding the
-    GIL), the copies release it: other threads encode meanwhile."""
-    if sum(len(p) for p in parts) < GATHER_MIN:  # a short join: quicker than any hand-off
-        return memoryview(b"".join(parts))
-    views = [np.frombuffer(p, dtype=np.uint8) for p in parts]
-    out = np.empty(sum(v.size for v in views), dtype=np.uint8)
-    at = 0
-    for v in views:
-        np.copyto(out[at : at + v.size], v)
-        at += v.size
-    return out.data
 
 
 SCRATCH_KEEP_MAX = 16 << 20  # larger scratch buffers are not kept between chunks

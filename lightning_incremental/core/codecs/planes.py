@@ -42,8 +42,9 @@ import threading
 import numpy as np
 import zstandard
 
+from lightning_incremental.core.buffers import gather
 from lightning_incremental.core.codecs import predict as pr
-from lightning_incremental.core.codecs.bytes import compress, decompress, gather, scratch
+from lightning_incremental.core.codecs.bytes import compress, decompress, scratch
 from lightning_incremental.core.codecs.registry import Codec, register
 
 MAGIC = b"LPZ1"

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from lightning_incremental.core.codecs.bytes import gather
+from lightning_incremental.core.buffers import gather
 from lightning_incremental.core.errors import StorageError
 from lightning_incremental.core.storage.redaction import redact
 

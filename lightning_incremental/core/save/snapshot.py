@@ -1,0 +1,319 @@
+"""The snapshot: a state walked into the skeleton of :mod:`~.format.tree`, every tensor
+copied to host memory (recycled buffers, pinned for CUDA tensors), so that training
+may go on while the copy is encoded and written.
+
+``flatten`` returns a JSON-serialisable skeleton that refers to tensors by index; values the
+skeleton cannot express are an error naming their key path, unless pickling was allowed. In a
+distributed save (``rank`` given) every process walks the same state and numbers the same slots;
+plain tensors are identical on every rank and snapshotted by rank 0 only."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_incremental.core.buffers import BufferPool
+from lightning_incremental.core.codecs.bytes import group_width
+from lightning_incremental.core.errors import (
+    UnsupportedValueError,
+)
+from lightning_incremental.core.format.pieces import (
+    describe,
+    global_shape,
+    sharded_kind,
+    spans_processes,
+)
+from lightning_incremental.core.format.tree import (
+    CONTAINERS,
+    MAX_DEPTH,
+    T_BIGINT,
+    T_BYTES,
+    T_COMPLEX,
+    T_DEVICE,
+    T_DICT,
+    T_DTYPE,
+    T_FLOAT,
+    T_FROZENSET,
+    T_LIST,
+    T_NPSCALAR,
+    T_ODICT,
+    T_ODICT_META,
+    T_PICKLE,
+    T_SET,
+    T_SIZE,
+    T_TENSOR,
+    T_TUPLE,
+    Flat,
+    Leaf,
+    ShardedInfo,
+    dtype_name,
+    float_hex,
+    key_path,
+)
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool, pool: BufferPool | None, rank: int | None) -> None:
+        self.allow_pickle = allow_pickle
+        self.pool = pool
+        self.rank = rank
+        self.leaves: list[Leaf] = []
+        self.slots = 0
+        self.sharded: dict[int, ShardedInfo] = {}
+        self.aliases: dict[tuple[Any, ...], int] = {}
+        self.pickled: list[str] = []
+        self.cuda = False
+
+    def node(self, value: Any, path: tuple[Any, ...]) -> Any:
+        kind = type(value)
+        if value is None or kind is bool or kind is str:
+            return value
+        if len(path) >= MAX_DEPTH and kind in CONTAINERS:
+            shown = key_path(path[:6]) + "..." + "".join(f"[{k!r}]" for k in path[-3:])
+            raise UnsupportedValueError(
+                f"{shown} is nested {len(path)} levels deep; a checkpoint holds at most "
+                f"{MAX_DEPTH} levels of dict/list/tuple (is the state a linked structure or "
+                "does it contain itself?) — flatten it"
+            )
+        if kind is int:
+            # JSON numbers past 64 bits are not portable (and Python caps int<->str at 4300
+            # digits): those go as hex text, which has no such limit.
+            return value if -(2**63) <= value < 2**64 else [T_BIGINT, hex(value)]
+        if kind is float:
+            return [T_FLOAT, float_hex(value)]
+        if kind is bytes:
+            return [T_BYTES, base64.b64encode(value).decode("ascii")]
+        if kind is list:
+            return [T_LIST, [self.node(v, (*path, i)) for i, v in enumerate(value)]]
+        if kind is tuple:
+            return [T_TUPLE, [self.node(v, (*path, i)) for i, v in enumerate(value)]]
+        if kind is dict or kind is OrderedDict:
+            items = [[self.key(k, path), self.node(v, (*path, k))] for k, v in value.items()]
+            metadata = getattr(value, "_metadata", None)
+            if kind is OrderedDict and metadata is not None:
+                # nn.Module.state_dict() keeps per-module versions here; torch.save keeps them
+                return [T_ODICT_META, [items, self.node(metadata, (*path, "_metadata"))]]
+            return [T_DICT if kind is dict else T_ODICT, items]
+        if kind is set or kind is frozenset:
+            tag = T_SET if kind is set else T_FROZENSET
+            return [tag, [self.key(v, path) for v in value]]
+        if kind is complex:
+            return [T_COMPLEX, [float_hex(value.real), float_hex(value.imag)]]
+        if kind is torch.dtype:
+            return [T_DTYPE, dtype_name(value)]
+        if kind is torch.device:
+            return [T_DEVICE, str(value)]
+        if kind is torch.Size:
+            return [T_SIZE, list(value)]
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            return [T_TENSOR, self.tensor(value, path)]
+        if isinstance(value, torch.Tensor) and sharded_kind(value) is not None:
+            return [T_TENSOR, self.sharded_tensor(value, path)]
+        if kind is np.ndarray and value.dtype.kind in "biufc" and not value.dtype.hasobject:
+            return [T_TENSOR, self.ndarray(value, path)]
+        if isinstance(value, np.generic) and value.dtype.kind in "biufc":
+            payload = base64.b64encode(value.tobytes()).decode("ascii")
+            return [T_NPSCALAR, [value.dtype.str, payload]]
+        return self.pickle(value, path)
+
+    def key(self, key: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(key, (torch.Tensor, np.ndarray)):
+            raise UnsupportedValueError(
+                f"{key_path(path)} has a {type(key).__name__} as a dict key or set member; "
+                "use str or int keys"
+            )
+        return self.node(key, path)
+
+    def pickle(self, value: Any, path: tuple[Any, ...]) -> Any:
+        where = key_path(path)
+        if not self.allow_pickle:
+            raise UnsupportedValueError(
+                f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a "
+                "checkpoint can only hold by pickling it (loading would then execute code). "
+                "Convert it to plain data (dict/list/str/int/float/tensor), or open the store "
+                "with allow_pickle=True if every reader trusts this checkpoint."
+            )
+        try:
+            blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise UnsupportedValueError(f"{where} cannot be pickled: {exc}") from exc
+        self.pickled.append(where)
+        return [T_PICKLE, base64.b64encode(blob).decode("ascii")]
+
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        where = key_path(path)
+        if t.layout != torch.strided:
+            raise UnsupportedValueError(
+                f"{where} is a {t.layout} tensor; only dense (strided) tensors are supported — "
+                "save t.to_dense() instead"
+            )
+        if t.is_quantized or t.is_nested:
+            raise UnsupportedValueError(f"{where} is a quantized or nested tensor; not supported")
+        if t.device.type == "meta":
+            raise UnsupportedValueError(f"{where} is a meta tensor and holds no data to save")
+        alias = (  # the same view of the same storage, seen the same way: one leaf
+            t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else None,
+            t.device,
+            t.dtype,
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+            type(t),
+            t.requires_grad,
+            t.is_conj(),
+            t.is_neg(),
+        )
+        if alias[0] is not None and alias in self.aliases:
+            return self.aliases[alias]
+        slot = self._slot(alias)
+        if self.rank not in (None, 0):
+            return slot  # identical on every rank: rank 0 writes it
+        self.leaves.append(self.snapshot(t, where, slot))
+        return slot
+
+    def _slot(self, alias: tuple[Any, ...] | None) -> int:
+        slot = self.slots
+        self.slots += 1
+        if alias is not None and alias[0] is not None:
+            self.aliases[alias] = slot
+        return slot
+
+    def _copy(self, src: torch.Tensor) -> torch.Tensor:
+        on_cuda = src.device.type == "cuda"
+        pin = on_cuda and torch.cuda.is_available()
+        if self.pool is not None:
+            data = self.pool.take(src.shape, src.dtype, pin=pin)
+        else:
+            data = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+        data.copy_(src, non_blocking=on_cuda)
+        self.cuda = self.cuda or on_cuda
+        return data
+
+    def snapshot(self, t: torch.Tensor, where: str, slot: int) -> Leaf:
+        src = t.detach()
+        if src.is_conj():
+            src = src.resolve_conj()
+        if src.is_neg():
+            src = src.resolve_neg()
+        return Leaf(
+            path=where,
+            data=self._copy(src),
+            dtype=dtype_name(t.dtype),
+            shape=list(t.shape),
+            device=str(t.device),
+            width=group_width(t.element_size(), t.is_complex()),
+            parameter=isinstance(t, torch.nn.Parameter),
+            requires_grad=bool(t.requires_grad),
+            slot=slot,
+        )
+
+    def sharded_tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        """Snapshot the pieces of a DTensor / ShardedTensor this process writes (copies: the
+        local shard is a view of the live parameter)."""
+        where = key_path(path)
+        processes = spans_processes(t)
+        if self.rank is None and processes > 1:
+            raise UnsupportedValueError(
+                f"{where} is a {type(t).__name__} sharded over {processes} processes; this "
+                "process holds only its own shard. Open the store with distributed=True on "
+                "every rank and call save on every rank (or save t.full_tensor())"
+            )
+        try:
+            pieces = describe(t)
+        except ValueError as exc:
+            raise UnsupportedValueError(f"{where}: {exc}") from exc
+        slot = self._slot(None)
+        local = pieces[0].tensor if pieces else None
+        self.sharded[slot] = ShardedInfo(
+            path=where,
+            dtype=dtype_name(t.dtype),
+            shape=global_shape(t),
+            device=str(local.device if local is not None else t.device),
+            width=group_width(t.dtype.itemsize, t.dtype.is_complex),
+            parameter=isinstance(t, torch.nn.Parameter),
+            requires_grad=bool(t.requires_grad),
+        )
+        for piece in pieces:
+            if not piece.write:
+                continue
+            src = piece.tensor.detach()
+            if src.is_conj():
+                src = src.resolve_conj()
+            if src.is_neg():
+                src = src.resolve_neg()
+            self.leaves.append(
+                Leaf(
+                    path=where,
+                    data=self._copy(src),
+                    dtype=dtype_name(t.dtype),
+                    shape=list(piece.box.sizes),
+                    device=str(src.device),
+                    width=group_width(t.dtype.itemsize, t.dtype.is_complex),
+                    slot=slot,
+                    offsets=piece.box.offsets,
+                )
+            )
+        return slot
+
+    def ndarray(self, a: np.ndarray, path: tuple[Any, ...]) -> int:
+        slot = self._slot(None)
+        if self.rank not in (None, 0):
+            return slot
+        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy()
+        self.leaves.append(
+            Leaf(
+                path=key_path(path),
+                data=torch.from_numpy(flat),
+                dtype=a.dtype.str,
+                shape=list(a.shape),
+                device="cpu",
+                is_numpy=True,
+                slot=slot,
+            )
+        )
+        return slot
+
+
+def flatten(
+    state: Any, *, allow_pickle: bool = False, pool: BufferPool | None = None
+) -> tuple[Any, list[Leaf], list[str]]:
+    """Snapshot ``state``: its JSON skeleton, its arrays copied to host memory, and the key paths
+    of pickled values. Tensors that are the same view of the same storage become one leaf.
+    Snapshot buffers come from ``pool`` when given (recycled from earlier snapshots). A sharded
+    tensor becomes its pieces (see :func:`flatten_state`).
+
+    Raises:
+        UnsupportedValueError: a value the skeleton cannot express, naming its key path.
+    """
+    flat = flatten_state(state, allow_pickle=allow_pickle, pool=pool)
+    return flat.skeleton, flat.leaves, flat.pickled
+
+
+def flatten_state(
+    state: Any,
+    *,
+    allow_pickle: bool = False,
+    pool: BufferPool | None = None,
+    rank: int | None = None,
+) -> Flat:
+    """Snapshot ``state`` (see :func:`flatten`) with what a sharded save needs to know.
+
+    Args:
+        rank: None in a single process: every tensor is snapshotted, and a sharded tensor spread
+            over several processes is an error. In a distributed save, this process's global
+            rank: each rank snapshots the pieces of sharded tensors it writes (one of each set of
+            replicas), and rank 0 alone the plain tensors and arrays.
+
+    Raises:
+        UnsupportedValueError: a value the skeleton cannot express, naming its key path.
+    """
+    flattener = _Flattener(allow_pickle, pool, rank)
+    skeleton = flattener.node(state, ())
+    if flattener.cuda:
+        torch.cuda.synchronize()
+    return Flat(skeleton, flattener.leaves, flattener.pickled, flattener.slots, flattener.sharded)

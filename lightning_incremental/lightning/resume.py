@@ -1,0 +1,266 @@
+"""Resuming: which checkpoint a ``fit`` starts from, and each rank's state within it.
+
+:class:`ResumeHook` — when ``fit`` gets no ``ckpt_path``, restore the newest committed checkpoint.
+Why this mechanism. Lightning picks the checkpoint to restore in ``Trainer._fit_impl`` *before*
+any callback hook runs, and restores it through ``_CheckpointConnector.resume_start(path)``, which
+reads the file with ``strategy.load_checkpoint(path)``. A callback cannot change that path in time
+(``trainer.ckpt_path = ...`` would have to happen before ``fit``), and a path into the store would
+be read by ``TorchCheckpointIO`` as a plain file. Restoring the state ourselves in a later hook
+(``on_fit_start``) would run Lightning's restore steps in a different order than for a file:
+callbacks' ``on_fit_start`` would see unrestored state, the model would be loaded after the
+strategy wrapped it.
+
+So during ``fit`` this hook takes the place of ``resume_start`` on the trainer's checkpoint
+connector (an instance attribute, removed at teardown). Given a path — the user's
+``ckpt_path`` — it calls Lightning's own method unchanged. Given none, it loads the newest
+committed checkpoint from the store (rank 0 picks the step, every rank loads that step) and hands
+it to the connector exactly as ``resume_start`` would have from a file. Everything after that —
+``on_load_checkpoint`` hooks, model, datamodule, callbacks, optimizers, schedulers, loops, the
+"Restored all states" message, ``trainer.ckpt_path`` — is Lightning's usual path for
+``fit(ckpt_path=...)``, in the usual order.
+
+:func:`rank_state` / :func:`restore_rank_state` — what Lightning's checkpoint lacks for an exact
+resume: every rank's global random state (torch, CUDA, numpy, Python) and position in its
+training data, saved under :data:`KEY` (all ranks' states, gathered to rank 0, in one checkpoint)
+and put back on each rank before the resumed run fetches its first batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_incremental.core import CheckpointError, CheckpointStore
+from lightning_incremental.lightning import compat as _compat
+from lightning_incremental.lightning import data_position as dp
+from lightning_incremental.lightning import sharded as _sharded
+from lightning_incremental.runtime import rng as _rng
+from lightning_incremental.runtime.coordinate import coordinated, describe
+
+if TYPE_CHECKING:
+    from lightning_incremental.lightning.callback import IncrementalCheckpoint
+
+log = logging.getLogger(__name__)
+
+KEY = "lightning_incremental"  # top-level checkpoint key: every rank's random and data state
+FORMAT = 1
+
+
+class ResumeHook:
+    """Makes ``trainer``'s checkpoint connector resume from ``callback``'s store when ``fit``
+    has no ``ckpt_path``; :meth:`remove` undoes it."""
+
+    def __init__(self, callback: IncrementalCheckpoint, trainer: pl.Trainer) -> None:
+        self._callback = callback
+        self._trainer = trainer
+        self.remove = _compat.replace_resume_start(trainer, self._resume_start)
+
+    def _resume_start(self, checkpoint_path: Any, original: _compat.Original) -> None:
+        if checkpoint_path:
+            original(checkpoint_path)
+            return
+        loaded = self._load_newest()
+        if loaded is None:
+            original(None)
+            return
+        step, checkpoint = loaded
+        where = f"{self._callback.url} (step {step})"
+        rank_zero_info(f"Restoring states from the checkpoint path at {where}")
+        saved = checkpoint.get(KEY)
+        if isinstance(saved, dict) and saved.get("ranks") and saved["ranks"][0].get("boundary"):
+            _compat.between_epochs(checkpoint)  # also what earlier versions saved mid-bookkeeping
+        _compat.set_loaded_checkpoint(self._trainer, checkpoint, where)
+
+    def _load_newest(self) -> tuple[int, dict[str, Any]] | None:
+        """Rank 0 picks the newest readable step; every rank loads that step (collective)."""
+        trainer, callback = self._trainer, self._callback
+        strategy = trainer.strategy
+        url = callback.url
+        checkpoint: dict[str, Any] | None = None
+        sharded = callback._sharded
+        into = _sharded.live_state(trainer) if sharded else _live(trainer)  # on every rank
+
+        def newest() -> int | None:
+            nonlocal checkpoint
+            with callback._store_for_reading() as store:
+                step, checkpoint = _newest(store, into)
+            return step
+
+        step = coordinated(
+            newest,
+            what=f"read the checkpoints in {url}",
+            is_coordinator=trainer.is_global_zero,
+            broadcast=strategy.broadcast,
+        )
+        error: BaseException | None = None
+        if step is None:
+            rank_zero_info(f"IncrementalCheckpoint: no checkpoint in {url} yet; starting fresh")
+            return None
+        if not trainer.is_global_zero:
+            try:
+                with callback._store_for_reading() as store:
+                    checkpoint = store.load(step, map_location="cpu", into=into, strict_into=False)
+            except Exception as exc:  # reported to every rank by the decision below
+                error = exc
+        if not strategy.reduce_boolean_decision(error is None, all=True):
+            if error is not None:
+                raise CheckpointError(
+                    f"rank {trainer.global_rank} could not read checkpoint step {step} from "
+                    f"{url}: {describe(error)}. Under DDP every rank loads the checkpoint: "
+                    "dirpath must be reachable from every rank."
+                ) from error
+            raise CheckpointError(f"another rank could not read checkpoint step {step} from {url}")
+        assert checkpoint is not None
+        if sharded:  # these strategies restore after setup, and not through Lightning's hooks
+            _sharded.apply(trainer, checkpoint)
+        callback._resumed_step = step
+        rank_zero_info(
+            f"IncrementalCheckpoint: resuming from step {step} (epoch {checkpoint.get('epoch')}) "
+            f"of {url}"
+        )
+        return step, checkpoint
+
+
+def _live(trainer: pl.Trainer) -> dict[str, Any]:
+    """The model's own tensors, for the engine to restore into (no second copy of the weights:
+    Lightning's ``load_state_dict`` then copies each tensor onto itself)."""
+    return {"state_dict": trainer.lightning_module.state_dict()}
+
+
+def _newest(
+    store: CheckpointStore, into: dict[str, Any] | None = None
+) -> tuple[int | None, dict[str, Any] | None]:
+    """The newest checkpoint that restores, and its step. The engine falls back past corrupt
+    checkpoints loudly, and sets them aside so that the resumed run may save those steps again.
+    """
+    steps = store.steps()
+    if not steps:
+        return None, None
+    checkpoint = store.load(map_location="cpu", into=into, strict_into=False)
+    step = store.loaded_step
+    if checkpoint.get("global_step") != step:  # IncrementalCheckpoint saves at global_step
+        raise CheckpointError(
+            f"the newest intact checkpoint in {store.url} (step {step}) records "
+            f"global_step={checkpoint.get('global_step')!r}: the store was not written by "
+            "IncrementalCheckpoint"
+        )
+    return step, checkpoint
+
+
+def rank_state(
+    trainer: pl.Trainer, boundary: bool, epoch_record: dict[str, Any] | None
+) -> dict[str, Any]:
+    """This rank's random state and data position, as plain data. ``boundary``: saved between
+    epochs (the next epoch has not started); else mid-epoch, where ``epoch_record`` (from
+    :func:`~.data_position.record_epoch_start`) recreates the epoch."""
+    return {
+        "rng": _rng.capture(),
+        "generators": dp.generator_states(dp.train_loaders(trainer)),
+        "boundary": boundary,
+        "batches": 0 if boundary else _compat.batches_ready(trainer),
+        "epoch_start": None if boundary else epoch_record,
+        "logged": _compat.logged_state(trainer, running=not boundary),
+    }
+
+
+@dataclass
+class Restored:
+    """What :func:`restore_rank_state` did: the record of the epoch in progress (to carry on
+    into the next checkpoints), and whether it restored a position mid-epoch."""
+
+    epoch_record: dict[str, Any] | None
+    recreated: bool  # the epoch iterator was recreated from epoch_record (don't record again)
+    mid_epoch: bool
+
+
+def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Restored | None:
+    """Put this rank's random state and data position back as they were at the checkpoint (call
+    before the resumed run fetches its first batch). ``saved`` is the checkpoint's :data:`KEY`
+    entry (None: not written by IncrementalCheckpoint). Warns when the resume cannot be exact;
+    returns None when nothing could be restored."""
+    loop = trainer.fit_loop
+    problem = None
+    if saved is None:
+        problem = "the checkpoint was not written by IncrementalCheckpoint"
+    elif saved.get("format") != FORMAT:
+        problem = f"its resume state has the unknown format {saved.get('format')!r}"
+    elif saved.get("world_size") != trainer.world_size:
+        problem = (
+            f"it was saved by {saved.get('world_size')} ranks and this run has {trainer.world_size}"
+        )
+    if saved is None or problem is not None:
+        restart = " and the interrupted epoch restarts from its first batch"
+        rank_zero_warn(
+            f"IncrementalCheckpoint: this resume is not exact: {problem}, so random states are "
+            f"not restored{restart if loop.restarted_mid_epoch else ''}."
+        )
+        return None
+    state = saved["ranks"][trainer.global_rank]
+    _compat.restore_logged(trainer, state.get("logged"))
+    plan = dp.plan(trainer)
+    epoch = loop.epoch_progress.current.processed  # type: ignore[attr-defined]
+    rng = state["rng"]
+    if plan.mode == dp.LIGHTNING:  # stateful loaders: Lightning restored their position
+        _rng.restore(rng)
+        return Restored(None, False, False)
+    if state["boundary"]:
+        # Saved between two epochs: the next one starts as it did uninterrupted — Lightning
+        # creates its iterator after the epoch-start hooks, from the restored random states.
+        _rng.restore(rng)
+        mismatched = dp.set_generator_states(dp.train_loaders(trainer), state["generators"])
+        _compat.start_next_epoch(trainer)
+        _report(trainer, [dp.generators_changed(mismatched)] if mismatched else [], plan, 0)
+        return Restored(None, False, False)
+    record, batches = state["epoch_start"], state["batches"]
+    if record is None or plan.mode == dp.IMPOSSIBLE:
+        _rng.restore(rng)
+        why = "; ".join(plan.caveats) or "the start of this epoch was not recorded"
+        rank_zero_warn(
+            f"IncrementalCheckpoint: this resume is not exact: {why}. The interrupted epoch "
+            f"restarts from its first batch instead of batch {batches}."
+        )
+        return Restored(None, False, True)
+    notes = dp.replay(trainer, record, batches, epoch, plan.mode)
+    _rng.restore(rng)
+    loaders = dp.train_loaders(trainer)
+    current, saved_gens = dp.generator_states(loaders), state["generators"]
+    diverged = sorted(
+        p
+        for p in saved_gens
+        if p in current and not _rng.same_generator_state(saved_gens[p], current[p])
+    )
+    if diverged:
+        notes.append(
+            "the dataloader's random generators did not arrive at their saved state after "
+            f"skipping {batches} batches ({', '.join(diverged)}): the order of this epoch's "
+            "remaining batches may differ from the uninterrupted run"
+        )
+        dp.set_generator_states(loaders, saved_gens)
+    _report(trainer, notes, plan, batches)
+    return Restored(record, True, True)
+
+
+def _report(trainer: pl.Trainer, notes: list[str], plan: dp.Plan, batches: int) -> None:
+    """Warn about what keeps this resume from being exact: ``plan.caveats`` hold for every rank
+    (rank 0 says them), ``notes`` are this rank's own (every rank says its own)."""
+    if plan.caveats:
+        text = "; ".join(plan.caveats)
+        rank_zero_warn(f"IncrementalCheckpoint: this resume may not be exact: {text}")
+    if notes:
+        where = f" on rank {trainer.global_rank}" if trainer.world_size > 1 else ""
+        warnings.warn(
+            f"IncrementalCheckpoint: this resume may not be exact{where}: {'; '.join(notes)}",
+            UserWarning,
+            stacklevel=2,
+        )
+    if batches:
+        how = "re-read" if plan.mode == dp.REREAD else "skipped"
+        rank_zero_info(
+            f"IncrementalCheckpoint: resumed mid-epoch {trainer.current_epoch}: {how} the "
+            f"{batches} batches already trained on, random states restored"
+        )

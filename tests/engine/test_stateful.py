@@ -4,7 +4,7 @@ Hypothesis drives one writer through random sequences of: save, load, gc, compac
 restart; damages objects behind its back (bit rot, truncation, removal); crashes an operation
 between any two of its storage calls (the storage raises, then the process "restarts": the
 store object is dropped and a new one opened); and runs a gc from another process (with a grace
-period, as the README prescribes) between any two storage calls of a save.
+period, as docs/guides/engine.md prescribes) between any two storage calls of a save.
 
 Invariants, checked after every step with a fresh reader:
 

@@ -5,7 +5,7 @@ fault-free run of the same script.
 Six launches in all (a reference, two with two faults each, three with a flipped bit under each
 replica-check action, the last one also with a hang) share one module fixture, so the suite pays
 for them once. The detection latency and recovery time they show are printed (``-s``) and quoted
-in the README.
+in docs/guides/recovery.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the store's operations return: save results, verify and gc reports (save handles:
-:mod:`.save_queue`)."""
+:mod:`.save.queue`)."""
 
 from __future__ import annotations
 

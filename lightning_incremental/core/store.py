@@ -1,9 +1,10 @@
 """CheckpointStore: the engine's public entry point, a facade over the parts that own the work.
 
 Its methods check their arguments and delegate to the parts :func:`.engine.assemble` wires
-together: :mod:`.saving` (the body of a save, local or distributed), :mod:`.loader` (restore
-with fallback), :mod:`.history`, :mod:`.fencing` (generations), :mod:`.maintenance` (``verify``)
-and :class:`.retention.Maintainer` (``compact``, ``gc``, ``delete``).
+together: :mod:`.save.saver` (the body of a save, local or distributed), :mod:`.load.loader`
+(restore with fallback), :mod:`.commit.history`, :mod:`.commit.fencing` (generations),
+:mod:`.maintain.verify` (``verify``) and :class:`.maintain.retention.Maintainer` (``compact``,
+``gc``, ``delete``).
 """
 
 from __future__ import annotations

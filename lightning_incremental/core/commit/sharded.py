@@ -5,7 +5,7 @@ manifest, every rank learns the outcome.
    the plain tensors) against its own delta base and writes their objects
    (:meth:`~lightning_incremental.core.commit.committer.Committer.write_part`).
 2. Every rank sends a :class:`PartRecord` (its part's tables, or the error that stopped it) to
-   the coordinator over the store's own group (:mod:`.collective`); the objects stay where the
+   the coordinator over the store's own group (:mod:`.commit.group`); the objects stay where the
    rank wrote them: nothing but these records is gathered.
 3. The coordinator merges the records into one tensor table (:func:`merge`: each sharded
    tensor's global shape and dtype, and every stored piece's box and chunks), and commits the

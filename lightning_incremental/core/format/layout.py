@@ -1,5 +1,6 @@
 """The store's layout and audit trail: where manifests, packs and the store marker live, and
-what a manifest records about its writer. The manifest's format itself is :mod:`.format`."""
+what a manifest records about its writer. The manifest's records are
+:mod:`.format.records`."""
 
 from __future__ import annotations
 

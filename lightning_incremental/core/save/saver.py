@@ -42,7 +42,7 @@ class Saver:
     a store dropped without ``close`` is collected at once).
 
     Args:
-        group: the store's process group (:class:`~.collective.Alone` unless ``distributed``).
+        group: the store's process group (:class:`~.commit.group.Alone` unless ``distributed``).
         lock: the store's write lock, held while a save writes and commits (gc and compact
             hold it too: objects a save is about to reference are never swept from under it).
     """

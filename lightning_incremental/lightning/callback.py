@@ -10,37 +10,35 @@ committed checkpoint, and each rank's random state and position in its training 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-import warnings
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Union
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.warnings import PossibleUserWarning
-from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_incremental.core import CheckpointStore, ConfigError, SaveResult, StoreConfig
-from lightning_incremental.core.commit import fencing
-from lightning_incremental.lightning import compat as _compat
-from lightning_incremental.lightning import data_position as dp
-from lightning_incremental.lightning import resume
+from lightning_incremental.core import CheckpointStore, ConfigError, SaveResult
+from lightning_incremental.lightning import fit_checks, resume
 from lightning_incremental.lightning import sharded as _sharded
-from lightning_incremental.lightning.resume import KEY, ResumeHook
+from lightning_incremental.lightning.fit_state import (
+    BetweenEpochs,
+    FitState,
+    TrainerLoop,
+    open_fit_store,
+)
+from lightning_incremental.lightning.resume import KEY, ResumeHook, ResumeSource
+from lightning_incremental.lightning.save_points import SaveNow, SavePoints
 from lightning_incremental.lightning.saver import Saver
 from lightning_incremental.lightning.schedule import Schedule
-from lightning_incremental.runtime import replica_policy
-from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from lightning_incremental.runtime.options import RecoveryOptions
-from lightning_incremental.runtime.watchdog import Watchdog, WatchdogConfig
+from lightning_incremental.runtime.watchdog import WatchdogConfig
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +194,7 @@ class IncrementalCheckpoint(Checkpoint):
             max_consecutive_failures=max_consecutive_failures,
         )
         self.max_consecutive_failures = self.recovery.max_consecutive_failures
-        self.store_config = _store_config(
+        self.store_config = fit_checks.store_config(
             keep_last, full_every, max_chain, allow_pickle, store_options, optimizer_state
         )
         # Lightning reads it from its first checkpoint callback: there is no "best" checkpoint
@@ -210,37 +208,16 @@ class IncrementalCheckpoint(Checkpoint):
         self._totals = {"saves": 0, "bytes_written": 0, "bytes_logical": 0, "blocked_s": 0.0}
 
     def _reset_run_state(self) -> None:
-        dog = getattr(self, "_watchdog", None)
-        if dog is not None:  # a previous fit that never reached teardown
-            dog.stop(finished=False)
-        self._url: str | None = None
-        self._saver: Saver | None = None
-        self._resume_hook: ResumeHook | None = None
-        self._disabled = False
-        self._newest: int | None = None
-        self._resumed_step: int | None = None
-        self._payload: dict[str, Any] | None = None  # per-rank state of the restored checkpoint
-        self._restored = False
-        self._train_started = False
-        self._in_save = False
-        self._save_failed = False
-        self._due: str | None = None  # a scheduled save waiting for the next consistent point
-        # "validation", "epoch_end" (this epoch's end) or "between_epochs" (once Lightning
-        # finished the epoch: the next epoch's start, or the end of training)
-        self._due_at: str | None = None
-        self._finish_restart = False  # resumed mid-epoch: leave Lightning's restart mode
-        self._front: _BetweenEpochs | None = None
-        self._step_at_batch_start = -1
-        self._last_time = 0.0
-        self._epoch_open = False
-        self._epoch_record: dict[str, Any] | None = None
-        self._iter_at_epoch_start: object | None = None
-        self._check_iter = False
-        self._skip_epoch_record = False
-        self._warnings_guard: warnings.catch_warnings[Any] | None = None
-        self._generation: int | None = None
-        self._watchdog: Watchdog | None = None
-        self._sharded = False  # the strategy shards the state (see _sharded.layout)
+        fit = getattr(self, "_fit", None)
+        if fit is not None and fit.watchdog is not None:  # a fit that never reached teardown
+            fit.watchdog.stop(finished=False)
+        self._fit = FitState(
+            SavePoints(
+                self.schedule,
+                save_on_train_end=self.save_on_train_end,
+                save_on_exception=self.save_on_exception,
+            )
+        )
 
     # ------------------------------------------------------------------ public
 
@@ -264,7 +241,7 @@ class IncrementalCheckpoint(Checkpoint):
     @property
     def url(self) -> str | None:
         """The store's location, resolved when ``fit`` starts."""
-        return self._url
+        return self._fit.url
 
     @property
     def last_saved_step(self) -> int | None:
@@ -274,12 +251,12 @@ class IncrementalCheckpoint(Checkpoint):
     @property
     def generation(self) -> int | None:
         """The fencing generation this ``fit`` claimed (multi-process runs), else None."""
-        return self._generation
+        return self._fit.generation
 
     @property
     def resumed_from(self) -> int | None:
         """The step this ``fit`` resumed from automatically, or None."""
-        return self._resumed_step
+        return self._fit.resumed_step
 
     @property
     def results(self) -> list[tuple[SaveResult, float]]:
@@ -287,7 +264,8 @@ class IncrementalCheckpoint(Checkpoint):
         rank, each its own part): each engine
         :class:`~lightning_incremental.core.SaveResult` with the seconds the training loop was
         blocked for it."""
-        return list(self._saver.results) if self._saver is not None else []
+        saver = self._fit.saver
+        return list(saver.results) if saver is not None else []
 
     def wait(self) -> list[SaveResult]:
         """Wait for the saves running in the background; returns their results (and logs their
@@ -299,10 +277,11 @@ class IncrementalCheckpoint(Checkpoint):
             CheckpointError: ``max_consecutive_failures`` saves in a row failed, or this writer
                 was fenced off by a newer generation of the job.
         """
-        if self._saver is None:
+        saver = self._fit.saver
+        if saver is None:
             return []
-        results = self._saver.collect(block=True)
-        self._saver.raise_failures()
+        results = saver.collect(block=True)
+        saver.raise_failures()
         return results
 
     @override
@@ -326,143 +305,95 @@ class IncrementalCheckpoint(Checkpoint):
         if stage != TrainerFn.FITTING.value:
             return
         self._reset_run_state()
+        fit = self._fit
         strategy = trainer.strategy
-        self._sharded = _sharded.layout(strategy) == _sharded.SHARDED
-        _warn_late_module_hooks(pl_module)
+        fit.sharded = _sharded.layout(strategy) == _sharded.SHARDED
+        fit_checks.warn_late_module_hooks(pl_module)
         default = os.path.join(str(trainer.default_root_dir), DEFAULT_DIRNAME)
-        self._url = strategy.broadcast(self.dirpath or default, src=0)
-        self._check_model_checkpoints(trainer)
+        url: str = strategy.broadcast(self.dirpath or default, src=0)
+        fit.url = url
+        fit_checks.check_model_checkpoints(trainer, url)
         # Run after every other callback, ModelCheckpoint included: the saved state then holds
         # what their hooks for the same event did, and `trainer.checkpoint_callback` stays theirs.
         # A save due at an epoch's end happens once Lightning has finished that epoch, before
         # any other callback starts the next one (see `_save_between_epochs`).
         others = [
             cb
-            for cb in _callbacks_of(trainer)
-            if cb is not self and not (isinstance(cb, _BetweenEpochs) and cb.owner is self)
+            for cb in fit_checks.callbacks_of(trainer)
+            if cb is not self and not (isinstance(cb, BetweenEpochs) and cb.owner is self)
         ]
-        self._front = _BetweenEpochs(self)
-        trainer.callbacks = [self._front, *others, self]  # type: ignore[attr-defined]
+        fit.front = BetweenEpochs(self, self._save_between_epochs)
+        trainer.callbacks = [fit.front, *others, self]  # type: ignore[attr-defined]
         if trainer.fast_dev_run:  # type: ignore[attr-defined]
             rank_zero_info("IncrementalCheckpoint: disabled with fast_dev_run")
-            self._disabled = True
+            fit.disabled = True
             return
-        if trainer.world_size > 1 and self._url.startswith("memory://"):
+        if trainer.world_size > 1 and url.startswith("memory://"):
             raise ConfigError(
-                f"dirpath {self._url} is in-process memory, which other ranks cannot read: "
+                f"dirpath {url} is in-process memory, which other ranks cannot read: "
                 "use a path or URL every rank can reach"
             )
-        # Rank 0 opens the store; whatever happens there, every rank learns it, so a failure
-        # never leaves the other ranks waiting in a collective. Sharded over several ranks,
-        # every rank then opens the store it saves its own shards through (a collective).
-        distributed = self._sharded and trainer.world_size > 1
-        store: CheckpointStore | None = None
-
-        def open_store() -> tuple[int | None, int | None]:
-            nonlocal store
-            store = self._open_store()
-            try:
-                steps = store.steps()
-                newest = steps[-1] if steps else None
-                generation = None
-                # A new incarnation of the job fences off the previous ones — unless this run is
-                # about to refuse the store (resume=False on a store in use: not ours to take).
-                if fencing.should_claim(trainer.world_size) and (
-                    self.resume or newest is None
-                ):  # the claim keeps what is visible
-                    generation = store.claim_generation(fencing.restart_count())
-            except BaseException:
-                store.close()
-                raise
-            if distributed:
-                store.close()
-                store = None
-            return newest, generation
-
-        self._newest, self._generation = coordinated(
-            open_store,
-            what=f"open the checkpoint store {self._url}",
-            is_coordinator=trainer.is_global_zero,
-            broadcast=strategy.broadcast,
-        )
-        if distributed:
-            store = self._open_store(distributed=True)
-        self._saver = Saver(
+        store = open_fit_store(trainer, fit, self._open_store, claim_unless_refused=self.resume)
+        fit.saver = Saver(
             store,
-            self._url,
+            url,
             self._totals,
             trainer.loggers,
             self.max_consecutive_failures,
-            sharded=self._sharded,
+            sharded=fit.sharded,
         )
-        self._watchdog = self.recovery.start_watchdog(
+        fit.watchdog = self.recovery.start_watchdog(
             rank=trainer.global_rank,
             world_size=trainer.world_size,
-            generation=self._generation or 0,
+            generation=fit.generation or 0,
         )
-        if not self.resume and self._newest is not None:
+        if not self.resume and fit.newest is not None:
             raise ConfigError(
-                f"IncrementalCheckpoint(resume=False) but {self._url} already holds checkpoints "
-                f"(newest: step {self._newest}); a new run cannot write steps it already holds. "
+                f"IncrementalCheckpoint(resume=False) but {url} already holds checkpoints "
+                f"(newest: step {fit.newest}); a new run cannot write steps it already holds. "
                 "Use an empty dirpath for a new run, or resume=True to continue that one."
             )
         if self.resume:
-            self._resume_hook = ResumeHook(self, trainer)
+            fit.resume_hook = ResumeHook(
+                ResumeSource(url, fit.sharded, fit.reader(self._open_store), fit.resumed), trainer
+            )
 
     @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self._restored = True
-        self._payload = checkpoint.get(KEY)
+        self._fit.restored = True
+        self._fit.payload = checkpoint.get(KEY)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._disabled:
+        fit = self._fit
+        if fit.disabled:
             return
-        self._train_started = True
-        self._last_time = time.monotonic()
+        fit.points.train_started(time.monotonic())
         step = trainer.global_step
-        newest = self._newest
-        if self._resumed_step is None and newest is not None and newest > step:
+        newest = fit.newest
+        if fit.resumed_step is None and newest is not None and newest > step:
             raise ConfigError(
-                f"{self._url} already holds checkpoints up to step {newest}, but training "
+                f"{fit.url} already holds checkpoints up to step {newest}, but training "
                 f"continues from step {step} (ckpt_path={trainer.ckpt_path!r}); checkpoint "
                 "steps must increase. Use a new dirpath for this run, or let it resume from the "
                 "newest checkpoint (no ckpt_path)."
             )
-        if self._restored:
-            self._restore_position(trainer)
+        if fit.restored:
+            fit.restore_position(trainer)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._disabled:
-            return
-        self._epoch_open = True
-        if self._skip_epoch_record:  # this epoch's iterator was just recreated from a record
-            self._skip_epoch_record = False
-            return
-        self._epoch_record = dp.record_epoch_start(trainer, iter_created=False)
-        self._iter_at_epoch_start = dp.epoch_iterator(trainer)
-        self._check_iter = True
+        if not self._fit.disabled:
+            self._fit.epoch_started(trainer)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._disabled:
-            return
-        self._close_warnings_guard()
-        if self._finish_restart:
-            self._finish_restart = False
-            _compat.finish_restart(trainer)
-        if self._check_iter:  # did Lightning create this epoch's iterator before or after us?
-            self._check_iter = False
-            if self._epoch_record is not None:
-                created = dp.epoch_iterator(trainer) is self._iter_at_epoch_start
-                self._epoch_record["iter_created"] = created
-            self._iter_at_epoch_start = None
-        self._step_at_batch_start = trainer.global_step
+        if not self._fit.disabled:
+            self._fit.batch_started(trainer)
 
     @override
     def on_train_batch_end(
@@ -473,38 +404,17 @@ class IncrementalCheckpoint(Checkpoint):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if self._disabled:
+        fit = self._fit
+        if fit.disabled:
             return
-        if self._watchdog is not None:
-            self._watchdog.progress(trainer.global_step)
+        if fit.watchdog is not None:
+            fit.watchdog.progress(trainer.global_step)
         self._collect()
-        step = trainer.global_step
-        if step == self._step_at_batch_start:
-            return  # no optimizer step in this batch (gradient accumulation)
-        reason = self._due
-        if self.schedule.step_due(step):
-            reason = "step"
-        elif self.schedule.train_time_interval is not None:
-            due = self.schedule.time_due(time.monotonic() - self._last_time)
-            if trainer.strategy.broadcast(due, src=0):  # rank 0's clock decides for all
-                reason = "time"
-        if reason is None and self.save_on_train_end and _compat.max_steps_reached(trainer):
-            # Training ends here (max_steps), maybe mid-epoch: save before Lightning closes the
-            # partial epoch (its epoch-end hooks and bookkeeping), so that a run extended to
-            # more steps continues this epoch exactly as a longer run would.
-            reason = "train_end"
-        if reason is None or step == self._last_saved_step:
-            return
-        # Save where a restarted run continues exactly: after this epoch's last batch, once the
-        # epoch is over (the resumed run starts the next epoch); before a validation, after it
-        # (the resumed run skips that validation, but the validation changed random state and
-        # the monitoring callbacks' state).
-        if _compat.epoch_ends_here(trainer):
-            self._due, self._due_at = reason, "epoch_end"
-        elif _compat.validation_follows(trainer):
-            self._due, self._due_at = reason, "validation"
-        else:
-            self._save(trainer, reason, boundary=False)
+        decision = fit.points.after_batch(
+            trainer.global_step, self._last_saved_step, time.monotonic(), TrainerLoop(trainer)
+        )
+        if decision is not None:
+            self._save(trainer, decision)
 
     @override
     def on_validation_batch_end(
@@ -516,319 +426,112 @@ class IncrementalCheckpoint(Checkpoint):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self._watchdog is not None:
-            self._watchdog.progress()
+        if self._fit.watchdog is not None:
+            self._fit.watchdog.progress()
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._disabled or trainer.sanity_checking or not self._train_started:
+        if self._fit.disabled:
             return
-        if self._due is not None and self._due_at == "validation":
-            if trainer.global_step != self._last_saved_step:
-                self._save(trainer, self._due, boundary=False)
-            self._due = self._due_at = None
+        decision = self._fit.points.at_validation_end(
+            trainer.global_step, self._last_saved_step, sanity_checking=trainer.sanity_checking
+        )
+        if decision is not None:
+            self._save(trainer, decision)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._disabled:
+        if self._fit.disabled:
             return
-        self._epoch_open = False
         self._collect()
-        reason = self._due
-        if self.schedule.epoch_due(trainer.current_epoch):
-            reason = "epoch"
-        if reason is not None and trainer.global_step not in (0, self._last_saved_step):
-            # Not yet: after the callbacks' hook, Lightning still steps ReduceLROnPlateau
-            # schedulers and completes the epoch. A checkpoint taken now would resume into the
-            # middle of that bookkeeping.
-            self._due, self._due_at = reason, "between_epochs"
-        else:
-            self._due = self._due_at = None
+        self._fit.points.at_epoch_end(
+            trainer.current_epoch, trainer.global_step, self._last_saved_step
+        )
 
     def _save_between_epochs(self, trainer: pl.Trainer) -> None:
         """The save due at the end of the previous epoch, now that Lightning finished it: the
         next epoch's start, before any callback or the LightningModule begins it."""
-        if self._disabled or self._due_at != "between_epochs":
+        if self._fit.disabled:
             return
-        reason, self._due, self._due_at = self._due, None, None
-        if reason is not None and trainer.global_step not in (0, self._last_saved_step):
-            self._save(trainer, reason, boundary=True)
+        decision = self._fit.points.between_epochs(trainer.global_step, self._last_saved_step)
+        if decision is not None:
+            self._save(trainer, decision)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._disabled:
+        fit = self._fit
+        if fit.disabled:
             return
-        step = trainer.global_step
-        if (self.save_on_train_end or self._due) and step not in (0, self._last_saved_step):
-            self._save(trainer, self._due or "train_end", boundary=not self._epoch_open)
-        assert self._saver is not None
-        self._saver.collect(block=True)
-        report = trainer.strategy.broadcast(self._saver.failure_report(), src=0)
+        decision = fit.points.at_train_end(trainer.global_step, self._last_saved_step)
+        if decision is not None:
+            self._save(trainer, decision)
+        assert fit.saver is not None
+        fit.saver.collect(block=True)
+        report = trainer.strategy.broadcast(fit.saver.failure_report(), src=0)
         if report is not None:  # every rank ends the same way: warns, or raises at the limit
-            self._saver.raise_failures(report)
+            fit.saver.raise_failures(report)
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         try:
-            if self._should_save_on_exception(trainer):
-                self._save(trainer, "exception", boundary=not self._epoch_open)
-            if self._saver is not None:
-                self._saver.collect(block=True)
-                self._saver.log_failures()
+            decision = self._fit.exception_decision(trainer, self._last_saved_step)
+            if decision is not None:
+                self._save(trainer, decision)
+            saver = self._fit.saver
+            if saver is not None:
+                saver.collect(block=True)
+                saver.log_failures()
         except Exception:  # the training error propagates; this one must be seen too
             log.exception("IncrementalCheckpoint: saving after %r failed", exception)
         finally:
-            self._shutdown(raise_errors=False, finished=False)
+            self._fit.shutdown(raise_errors=False, finished=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == TrainerFn.FITTING.value:
-            self._shutdown(raise_errors=True)
+            self._fit.shutdown(raise_errors=True)
 
     # ------------------------------------------------------------------ saving
 
-    def _save(self, trainer: pl.Trainer, reason: str, *, boundary: bool) -> None:
+    def _save(self, trainer: pl.Trainer, decision: SaveNow) -> None:
         """Save now, on every rank at once (see :meth:`Saver.save`)."""
-        assert self._saver is not None
+        fit = self._fit
+        assert fit.saver is not None
         step, previous = trainer.global_step, self._last_saved_step
-        self._in_save = True
+        fit.points.save_started()
         self._last_saved_step = step  # before the dump: the checkpoint records it
         try:
-            verdict = self._check_replicas(trainer)
+            verdict = fit.check_replicas(trainer, self.replica_check)
             if verdict.skip_save:  # wait for the next scheduled save rather than retry now
                 self._last_saved_step = previous
-                self._last_time = time.monotonic()
-                self._due = self._due_at = None
+                fit.points.saved(time.monotonic())
                 return
-            state = resume.rank_state(trainer, boundary, self._epoch_record)
-            self._saver.save(
+            state = resume.rank_state(trainer, decision.boundary, fit.epoch_record)
+            fit.saver.save(
                 trainer,
                 step=step,
-                reason=reason,
-                boundary=boundary,
+                reason=decision.reason,
+                boundary=decision.boundary,
                 rank_state=state,
                 audit={"replica_repair": verdict.audit()} if verdict.audit() else None,
             )
         except BaseException:
             self._last_saved_step = previous
-            self._save_failed = True  # no second attempt from on_exception
+            fit.points.save_raised()  # no second attempt from on_exception
             raise
-        finally:
-            self._in_save = False
-        self._last_time = time.monotonic()
-        self._due = self._due_at = None
-
-    def _check_replicas(self, trainer: pl.Trainer) -> replica_policy.Verdict:
-        """Compare the replicas' weights and optimizer state (every rank at once); see
-        :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
-        if trainer.world_size == 1 or self._sharded:  # shards differ by design
-            return replica_policy.Verdict(None)
-        saver = self._saver
-        assert saver is not None
-        return replica_policy.check_before_save(
-            lambda: replicated_state(trainer),
-            self.replica_check,
-            finish_saves=lambda: saver.collect(block=True),
-            barrier=trainer.strategy.barrier,
-        )
+        fit.points.saved(time.monotonic())
 
     def _collect(self) -> None:
-        if self._saver is not None:
-            self._saver.collect(block=False)
-
-    def _should_save_on_exception(self, trainer: pl.Trainer) -> bool:
-        """Whether the state at an exception is one a run can continue from: training started,
-        no training step (data loading, forward, backward, optimizer step) or validation was in
-        progress, and the process is the whole run (under DDP the other ranks may be anywhere,
-        and collecting their state would need them)."""
-        if not self.save_on_exception or self._disabled or self._in_save:
-            return False
-        if self._save_failed:
-            return self._why_not("the exception is a failed save of IncrementalCheckpoint's own")
-        if not self._train_started or trainer.state.fn != TrainerFn.FITTING:
-            return False
-        if trainer.world_size > 1:
-            return self._why_not("under DDP the other ranks may be anywhere")
-        if trainer.sanity_checking or trainer.validating:
-            return self._why_not("it interrupted a validation run")
-        step = trainer.global_step
-        if step in (0, self._last_saved_step):
-            return False
-        total: Any = _compat.batch_progress_total(trainer)
-        finished = total.ready == total.started == total.processed
-        if not finished or total.completed not in (total.processed, total.processed - 1):
-            return self._why_not(
-                f"it interrupted a training step (batch {total.ready - 1}: data loading, "
-                "forward, backward or optimizer step), so the state is not consistent"
-            )
-        return True
-
-    def _why_not(self, reason: str) -> bool:
-        newest = self._saver.last_committed if self._saver is not None else None
-        last = f"newest committed checkpoint: step {newest}" if newest is not None else "none yet"
-        rank_zero_warn(f"IncrementalCheckpoint: not saving on exception: {reason} ({last}).")
-        return False
-
-    # ------------------------------------------------------------------ resuming
-
-    def _restore_position(self, trainer: pl.Trainer) -> None:
-        restored = resume.restore_rank_state(trainer, self._payload)
-        self._payload = None
-        if restored is None:
-            return
-        self._epoch_record = restored.epoch_record
-        self._skip_epoch_record = restored.recreated and not restored.mid_epoch
-        self._epoch_open = restored.mid_epoch
-        self._finish_restart = restored.mid_epoch
-        if restored.mid_epoch and restored.epoch_record is not None:
-            # Lightning warns that a plain dataloader restarts its epoch: here it does not.
-            self._warnings_guard = warnings.catch_warnings()
-            self._warnings_guard.__enter__()
-            warnings.filterwarnings(
-                "ignore", message=_LIGHTNING_NOT_RESUMABLE, category=PossibleUserWarning
-            )
-
-    def _close_warnings_guard(self) -> None:
-        guard, self._warnings_guard = self._warnings_guard, None
-        if guard is not None:
-            guard.__exit__(None, None, None)
-
-    def _check_model_checkpoints(self, trainer: pl.Trainer) -> None:
-        assert self._url is not None
-        mine = _local(self._url)
-        for cb in _callbacks_of(trainer):
-            theirs = cb.dirpath if isinstance(cb, ModelCheckpoint) else None
-            if theirs and mine is not None and _local(os.fspath(theirs)) == mine:
-                raise ConfigError(
-                    f"IncrementalCheckpoint and ModelCheckpoint share the directory {mine}: "
-                    "ModelCheckpoint writes plain .ckpt files there, which the incremental "
-                    "store does not manage. Give them different directories."
-                )
-
-    def _shutdown(self, *, raise_errors: bool, finished: bool = True) -> None:
-        """End this ``fit``'s machinery. ``finished``: training ended normally; otherwise the
-        watchdog stops without telling the others this rank is done (if they wait for it, they
-        must find it dead and restart rather than wait out a collective timeout)."""
-        dog, self._watchdog = self._watchdog, None
-        if dog is not None:
-            dog.stop(finished=finished)
-        self._close_warnings_guard()
-        hook, self._resume_hook = self._resume_hook, None
-        if hook is not None:
-            hook.remove()
-        if self._saver is not None:
-            self._saver.close(raise_errors=raise_errors)
+        if self._fit.saver is not None:
+            self._fit.saver.collect(block=False)
 
     def _open_store(self, *, distributed: bool = False) -> CheckpointStore:
-        assert self._url is not None
+        assert self._fit.url is not None
         return CheckpointStore(
-            self._url,
+            self._fit.url,
             storage_options=self.storage_options,
             config=self.store_config,
             distributed=distributed,
-        )
-
-    @contextlib.contextmanager
-    def _store_for_reading(self) -> Iterator[CheckpointStore]:
-        """The writing store where this rank has one (rank 0; every rank of a sharded run): a
-        resumed run's first save then builds on what it loaded. Elsewhere a store closed after
-        reading. Used by ResumeHook."""
-        store = self._saver.store if self._saver is not None else None
-        if store is not None:
-            yield store
-            return
-        store = self._open_store()
-        try:
-            yield store
-        finally:
-            store.close()
-
-
-class _BetweenEpochs(Callback):
-    """Runs first among the trainer's callbacks, to take the checkpoint due at an epoch's end
-    once Lightning finished that epoch and before anything begins the next one (it holds no
-    state; ``IncrementalCheckpoint`` adds it to the trainer in ``setup``)."""
-
-    def __init__(self, owner: IncrementalCheckpoint) -> None:
-        self.owner = owner
-
-    @property
-    @override
-    def state_key(self) -> str:
-        return f"{type(self).__qualname__}[{self.owner.state_key}]"
-
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.owner._save_between_epochs(trainer)
-
-
-def replicated_state(trainer: pl.Trainer) -> dict[str, Any]:
-    """What data-parallel replicas must hold identically: the parameters and the optimizers'
-    state. Not the buffers: under DDP each rank updates running statistics (BatchNorm) from its
-    own batch, and DDP broadcasts rank 0's at the next forward, so they legitimately differ.
-    The tensors share storage with the live ones (a repair writes into them)."""
-    module = trainer.lightning_module
-    return {
-        "model": {name: p.detach() for name, p in module.named_parameters()},
-        "optimizers": [opt.state_dict() for opt in trainer.optimizers],
-    }
-
-
-def _callbacks_of(trainer: pl.Trainer) -> list[Callback]:
-    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-    return callbacks
-
-
-def _store_config(
-    keep_last: int | None,
-    full_every: int | None,
-    max_chain: int | None,
-    allow_pickle: bool,
-    store_options: dict[str, Any] | None,
-    optimizer_state: str = "exact",
-) -> StoreConfig:
-    """The engine's configuration from the callback's arguments (validated by StoreConfig)."""
-    if store_options is not None and not isinstance(store_options, dict):
-        raise TypeError(f"store_options must be a dict, got {type(store_options).__name__}")
-    options = dict(store_options or {})
-    named = {"keep_last": keep_last, "full_every": full_every, "max_chain": max_chain}
-    repeated = sorted(k for k, v in named.items() if v is not None and k in options)
-    repeated += [k for k in ("allow_pickle", "optimizer_state") if k in options]
-    if repeated:
-        raise ConfigError(
-            f"store_options repeats {', '.join(repeated)}: pass it as an argument of "
-            "IncrementalCheckpoint"
-        )
-    options.update({k: v for k, v in named.items() if v is not None})
-    return StoreConfig().replace(
-        allow_pickle=allow_pickle, optimizer_state=optimizer_state, **options
-    )
-
-
-def _local(url: str) -> str | None:
-    """A local path's canonical form; None for remote URLs."""
-    if url.startswith("file://"):
-        url = url[len("file://") :]
-    elif "://" in url:
-        return None
-    return os.path.realpath(os.path.expanduser(url))
-
-
-def _warn_late_module_hooks(pl_module: pl.LightningModule) -> None:
-    """Lightning calls a LightningModule's ``on_train_batch_end`` / ``on_validation_end`` after
-    the callbacks' hooks of the same event: what they change at a checkpointed step is not in
-    that checkpoint, and a resume does not replay them."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    late = [h for h in ("on_train_batch_end", "on_validation_end") if is_overridden(h, pl_module)]
-    if late:
-        rank_zero_warn(
-            f"{type(pl_module).__name__} overrides {' and '.join(late)}, which Lightning runs "
-            "after IncrementalCheckpoint has taken the checkpoint of that step: state changed "
-            "there (e.g. an EMA, a counter, random draws) is not in the checkpoint, so a resume "
-            "is not bit-exact for it. Move that work into training_step, or into a Callback "
-            "(callbacks run before IncrementalCheckpoint).",
-            category=PossibleUserWarning,
         )

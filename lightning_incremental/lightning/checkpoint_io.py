@@ -4,104 +4,32 @@
 ModelCheckpoint's top-k, ``save_last`` and periodic saves included — incremental, with no other
 change to the user's code.
 
-How paths map to checkpoints
-----------------------------
-Lightning addresses checkpoints by file path and finds them by listing directories (``"last"``
-is the newest ``last*.ckpt`` file, ``best_model_path`` is a path, every ``fit/validate/test/
-predict(ckpt_path=...)`` checks that the file exists). So each path stays a real file:
+How it works, one module per job
+--------------------------------
+Each path Lightning saves to stays a real file: a small *pointer file* naming a step of the
+engine store in the hidden sub-directory ``<dir>/.incremental`` (``store_name``), written as soon
+as the state is snapshotted, the step committing in the background. The pointer files' lifecycle
+(which step a save takes, what it replaces, when a step no longer named is released) is
+:mod:`~.pointer_lifecycle`; what a path given to ``load_checkpoint`` means (a plain ``torch.save``
+file, a store directory, a pointer, or the step it replaced when that one never committed), and
+why a load is collective under DDP, is :mod:`~.path_resolution`; the background saves and
+removals, their order and how their errors are delivered are :mod:`~.background_jobs`; plain
+``torch.save`` files where asked (``materialize``) are :mod:`~.materialize`. This class maps
+Lightning's ``CheckpointIO`` methods to them.
 
-- every directory that checkpoints are saved to holds one engine store, in the hidden
-  sub-directory ``<dir>/.incremental`` (``store_name``);
-- each save becomes the next step of that store: steps are a sequence number (0, 1, 2, ...),
-  not the global step, because ModelCheckpoint saves the same global step under several names
-  (a top-k file and ``last.ckpt``); the second save costs a manifest, since nothing changed;
-- at the path Lightning asked for, a small *pointer file* names the store (relative to the
-  pointer's own directory, so a checkpoint directory can be moved or copied whole) and the step:
-  a short header that makes ``torch.load`` fail saying what the file is and how to load it
-  (:mod:`lightning_incremental.lightning.pointers`), then the JSON document::
-
-      {"format": "lightning-incremental-pointer", "version": 1, "store": ".incremental",
-       "step": 7, "id": "<32 hex digits>", "global_step": 400, "epoch": 3,
-       "previous": 5, "previous_id": "<32 hex digits>", "writer": {"host": ..., "pid": ...}}
-
-  It is written by ``save_checkpoint`` itself, as soon as the engine has snapshotted the state
-  and before the step commits, atomically (a temporary file renamed into place on local disks,
-  one PUT on object stores): Lightning's callbacks expect the file right after the save
-  (ModelCheckpoint's ``-v1`` version counter, ``save_last="link"``). ``previous`` names the step
-  of the pointer it replaced (the same path's older checkpoint); that step is kept until the
-  new one commits, and released only then.
-- a pointer whose step has not committed is *pending*. Loading it waits for the save when this
-  process is making it, through this plug-in instance or another (a second ``Trainer``): every
-  save is registered in :mod:`lightning_incremental.core.save.inflight` under its store. Otherwise
-  another process is still writing it (its ``writer`` is alive), or the save never committed
-  (its writer died between the pointer and the commit, or the save failed): the load falls back
-  to ``previous`` when that is committed, with a warning naming both steps and which case it
-  is, and else raises ``CheckpointNotFoundError`` saying so. A save that fails in the
-  background also puts the replaced pointer file back (or removes its own, when it replaced
-  none).
-
-``load_checkpoint(path)`` reads the pointer, validates it (format, version, a store name that
-cannot leave the directory, an id that the step's manifest must record) and returns the complete
-checkpoint dict with bit-identical tensors. Under DDP (``torch.distributed`` initialised with
-more than one process) ``load_checkpoint`` is *collective*, as ``torch.distributed.checkpoint``'s
-load is: every rank must call it (Lightning's strategies do). Only global rank 0 saves, so only
-it knows which saves are in flight: it waits for them, resolves what the path means (with the
-fallback above) and broadcasts that, so every rank loads the same step or raises the same
-error. A path that is a plain ``torch.save`` file (no
-pointer) is loaded by Lightning's ``TorchCheckpointIO``, so runs can resume from checkpoints
-written before this plug-in was added. A path that is a store directory loads its newest
-committed checkpoint.
-
-``remove_checkpoint(path)`` (top-k rotation, replaced ``last`` files) deletes the pointer file,
-then the step, unless another pointer file in the directory names the same step (a ``last.ckpt``
-copy) or names it as the ``previous`` of a pending step. Overwriting a pointer (ModelCheckpoint
-rewrites ``last.ckpt``) releases the old step the same way, once the new one committed. The
-engine deletes a step's objects only when no remaining checkpoint needs them, so a removal never
-breaks a kept checkpoint.
-
-Async
------
-``save_checkpoint`` blocks only while the engine snapshots the state (one host copy, no second
-device copy) and the pointer file is written; encoding, writing and committing the step happen
-in the background. A background error surfaces at the next ``save_checkpoint``/
-``load_checkpoint``/``remove_checkpoint``, at :meth:`IncrementalCheckpointIO.wait`, or at
-``teardown`` (which Lightning calls at the end of every ``fit/validate/test/predict``, also when
-they fail) — never lost. A save that failed to commit (storage error, full disk) is logged and
-warned about there, and training goes on from the previous checkpoint (the save's file keeps
-naming it); ``max_consecutive_failures`` failed saves in a row raise ``CheckpointError`` instead.
-Other background errors (releasing a replaced step) are raised. ``teardown`` waits for every
-pending save to commit and closes the stores; the plug-in reopens them on next use.
 ``trainer.save_checkpoint`` called outside of a running stage (after ``fit``) is synchronous: it
 returns once the checkpoint committed (raising if it failed), as callers of ``save_checkpoint``
-rely on, and closes the stores.
-
-Threads: the plug-in's background thread and the stores' threads run only while there is work
-(:class:`~lightning_incremental.core.workers.WorkerPool`: daemon threads that end after a short
-idle time; saves in flight at interpreter exit are finished by an exit hook). ``teardown``,
-:meth:`IncrementalCheckpointIO.close` and a save outside of a stage end them at once.
+rely on, and closes the stores. ``teardown`` (Lightning calls it at the end of every
+``fit/validate/test/predict``) waits for every pending save to commit and closes the stores; the
+plug-in reopens them on next use.
 
 What is covered
 ---------------
-Lightning calls a ``CheckpointIO`` only from strategies that save one full checkpoint on global
-rank 0: single device, DDP (all its launchers, ``ddp_spawn`` included) and similar. Lightning
-gives a ``CheckpointIO`` no setup hook, so it cannot see the strategy; these are *not* covered:
-
-- ``DeepSpeedStrategy``: saves and loads with DeepSpeed's own checkpointing, never calling the
-  plug-in (its checkpoints stay DeepSpeed directories);
-- ``FSDPStrategy``/``ModelParallelStrategy`` with sharded state (their default): the same, with
-  ``torch.distributed.checkpoint``;
-- ``FSDPStrategy(state_dict_type="full")`` / ``ModelParallelStrategy(save_distributed_checkpoint
-  =False)``: gathers the whole state to rank 0 and saves it through the plug-in (a complete
-  checkpoint, saved as any other), but loads paths itself with ``torch.load(path, mmap=True)``,
-  which fails on a pointer file ("mmap can only be used with files saved with torch.save").
-
-The plug-in warns where it can tell: at the first save a full-state sharded strategy makes
-through it (``materialize`` makes the best/last files plain ones when ``fit`` ends), and at the
-end of a ``fit`` under ``FSDPStrategy`` that saved nothing through it
-(``ModelParallelStrategy`` does not even call a CheckpointIO's ``teardown``, so nothing tells
-the plug-in there). See :mod:`lightning_incremental.lightning.sharded`.
-
-The ``IncrementalCheckpoint`` callback covers these strategies where it can.
+Strategies that save one full checkpoint on global rank 0 through a ``CheckpointIO`` (single
+device, DDP and its launchers); not DeepSpeed, nor FSDP / ``ModelParallelStrategy``, which save
+and load with their own checkpointing: see :mod:`lightning_incremental.lightning.sharded`, which
+also says what the plug-in warns about there. The ``IncrementalCheckpoint`` callback covers these
+strategies where it can.
 
 Storage options and pickles
 ---------------------------
@@ -118,17 +46,14 @@ steps (the engine refuses the second, nothing is overwritten).
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import threading
-import uuid
 import warnings
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -137,17 +62,13 @@ from typing_extensions import override
 
 from lightning_incremental.core import (
     CheckpointError,
-    CheckpointNotFoundError,
     CheckpointStore,
     ConfigError,
-    PickleNotAllowedError,
     StoreConfig,
-    UnsupportedValueError,
 )
-from lightning_incremental.core.save import inflight
-from lightning_incremental.core.save.at_exit import drain_at_exit
-from lightning_incremental.core.workers import WorkerPool
+from lightning_incremental.lightning import pointer_lifecycle
 from lightning_incremental.lightning import sharded as _sharded
+from lightning_incremental.lightning.background_jobs import BackgroundJobs, raise_first
 from lightning_incremental.lightning.compat import (
     PathLike,
     saving_trainer,
@@ -156,17 +77,18 @@ from lightning_incremental.lightning.compat import (
     torch_load_checkpoint,
     trainer_stage_running,
 )
+from lightning_incremental.lightning.materialize import materialize, materialize_option
+from lightning_incremental.lightning.path_resolution import Plan, load_from_store, resolve, rewrap
+from lightning_incremental.lightning.pointer_lifecycle import OpenStore
 from lightning_incremental.lightning.pointers import (
     CheckpointFile,
     NotATorchCheckpointError,
     Pointer,
     PointerError,
-    Writer,
-    is_int,
     looks_like_pointer,
     valid_store_name,
 )
-from lightning_incremental.lightning.trainer import MATERIALIZE, marks_of
+from lightning_incremental.lightning.trainer import marks_of
 from lightning_incremental.runtime import collectives
 from lightning_incremental.runtime.backpressure import wait_for_room
 from lightning_incremental.runtime.coordinate import Outcome, coordinated
@@ -183,9 +105,7 @@ log = logging.getLogger(__name__)
 _RUNTIME = (
     "_lock",
     "_stores",
-    "_executor",
-    "_jobs",
-    "_pending",
+    "_background",
     "_failures",
     "_marks",
     "_saved_in_stage",
@@ -278,7 +198,7 @@ class IncrementalCheckpointIO(CheckpointIO):
             )
         if not isinstance(allow_pickle, bool):
             raise ConfigError(f"allow_pickle must be True or False, got {allow_pickle!r}")
-        self.materialize = _materialize_option(materialize)
+        self.materialize = materialize_option(materialize)
         self.storage_options = dict(storage_options) if storage_options else None
         self.allow_pickle = allow_pickle
         self.store_name = store_name
@@ -290,10 +210,8 @@ class IncrementalCheckpointIO(CheckpointIO):
 
     def _init_runtime(self) -> None:  # the names are listed in _RUNTIME
         self._lock = threading.Lock()
-        self._stores: dict[str, _OpenStore] = {}
-        self._executor: WorkerPool | None = None
-        self._jobs: list[Future[None]] = []  # background work, oldest first
-        self._pending: dict[str, Future[None]] = {}  # path -> its save's pointer job
+        self._stores: dict[str, OpenStore] = {}
+        self._background = BackgroundJobs()
         self._failures = FailurePolicy(
             "IncrementalCheckpointIO", None, self.max_consecutive_failures
         )
@@ -345,44 +263,13 @@ class IncrementalCheckpointIO(CheckpointIO):
         wait_for_room(entry.saving, self.config.max_in_flight)
         entry.saving = deque(job for job in entry.saving if not job.done())
         self._raise_failed()
-        with entry.lock:
-            step = entry.next_step(lambda: target.sibling_pointers(), self.store_name)
-            progress = _progress(checkpoint)
-            pointer = Pointer(
-                self.store_name,
-                step,
-                uuid.uuid4().hex,
-                global_step=progress["global_step"],
-                epoch=progress["epoch"],
-                writer=Writer.this_process(),
-            )
-            try:
-                handle = entry.store.save(
-                    checkpoint,
-                    step,
-                    metadata={
-                        "path": target.display,
-                        "checkpoint_id": pointer.id,
-                        "global_step": pointer.global_step,
-                        "epoch": pointer.epoch,
-                    },
-                )
-            except UnsupportedValueError as exc:
-                raise UnsupportedValueError(
-                    f"cannot save checkpoint {target.display}: {exc}\n"
-                    "With IncrementalCheckpointIO: make the value plain data (for "
-                    "hyper-parameters, e.g. self.save_hyperparameters(vars(args)) or "
-                    "save_hyperparameters(ignore=[...])), or construct "
-                    "IncrementalCheckpointIO(allow_pickle=True) if every reader trusts these "
-                    "checkpoints."
-                ) from exc
-            entry.reserved = step + 1
-            entry.inflight.add(step)
+        pointer, handle = pointer_lifecycle.snapshot(checkpoint, target, entry, self.store_name)
+        step = pointer.step
         # The snapshot is taken: write the pointer now, naming the reserved step and the step of
         # the pointer it replaces, so that the path exists when this returns (ModelCheckpoint's
         # version counter and ``save_last="link"`` look for it at once).
         try:
-            old_bytes, previous = self._replaced(target, entry)
+            old_bytes, previous = pointer_lifecycle.replaced(target, entry, self.store_name)
             pointer = replace(
                 pointer,
                 previous=None if previous is None else previous[0],
@@ -391,8 +278,8 @@ class IncrementalCheckpointIO(CheckpointIO):
             target.write_atomic(pointer.dumps(), fsync=self.config.fsync)
         except BaseException:
             # the step still commits, without a name (as after a crash before the pointer)
-            job = self._submit(
-                lambda: self._finish_unnamed(entry, handle, step), "saving", track=entry.store_url
+            job = self._background.submit(
+                lambda: entry.finish_unnamed(handle, step), "saving", track=entry.store_url
             )
             entry.saving.append(job)
             raise
@@ -413,12 +300,12 @@ class IncrementalCheckpointIO(CheckpointIO):
                 return
             entry.inflight.discard(step)
             self._failures.committed()
-            self._committed(target, entry, pointer)
+            pointer_lifecycle.committed(target, entry, pointer)
 
-        job = self._submit(finish, f"saving {target.display}", track=entry.store_url)
+        job = self._background.submit(finish, f"saving {target.display}", track=entry.store_url)
         entry.saving.append(job)
+        self._background.set_pending(target.key, job)
         with self._lock:
-            self._pending[target.key] = job
             self._marks.update(marks_of(checkpoint))
         if trainer_stage_running() is False:
             self._finish_now(job, failure, target, step, entry)
@@ -429,7 +316,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         failure: list[BaseException],
         target: CheckpointFile,
         step: int,
-        entry: _OpenStore,
+        entry: OpenStore,
     ) -> None:
         """``Trainer.save_checkpoint`` outside of a running stage: wait for the commit, raise
         its failure, and end the threads (nothing else runs until the next stage or call).
@@ -452,7 +339,7 @@ class IncrementalCheckpointIO(CheckpointIO):
             f"{describe(exc)}; the file keeps naming the checkpoint it named before, if any"
         )
         if isinstance(exc, CheckpointError):
-            raise _rewrap(exc, message) from exc
+            raise rewrap(exc, message) from exc
         raise CheckpointError(message) from exc
 
     @override
@@ -493,23 +380,25 @@ class IncrementalCheckpointIO(CheckpointIO):
         """
         if not collectives.is_distributed():
             self.wait()
-            return self._execute(self._resolve(path), map_location, weights_only)[0]
+            return self._execute(
+                resolve(path, self._linked_file, self._store_of), map_location, weights_only
+            )[0]
         # Collective under DDP: only global rank 0 saves, so only it knows which saves are in
         # flight; it resolves what to load and every rank loads exactly that.
         coordinator = collectives.rank() == 0
         loaded: dict[str, Any] | None = None
 
-        def resolve() -> _Plan:
+        def decide() -> Plan:
             nonlocal loaded
             self.wait()
-            plan = self._resolve(path)
+            plan = resolve(path, self._linked_file, self._store_of)
             if plan.step is None and plan.kind == "store":  # newest: fix the exact step
                 loaded, step = self._execute(plan, map_location, weights_only)
                 plan = plan._replace(step=step)
             return plan
 
         own = Outcome() if coordinator else Outcome.of(self.wait)  # raised after the collective
-        plan = coordinated(resolve, what=f"load {path}", is_coordinator=coordinator)
+        plan = coordinated(decide, what=f"load {path}", is_coordinator=coordinator)
         own.result((None, None), what=f"load {path}")
         if loaded is not None:
             return loaded
@@ -525,7 +414,7 @@ class IncrementalCheckpointIO(CheckpointIO):
             Exception: the error of an earlier background save, not delivered yet.
         """
         target = self._file(path)
-        pending = self._pending.get(target.key)
+        pending = self._background.pending(target.key)
         if pending is not None:
             pending.exception()  # its step must commit (or the old pointer be put back) first
         self._raise_failed()
@@ -548,11 +437,11 @@ class IncrementalCheckpointIO(CheckpointIO):
         entry = self._store(target.store_url(pointer.store))
 
         def release() -> None:
-            self._release(target, entry, pointer.store, pointer.step)
+            pointer_lifecycle.release(target, entry, pointer.store, pointer.step)
             if pointer.previous is not None:  # kept when that save never committed
-                self._release(target, entry, pointer.store, pointer.previous)
+                pointer_lifecycle.release(target, entry, pointer.store, pointer.previous)
 
-        self._submit(release, f"removing {target.display}")
+        self._background.submit(release, f"removing {target.display}")
 
     @override
     def teardown(self) -> None:
@@ -583,7 +472,7 @@ class IncrementalCheckpointIO(CheckpointIO):
             self.close()
         except BaseException as exc:
             errors.append(exc)
-        _raise_first(errors, "during teardown")
+        raise_first(errors, "during teardown")
 
     def close(self) -> None:
         """Wait for every pending save to commit, close the stores and end the plug-in's
@@ -598,19 +487,16 @@ class IncrementalCheckpointIO(CheckpointIO):
             self.wait()
         except BaseException as exc:
             errors.append(exc)
-        errors.extend(self._undelivered())
+        errors.extend(self._background.undelivered())
         with self._lock:
             stores, self._stores = list(self._stores.values()), {}
-            executor, self._executor = self._executor, None
-            self._jobs, self._pending = [], {}
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self._background.shutdown()
         for entry in stores:
             try:
                 entry.store.close()
             except BaseException as exc:
                 errors.append(exc)
-        _raise_first(errors, "while closing")
+        raise_first(errors, "while closing")
 
     # ------------------------------------------------------------------ public helpers
 
@@ -620,10 +506,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         Raises:
             Exception: the first background error not delivered yet.
         """
-        with self._lock:
-            jobs = list(self._jobs)
-        for job in jobs:
-            job.exception()
+        self._background.wait()
         self._raise_failed()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -659,11 +542,11 @@ class IncrementalCheckpointIO(CheckpointIO):
         """The engine store at ``url`` (an extension point, e.g. for instrumented storage)."""
         return CheckpointStore(url, storage_options=self.storage_options, config=config)
 
-    def _store(self, url: str) -> _OpenStore:
+    def _store(self, url: str) -> OpenStore:
         with self._lock:
             entry = self._stores.get(url)
             if entry is None:
-                entry = _OpenStore(self._open_store(url, self.config), url)
+                entry = OpenStore(self._open_store(url, self.config), url)
                 self._stores[url] = entry
             return entry
 
@@ -672,283 +555,49 @@ class IncrementalCheckpointIO(CheckpointIO):
             raise TypeError(f"a checkpoint path must be a str or path, got {type(path).__name__}")
         return CheckpointFile.of(os.fspath(path), self.storage_options, resolve=resolve)
 
-    def _resolve(self, path: PathLike) -> _Plan:
-        """What loading ``path`` means, once no save of this process to its store is in flight
-        (whichever plug-in instance started it).
-
-        Raises:
-            FileNotFoundError, CheckpointError: as :meth:`load_checkpoint`.
-        """
-        while True:
-            source = self._file(path, resolve=True)
-            if source.isdir():
-                if inflight.wait(source.path_url):
-                    continue
-                return _Plan("store", source.path_url, None, source.display)
-            head = source.head()
-            if head is None:
-                raise FileNotFoundError(f"Checkpoint file not found: {source.display}")
-            if not looks_like_pointer(head):
-                return _Plan("torch", source.path, None, source.display)
-            pointer = Pointer.parse(source.read(), source.display)
-            url = source.store_url(pointer.store)
-            # A save of this process to that store (this Trainer's or another's) commits first;
-            # then the file is read again: a failed save puts the file it replaced back.
-            if not inflight.wait(url):
-                break
-        try:
-            self._check_step(url, pointer.step, pointer.id, pointer.store, source.display)
-            return _Plan("store", url, pointer.step, source.display)
-        except CheckpointNotFoundError as exc:
-            missing = exc
-        # The step the pointer names is not committed, and no save of this process is writing
-        # it: another process is still writing it, or its writer died or failed.
-        why = pointer.why_uncommitted()
-        if pointer.previous is not None:
-            try:
-                self._check_step(
-                    url, pointer.previous, pointer.previous_id, pointer.store, source.display
-                )
-            except CheckpointNotFoundError:
-                pass
-            else:
-                message = (
-                    f"{source.display} names step {pointer.step} of {url}, which {why}; loading "
-                    f"the checkpoint that file held before, step {pointer.previous}, instead"
-                )
-                log.warning(message)
-                warnings.warn(message, UserWarning, stacklevel=4)
-                return _Plan("store", url, pointer.previous, source.display)
-        also = (
-            f"; the checkpoint it replaced (step {pointer.previous}) is not committed either"
-            if pointer.previous is not None
-            else ""
-        )
-        raise _rewrap(
-            missing,
-            f"cannot load {source.display} (step {pointer.step} of {url}): {missing}; that step "
-            f"{why}, or its store was moved or deleted{also}",
-        ) from missing
-
     def _execute(
-        self, plan: _Plan, map_location: Any, weights_only: bool | None
+        self, plan: Plan, map_location: Any, weights_only: bool | None
     ) -> tuple[dict[str, Any], int | None]:
-        """Load what :meth:`_resolve` decided; also returns the step loaded."""
+        """Load what :func:`~.path_resolution.resolve` decided; also returns the step loaded."""
         if plan.kind == "torch":
             state = torch_load_checkpoint(
                 plan.location, _to_cpu if map_location is _TO_CPU else map_location, weights_only
             )
             return state, None
-        return self._load_store(plan.location, plan.step, map_location, weights_only, plan.display)
+        return load_from_store(
+            plan,
+            "cpu" if map_location is _TO_CPU else map_location,
+            weights_only,
+            store_of=self._store_of,
+            open_reader=lambda url: self._open_store(url, self.config.replace(allow_pickle=False)),
+            allow_pickle=self.allow_pickle,
+        )
 
-    def _load_store(
-        self,
-        url: str,
-        step: int | None,
-        map_location: Any,
-        weights_only: bool | None,
-        display: str,
-    ) -> tuple[dict[str, Any], int | None]:
-        what = f"step {step} of {url}" if step is not None else f"the newest checkpoint of {url}"
-        location = "cpu" if map_location is _TO_CPU else map_location
-        try:
-            if weights_only and self.allow_pickle:  # a one-off reader that refuses pickles
-                with self._open_store(url, self.config.replace(allow_pickle=False)) as store:
-                    return store.load(step, map_location=location), store.loaded_step
-            entry = self._store(url)
-            return entry.store.load(step, map_location=location), entry.store.loaded_step
-        except PickleNotAllowedError as exc:
-            hint = (
-                "it was loaded with weights_only=True"
-                if self.allow_pickle
-                else "construct IncrementalCheckpointIO(allow_pickle=True) to load it"
-            )
-            raise PickleNotAllowedError(
-                f"cannot load {display} ({what}): {exc}; {hint}, only if you trust it"
-            ) from exc
-        except CheckpointError as exc:
-            raise _rewrap(exc, f"cannot load {display} ({what}): {exc}") from exc
+    def _store_of(self, url: str) -> CheckpointStore:
+        return self._store(url).store
 
-    def _check_step(
-        self, url: str, step: int, ident: str | None, store_name: str, display: str
-    ) -> None:
-        """``step`` is committed, and (with an id) is the checkpoint the pointer names: step
-        numbers of different stores overlap, and a pointer copied next to another store would
-        load the wrong checkpoint.
-
-        Raises:
-            CheckpointNotFoundError: the step is not committed (or there is no store).
-            PointerError: another checkpoint. CheckpointError: the step cannot be read.
-        """
-        try:
-            manifest = self._store(url).store.manifest(step)
-        except CheckpointNotFoundError:
-            raise
-        except CheckpointError as exc:
-            raise _rewrap(exc, f"cannot load {display} (step {step} of {url}): {exc}") from exc
-        if ident is None:
-            return
-        audit = manifest.audit
-        metadata = audit.get("metadata")
-        recorded = metadata.get("checkpoint_id") if isinstance(metadata, dict) else None
-        if recorded != ident:
-            raise PointerError(
-                f"{display} names step {step} of {url}, but that step is another "
-                f"checkpoint (id {recorded}, not {ident}): the pointer file was copied "
-                "from another checkpoint directory or run; copy a checkpoint directory whole, "
-                f"with its {store_name} store"
-            )
-
-    def _replaced(
-        self, target: CheckpointFile, entry: _OpenStore
-    ) -> tuple[bytes | None, tuple[int, str | None] | None]:
-        """The pointer file at ``target`` that a save replaces (its bytes, to put back if the
-        save fails) and the (step, id) the new pointer keeps as ``previous``: the old pointer's
-        step, or, when that save never committed and is not in flight here, its own previous."""
-        if target.islink():
-            return None, None
-        head = target.head()
-        if head is None or not looks_like_pointer(head):
-            return None, None
-        data = target.read()
-        try:
-            old = Pointer.parse(data, target.display)
-        except CheckpointError:
-            return None, None
-        if old.store != self.store_name:
-            return None, None
-        if old.step in entry.inflight or old.step in entry.store.steps():
-            return data, (old.step, old.id)
-        if old.previous is None:
-            return data, None
-        return data, (old.previous, old.previous_id)
+    def _linked_file(self, path: PathLike) -> CheckpointFile:
+        return self._file(path, resolve=True)  # save_last="link": the file it links to
 
     def _restore(self, target: CheckpointFile, pointer: Pointer, old: bytes | None) -> None:
-        """After a failed save: put back the pointer file it replaced (or remove it), unless
-        the file was replaced meanwhile. Best effort: a reader falls back to ``previous``."""
-        try:
-            head = target.head()
-            if head is None or not looks_like_pointer(head) or target.islink():
-                return
-            if Pointer.parse(target.read(), target.display) != pointer:
-                return
-            if old is None:
-                target.remove()
-            else:
-                target.write_atomic(old, fsync=self.config.fsync)
-        except Exception as exc:
-            log.warning("could not restore %s after its save failed: %s", target.display, exc)
-
-    def _committed(self, target: CheckpointFile, entry: _OpenStore, pointer: Pointer) -> None:
-        """After the commit: release the step the pointer replaced, never before."""
-        if pointer.previous is not None and pointer.previous != pointer.step:
-            self._release(target, entry, pointer.store, pointer.previous)
-
-    def _finish_unnamed(self, entry: _OpenStore, handle: Any, step: int) -> None:
-        try:
-            handle.wait()
-        finally:
-            entry.inflight.discard(step)
+        """After a failed save: put back the pointer file it replaced (see
+        :func:`~.pointer_lifecycle.restore`)."""
+        pointer_lifecycle.restore(target, pointer, old, fsync=self.config.fsync)
 
     def _materialize(self) -> None:
-        """Replace the pointer files at ModelCheckpoint's best/last paths (as of the newest save)
-        by plain ``torch.save`` files of their checkpoints, and release their steps."""
-        import torch
-
+        """Write the best/last checkpoints as plain files (see :mod:`~.materialize`)."""
         with self._lock:
             marks, self._marks = self._marks, {}
-        paths: list[str] = []
-        for mark in marks.values():
-            paths.extend(p for kind, p in mark.items() if kind in self.materialize)
-        done: set[str] = set()
-        for path in paths:
-            target = self._file(path, resolve=True)  # save_last="link": the file it links to
-            if target.key in done:
-                continue
-            done.add(target.key)
-            head = target.head()
-            if head is None or not looks_like_pointer(head):
-                continue  # removed meanwhile, or already a plain file
-            pointer = Pointer.parse(target.read(), target.display)
-            state, loaded = self._execute(self._resolve(target.key), "cpu", None)
-            buffer = io.BytesIO()
-            torch.save(state, buffer)
-            del state
-            target.write_atomic(buffer.getvalue(), fsync=self.config.fsync)
-            log.info("IncrementalCheckpointIO: wrote %s as a plain checkpoint", target.display)
-            entry = self._store(target.store_url(pointer.store))
-            for step in dict.fromkeys((loaded, pointer.step, pointer.previous)):
-                if step is not None:  # the file no longer names them
-                    self._release(target, entry, pointer.store, step)
-
-    def _release(
-        self, target: CheckpointFile, entry: _OpenStore, store_name: str, step: int
-    ) -> None:
-        """Delete ``step`` unless a pointer file next to ``target`` still names it, as its step
-        or as the ``previous`` of a step that has not committed (its fallback)."""
-        try:
-            siblings = [p for p in target.siblings() if p.store == store_name]
-        except OSError as exc:  # cannot tell what still names it: keeping it is the safe side
-            log.warning(
-                "keeping step %d of %s: the pointer files next to %s could not be "
-                "read (%s); the step stays in the store (it costs space, nothing is lost)",
-                step,
-                store_name,
-                target.display,
-                exc,
-            )
-            return
-        named = {p.step for p in siblings}
-        fallbacks = [p for p in siblings if p.previous == step and p.step != step]
-        if fallbacks and step not in named:
-            committed = set(entry.store.steps())
-            if any(p.step not in committed for p in fallbacks):
-                named.add(step)
-        if step in named:
-            log.debug("keeping step %d of %s: another pointer file names it", step, store_name)
-            return
-        with entry.lock:  # no save may start while the engine deletes unreferenced objects
-            try:
-                entry.store.delete(step)
-            except CheckpointNotFoundError:
-                log.debug("step %d of %s was already deleted", step, entry.store.url)
-
-    def _submit(
-        self, work: Callable[[], None], what: str, *, track: str | None = None
-    ) -> Future[None]:
-        """Run ``work`` on the plug-in's background thread (which ends when idle). ``track``: a
-        store URL whose loads in this process wait for this work (a save's commit and the
-        pointer-file bookkeeping after it), whatever plug-in instance loads."""
-
-        def run() -> None:
-            try:
-                work()
-            except BaseException as exc:
-                log.error("IncrementalCheckpointIO: %s failed: %s", what, exc)
-                raise
-
-        with self._lock:
-            if self._executor is None:
-                self._executor = WorkerPool(1, "li-checkpoint-io")
-            # drained at exit before the stores it opened so far (newest registration first)
-            drain_at_exit(self, _finish_jobs)
-            # finished jobs stay only while their error is undelivered
-            self._jobs = [j for j in self._jobs if not j.done() or j.exception() is not None]
-            self._pending = {k: j for k, j in self._pending.items() if not j.done()}
-            job = self._executor.submit(run)
-            self._jobs.append(job)
-        if track is not None:
-            done = threading.Event()
-            inflight.track(track, done)
-            job.add_done_callback(lambda _: done.set())
-        return job
-
-    def _undelivered(self) -> list[BaseException]:
-        """Errors of finished jobs, each returned once."""
-        with self._lock:
-            done = [j for j in self._jobs if j.done()]
-            self._jobs = [j for j in self._jobs if j not in done]
-        return [e for e in (j.exception() for j in done) if e is not None]
+        materialize(
+            marks,
+            self.materialize,
+            file_of=self._linked_file,
+            load=lambda key: self._execute(
+                resolve(key, self._linked_file, self._store_of), "cpu", None
+            ),
+            entry_of=self._store,
+            fsync=self.config.fsync,
+        )
 
     def _raise_failed(self) -> None:
         """Raise the first background error; then warn about the saves that failed to commit,
@@ -958,101 +607,9 @@ class IncrementalCheckpointIO(CheckpointIO):
             Exception: a background error (other than a failed save).
             CheckpointError: ``max_consecutive_failures`` saves in a row failed.
         """
-        errors = self._undelivered()
-        for extra in errors[1:]:
-            log.error("another background checkpoint error: %r", extra)
-        if errors:
-            raise errors[0]
+        self._background.raise_first()
         self._failures.apply()
-
-
-class _OpenStore:
-    """One directory's store, the lock that orders saves against deletes, the next step."""
-
-    def __init__(self, store: CheckpointStore, store_url: str) -> None:
-        self.store = store
-        self.store_url = store_url  # as the plug-in names it (what loads wait for)
-        self.lock = threading.Lock()
-        self.reserved: int | None = None
-        self.saving: deque[Future[None]] = deque()  # this store's saves, oldest first
-        self.inflight: set[int] = set()  # steps this process is saving, not committed yet
-
-    def next_step(self, pointers: Callable[[], set[tuple[str, int]]], store_name: str) -> int:
-        """After every committed step and every step a pointer file names (a step deleted
-        from the store is not reused while a stale pointer might still name it)."""
-        if self.reserved is None:
-            named = [step for store, step in pointers() if store == store_name]
-            self.reserved = max([-1, *self.store.steps(), *named]) + 1
-        return self.reserved
-
-
-class _Plan(NamedTuple):
-    """What a load reads: a plain ``torch.save`` file, or one step of a store (None: its
-    newest). Rank 0 broadcasts it under DDP, so it holds only plain values."""
-
-    kind: str  # "torch" or "store"
-    location: str  # the file's local path, or the store's URL
-    step: int | None
-    display: str  # the path as the user wrote it, for messages
-
-
-def _finish_jobs(plugin: IncrementalCheckpointIO) -> None:
-    """Let saves still in flight when the interpreter exits commit and get their pointer file
-    (see :mod:`lightning_incremental.core.save.at_exit`).
-
-    A save made after ``teardown`` (``trainer.save_checkpoint`` after ``fit``, ``ddp_spawn``
-    handing the weights back to the main process) may still be running when the script ends.
-    """
-    with plugin._lock:
-        jobs = list(plugin._jobs)
-    for job in jobs:
-        job.exception()  # failures were logged when they happened
-
-
-def _progress(checkpoint: Any) -> dict[str, int | None]:
-    """The checkpoint's global step and epoch, when it records them as ints."""
-    out: dict[str, int | None] = {}
-    for key in ("global_step", "epoch"):
-        value = checkpoint.get(key) if isinstance(checkpoint, dict) else None
-        out[key] = value if is_int(value) else None
-    return out
-
-
-def _rewrap(exc: CheckpointError, message: str) -> CheckpointError:
-    """The same kind of error, with the Lightning path it was about."""
-    try:
-        return type(exc)(message)
-    except TypeError:
-        return CheckpointError(message)
 
 
 def _to_cpu(storage: Any, location: str) -> Any:
     return storage
-
-
-def _materialize_option(value: Any) -> tuple[str, ...]:
-    """``materialize`` as the tuple of kinds it asks for (empty: off).
-
-    Raises:
-        ConfigError: anything but a bool, ``"best"``, ``"last"`` or a collection of them.
-    """
-    if value is False or value is None:
-        return ()
-    if value is True:
-        return MATERIALIZE
-    kinds = (value,) if isinstance(value, str) else value
-    if not isinstance(kinds, (tuple, list, set, frozenset)) or not all(
-        k in MATERIALIZE for k in kinds
-    ):
-        raise ConfigError(
-            f"materialize must be True, False, 'best', 'last' or a list of them, got {value!r}"
-        )
-    return tuple(k for k in MATERIALIZE if k in kinds)
-
-
-def _raise_first(errors: list[BaseException], when: str) -> None:
-    """Raise the first of ``errors`` (if any); log the others, which would be lost."""
-    for extra in errors[1:]:
-        log.error("another checkpoint error %s: %r", when, extra)
-    if errors:
-        raise errors[0]

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -42,21 +44,28 @@ from lightning_incremental.lightning import sharded as _sharded
 from lightning_incremental.runtime import rng as _rng
 from lightning_incremental.runtime.coordinate import coordinated, describe
 
-if TYPE_CHECKING:
-    from lightning_incremental.lightning.callback import IncrementalCheckpoint
-
 log = logging.getLogger(__name__)
 
 KEY = "lightning_incremental"  # top-level checkpoint key: every rank's random and data state
 FORMAT = 1
 
 
+@dataclass(frozen=True)
+class ResumeSource:
+    """What :class:`ResumeHook` needs from the callback that installs it."""
+
+    url: str  # the store, for messages
+    sharded: bool  # every rank restores its own shards (see :mod:`~.sharded`)
+    store_for_reading: Callable[[], AbstractContextManager[CheckpointStore]]
+    resumed: Callable[[int], None]  # told the step the fit resumes from
+
+
 class ResumeHook:
-    """Makes ``trainer``'s checkpoint connector resume from ``callback``'s store when ``fit``
+    """Makes ``trainer``'s checkpoint connector resume from ``source``'s store when ``fit``
     has no ``ckpt_path``; :meth:`remove` undoes it."""
 
-    def __init__(self, callback: IncrementalCheckpoint, trainer: pl.Trainer) -> None:
-        self._callback = callback
+    def __init__(self, source: ResumeSource, trainer: pl.Trainer) -> None:
+        self._source = source
         self._trainer = trainer
         self.remove = _compat.replace_resume_start(trainer, self._resume_start)
 
@@ -69,7 +78,7 @@ class ResumeHook:
             original(None)
             return
         step, checkpoint = loaded
-        where = f"{self._callback.url} (step {step})"
+        where = f"{self._source.url} (step {step})"
         rank_zero_info(f"Restoring states from the checkpoint path at {where}")
         saved = checkpoint.get(KEY)
         if isinstance(saved, dict) and saved.get("ranks") and saved["ranks"][0].get("boundary"):
@@ -78,16 +87,16 @@ class ResumeHook:
 
     def _load_newest(self) -> tuple[int, dict[str, Any]] | None:
         """Rank 0 picks the newest readable step; every rank loads that step (collective)."""
-        trainer, callback = self._trainer, self._callback
+        trainer, source = self._trainer, self._source
         strategy = trainer.strategy
-        url = callback.url
+        url = source.url
         checkpoint: dict[str, Any] | None = None
-        sharded = callback._sharded
+        sharded = source.sharded
         into = _sharded.live_state(trainer) if sharded else _live(trainer)  # on every rank
 
         def newest() -> int | None:
             nonlocal checkpoint
-            with callback._store_for_reading() as store:
+            with source.store_for_reading() as store:
                 step, checkpoint = _newest(store, into)
             return step
 
@@ -103,7 +112,7 @@ class ResumeHook:
             return None
         if not trainer.is_global_zero:
             try:
-                with callback._store_for_reading() as store:
+                with source.store_for_reading() as store:
                     checkpoint = store.load(step, map_location="cpu", into=into, strict_into=False)
             except Exception as exc:  # reported to every rank by the decision below
                 error = exc
@@ -118,7 +127,7 @@ class ResumeHook:
         assert checkpoint is not None
         if sharded:  # these strategies restore after setup, and not through Lightning's hooks
             _sharded.apply(trainer, checkpoint)
-        callback._resumed_step = step
+        source.resumed(step)
         rank_zero_info(
             f"IncrementalCheckpoint: resuming from step {step} (epoch {checkpoint.get('epoch')}) "
             f"of {url}"

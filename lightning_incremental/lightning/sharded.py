@@ -15,6 +15,29 @@ these strategies restore after ``setup`` and their own ``load_model_state_dict``
 
 :func:`layout` sorts a strategy into ``REPLICATED`` (every rank holds the whole state: single
 device, DDP, DataParallel), ``SHARDED`` (the two above) or refuses it with the reason.
+
+IncrementalCheckpointIO and these strategies
+--------------------------------------------
+Lightning calls a ``CheckpointIO`` only from strategies that save one full checkpoint on global
+rank 0: single device, DDP (all its launchers, ``ddp_spawn`` included) and similar. Lightning
+gives a ``CheckpointIO`` no setup hook, so it cannot see the strategy; these are *not* covered:
+
+- ``DeepSpeedStrategy``: saves and loads with DeepSpeed's own checkpointing, never calling the
+  plug-in (its checkpoints stay DeepSpeed directories);
+- ``FSDPStrategy``/``ModelParallelStrategy`` with sharded state (their default): the same, with
+  ``torch.distributed.checkpoint``;
+- ``FSDPStrategy(state_dict_type="full")`` / ``ModelParallelStrategy(save_distributed_checkpoint
+  =False)``: gathers the whole state to rank 0 and saves it through the plug-in (a complete
+  checkpoint, saved as any other), but loads paths itself with ``torch.load(path, mmap=True)``,
+  which fails on a pointer file ("mmap can only be used with files saved with torch.save").
+
+The plug-in warns where it can tell: at the first save a full-state sharded strategy makes
+through it (``materialize`` makes the best/last files plain ones when ``fit`` ends), and at the
+end of a ``fit`` under ``FSDPStrategy`` that saved nothing through it
+(``ModelParallelStrategy`` does not even call a CheckpointIO's ``teardown``, so nothing tells
+the plug-in there). See :mod:`lightning_incremental.lightning.sharded`.
+
+The ``IncrementalCheckpoint`` callback covers these strategies where it can.
 """
 
 from __future__ import annotations

@@ -1,0 +1,274 @@
+"""What :class:`~.callback.IncrementalCheckpoint` holds for one ``fit`` (:class:`FitState`),
+and the two small pieces it puts beside the Trainer: :class:`TrainerLoop` (what the save-point
+decisions ask the training loop) and :class:`BetweenEpochs` (the callback that runs first, for the
+save due at an epoch's end); :func:`open_fit_store` opens the store at a fit's setup."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.warnings import PossibleUserWarning
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_incremental.core import CheckpointStore
+from lightning_incremental.core.commit import fencing
+from lightning_incremental.lightning import compat as _compat
+from lightning_incremental.lightning import data_position as dp
+from lightning_incremental.lightning import resume
+from lightning_incremental.lightning.fit_checks import replicated_state
+from lightning_incremental.lightning.resume import ResumeHook
+from lightning_incremental.lightning.save_points import BatchCounts, Declined, SaveNow, SavePoints
+from lightning_incremental.lightning.saver import Saver
+from lightning_incremental.runtime import replica_policy
+from lightning_incremental.runtime.coordinate import coordinated
+from lightning_incremental.runtime.watchdog import Watchdog
+
+_LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+@dataclass
+class FitState:
+    """What :class:`~.callback.IncrementalCheckpoint` holds for one ``fit``: a new one at every
+    setup (everything it resets there)."""
+
+    points: SavePoints
+    url: str | None = None
+    saver: Saver | None = None
+    resume_hook: ResumeHook | None = None
+    disabled: bool = False  # fast_dev_run
+    newest: int | None = None  # the store's newest step when the fit started
+    resumed_step: int | None = None
+    payload: dict[str, Any] | None = None  # per-rank state of the restored checkpoint
+    restored: bool = False
+    finish_restart: bool = False  # resumed mid-epoch: leave Lightning's restart mode
+    front: BetweenEpochs | None = None
+    epoch_record: dict[str, Any] | None = None
+    iter_at_epoch_start: object | None = None
+    check_iter: bool = False
+    skip_epoch_record: bool = False
+    warnings_guard: warnings.catch_warnings[Any] | None = None
+    generation: int | None = None
+    watchdog: Watchdog | None = None
+    sharded: bool = False  # the strategy shards the state (see _sharded.layout)
+
+    def resumed(self, step: int) -> None:
+        """The fit resumed from ``step`` of the store (told by ResumeHook)."""
+        self.resumed_step = step
+
+    def epoch_started(self, trainer: pl.Trainer) -> None:
+        """A training epoch starts: record how it begins (to recreate it on a mid-epoch resume)."""
+        self.points.epoch_started()
+        if self.skip_epoch_record:  # this epoch's iterator was just recreated from a record
+            self.skip_epoch_record = False
+            return
+        self.epoch_record = dp.record_epoch_start(trainer, iter_created=False)
+        self.iter_at_epoch_start = dp.epoch_iterator(trainer)
+        self.check_iter = True
+
+    def batch_started(self, trainer: pl.Trainer) -> None:
+        self.close_warnings_guard()
+        if self.finish_restart:
+            self.finish_restart = False
+            _compat.finish_restart(trainer)
+        if self.check_iter:  # did Lightning create this epoch's iterator before or after us?
+            self.check_iter = False
+            if self.epoch_record is not None:
+                created = dp.epoch_iterator(trainer) is self.iter_at_epoch_start
+                self.epoch_record["iter_created"] = created
+            self.iter_at_epoch_start = None
+        self.points.batch_started(trainer.global_step)
+
+    def restore_position(self, trainer: pl.Trainer) -> None:
+        """Put this rank's random state and data position back from the restored checkpoint."""
+        restored = resume.restore_rank_state(trainer, self.payload)
+        self.payload = None
+        if restored is None:
+            return
+        self.epoch_record = restored.epoch_record
+        self.skip_epoch_record = restored.recreated and not restored.mid_epoch
+        self.points.epoch_open = restored.mid_epoch
+        self.finish_restart = restored.mid_epoch
+        if restored.mid_epoch and restored.epoch_record is not None:
+            # Lightning warns that a plain dataloader restarts its epoch: here it does not.
+            self.warnings_guard = warnings.catch_warnings()
+            self.warnings_guard.__enter__()
+            warnings.filterwarnings(
+                "ignore", message=_LIGHTNING_NOT_RESUMABLE, category=PossibleUserWarning
+            )
+
+    def check_replicas(self, trainer: pl.Trainer, replica_check: str) -> replica_policy.Verdict:
+        """Compare the replicas' weights and optimizer state (every rank at once); see
+        :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
+        if trainer.world_size == 1 or self.sharded:  # shards differ by design
+            return replica_policy.Verdict(None)
+        saver = self.saver
+        assert saver is not None
+        return replica_policy.check_before_save(
+            lambda: replicated_state(trainer),
+            replica_check,
+            finish_saves=lambda: saver.collect(block=True),
+            barrier=trainer.strategy.barrier,
+        )
+
+    def exception_decision(self, trainer: pl.Trainer, last_saved: int | None) -> SaveNow | None:
+        """The save-point decision at an exception (see :meth:`SavePoints.at_exception`), with
+        the reason told when it declines."""
+        if self.disabled:
+            return None
+        total: Any = _compat.batch_progress_total(trainer)
+        decision = self.points.at_exception(
+            trainer.global_step,
+            last_saved,
+            fitting=trainer.state.fn == TrainerFn.FITTING,
+            world_size=trainer.world_size,
+            validating=bool(trainer.sanity_checking or trainer.validating),
+            batches=BatchCounts(total.ready, total.started, total.processed, total.completed),
+        )
+        if isinstance(decision, Declined):
+            newest = self.saver.last_committed if self.saver is not None else None
+            last = "none yet" if newest is None else f"newest committed checkpoint: step {newest}"
+            rank_zero_warn(
+                f"IncrementalCheckpoint: not saving on exception: {decision.why} ({last})."
+            )
+            return None
+        return decision
+
+    def reader(
+        self, open_store: Callable[[], CheckpointStore]
+    ) -> Callable[[], AbstractContextManager[CheckpointStore]]:
+        """For ResumeHook: the writing store where this rank has one (rank 0; every rank of a
+        sharded run): a resumed run's first save then builds on what it loaded. Elsewhere a
+        store from ``open_store``, closed after reading."""
+
+        @contextlib.contextmanager
+        def store_for_reading() -> Iterator[CheckpointStore]:
+            store = self.saver.store if self.saver is not None else None
+            if store is not None:
+                yield store
+                return
+            store = open_store()
+            try:
+                yield store
+            finally:
+                store.close()
+
+        return store_for_reading
+
+    def shutdown(self, *, raise_errors: bool, finished: bool = True) -> None:
+        """End this ``fit``'s machinery. ``finished``: training ended normally; otherwise the
+        watchdog stops without telling the others this rank is done (if they wait for it, they
+        must find it dead and restart rather than wait out a collective timeout)."""
+        dog, self.watchdog = self.watchdog, None
+        if dog is not None:
+            dog.stop(finished=finished)
+        self.close_warnings_guard()
+        hook, self.resume_hook = self.resume_hook, None
+        if hook is not None:
+            hook.remove()
+        if self.saver is not None:
+            self.saver.close(raise_errors=raise_errors)
+
+    def close_warnings_guard(self) -> None:
+        guard, self.warnings_guard = self.warnings_guard, None
+        if guard is not None:
+            guard.__exit__(None, None, None)
+
+
+class TrainerLoop:
+    """:class:`~.save_points.Loop` over a Trainer."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+
+    def time_due(self, due_here: bool) -> bool:
+        agreed: bool = self.trainer.strategy.broadcast(due_here, src=0)  # rank 0's clock decides
+        return agreed
+
+    def max_steps_reached(self) -> bool:
+        return _compat.max_steps_reached(self.trainer)
+
+    def epoch_ends_here(self) -> bool:
+        return _compat.epoch_ends_here(self.trainer)
+
+    def validation_follows(self) -> bool:
+        return _compat.validation_follows(self.trainer)
+
+
+class BetweenEpochs(Callback):
+    """Runs first among the trainer's callbacks, to take the checkpoint due at an epoch's end
+    once Lightning finished that epoch and before anything begins the next one (it holds no
+    state; ``IncrementalCheckpoint`` adds it to the trainer in ``setup``). ``at_epoch_start``:
+    the owner's handler."""
+
+    def __init__(self, owner: Callback, at_epoch_start: Callable[[pl.Trainer], None]) -> None:
+        self.owner = owner
+        self._at_epoch_start = at_epoch_start
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return f"{type(self).__qualname__}[{self.owner.state_key}]"
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._at_epoch_start(trainer)
+
+
+def open_fit_store(
+    trainer: pl.Trainer,
+    fit: FitState,
+    open_store: Callable[..., CheckpointStore],
+    *,
+    claim_unless_refused: bool,
+) -> CheckpointStore | None:
+    """Open the store at a ``fit``'s setup and note its newest step and the fencing generation
+    claimed in ``fit``; returns this rank's writing store (None on the ranks that do not save).
+
+    Rank 0 opens the store; whatever happens there, every rank learns it, so a failure never
+    leaves the other ranks waiting in a collective. Sharded over several ranks, every rank then
+    opens the store it saves its own shards through (a collective). ``open_store(distributed=)``
+    opens the store; ``claim_unless_refused``: claim a generation even on a store that holds
+    checkpoints (resume=True; a run about to refuse the store does not take it).
+    """
+    distributed = fit.sharded and trainer.world_size > 1
+    store: CheckpointStore | None = None
+
+    def open_on_coordinator() -> tuple[int | None, int | None]:
+        nonlocal store
+        store = open_store()
+        try:
+            steps = store.steps()
+            newest = steps[-1] if steps else None
+            generation = None
+            # A new incarnation of the job fences off the previous ones — unless this run is
+            # about to refuse the store (resume=False on a store in use: not ours to take).
+            if fencing.should_claim(trainer.world_size) and (
+                claim_unless_refused or newest is None
+            ):  # the claim keeps what is visible
+                generation = store.claim_generation(fencing.restart_count())
+        except BaseException:
+            store.close()
+            raise
+        if distributed:
+            store.close()
+            store = None
+        return newest, generation
+
+    fit.newest, fit.generation = coordinated(
+        open_on_coordinator,
+        what=f"open the checkpoint store {fit.url}",
+        is_coordinator=trainer.is_global_zero,
+        broadcast=trainer.strategy.broadcast,
+    )
+    if distributed:
+        store = open_store(distributed=True)
+    return store

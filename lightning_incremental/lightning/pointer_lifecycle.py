@@ -1,0 +1,231 @@
+"""The pointer files of :class:`~.checkpoint_io.IncrementalCheckpointIO` beside each store:
+which step a new one names, what it replaces, and when a step it no longer names is released.
+
+Lightning addresses checkpoints by file path and finds them by listing directories (``"last"``
+is the newest ``last*.ckpt`` file, ``best_model_path`` is a path, every ``fit/validate/test/
+predict(ckpt_path=...)`` checks that the file exists). So each path stays a real file:
+
+- every directory that checkpoints are saved to holds one engine store, in the hidden
+  sub-directory ``<dir>/.incremental`` (``store_name``);
+- each save becomes the next step of that store: steps are a sequence number (0, 1, 2, ...),
+  not the global step, because ModelCheckpoint saves the same global step under several names
+  (a top-k file and ``last.ckpt``); the second save costs a manifest, since nothing changed;
+- at the path Lightning asked for, a small *pointer file* names the store (relative to the
+  pointer's own directory, so a checkpoint directory can be moved or copied whole) and the step:
+  a short header that makes ``torch.load`` fail saying what the file is and how to load it
+  (:mod:`lightning_incremental.lightning.pointers`), then the JSON document::
+
+      {"format": "lightning-incremental-pointer", "version": 1, "store": ".incremental",
+       "step": 7, "id": "<32 hex digits>", "global_step": 400, "epoch": 3,
+       "previous": 5, "previous_id": "<32 hex digits>", "writer": {"host": ..., "pid": ...}}
+
+  It is written by ``save_checkpoint`` itself, as soon as the engine has snapshotted the state
+  and before the step commits, atomically (a temporary file renamed into place on local disks,
+  one PUT on object stores): Lightning's callbacks expect the file right after the save
+  (ModelCheckpoint's ``-v1`` version counter, ``save_last="link"``). ``previous`` names the step
+  of the pointer it replaced (the same path's older checkpoint); that step is kept until the
+  new one commits, and released only then.
+- a pointer whose step has not committed is *pending*. Loading it waits for the save when this
+  process is making it, through this plug-in instance or another (a second ``Trainer``): every
+  save is registered in :mod:`lightning_incremental.core.save.inflight` under its store. Otherwise
+  another process is still writing it (its ``writer`` is alive), or the save never committed
+  (its writer died between the pointer and the commit, or the save failed): the load falls back
+  to ``previous`` when that is committed, with a warning naming both steps and which case it
+  is, and else raises ``CheckpointNotFoundError`` saying so. A save that fails in the
+  background also puts the replaced pointer file back (or removes its own, when it replaced
+  none).
+
+``remove_checkpoint(path)`` (top-k rotation, replaced ``last`` files) deletes the pointer file,
+then the step, unless another pointer file in the directory names the same step (a ``last.ckpt``
+copy) or names it as the ``previous`` of a pending step. Overwriting a pointer (ModelCheckpoint
+rewrites ``last.ckpt``) releases the old step the same way, once the new one committed. The
+engine deletes a step's objects only when no remaining checkpoint needs them, so a removal never
+breaks a kept checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from lightning_incremental.core import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointStore,
+    SaveHandle,
+    UnsupportedValueError,
+)
+from lightning_incremental.lightning.pointers import (
+    CheckpointFile,
+    Pointer,
+    Writer,
+    is_int,
+    looks_like_pointer,
+)
+
+log = logging.getLogger(__name__)
+
+
+class OpenStore:
+    """One directory's store, the lock that orders saves against deletes, the next step."""
+
+    def __init__(self, store: CheckpointStore, store_url: str) -> None:
+        self.store = store
+        self.store_url = store_url  # as the plug-in names it (what loads wait for)
+        self.lock = threading.Lock()
+        self.reserved: int | None = None
+        self.saving: deque[Future[None]] = deque()  # this store's saves, oldest first
+        self.inflight: set[int] = set()  # steps this process is saving, not committed yet
+
+    def next_step(self, pointers: Callable[[], set[tuple[str, int]]], store_name: str) -> int:
+        """After every committed step and every step a pointer file names (a step deleted
+        from the store is not reused while a stale pointer might still name it)."""
+        if self.reserved is None:
+            named = [step for store, step in pointers() if store == store_name]
+            self.reserved = max([-1, *self.store.steps(), *named]) + 1
+        return self.reserved
+
+    def finish_unnamed(self, handle: Any, step: int) -> None:
+        """Wait for a save whose pointer file could not be written (it commits unnamed)."""
+        try:
+            handle.wait()
+        finally:
+            self.inflight.discard(step)
+
+
+def replaced(
+    target: CheckpointFile, entry: OpenStore, store_name: str
+) -> tuple[bytes | None, tuple[int, str | None] | None]:
+    """The pointer file at ``target`` that a save replaces (its bytes, to put back if the save
+    fails) and the (step, id) the new pointer keeps as ``previous``: the old pointer's step, or,
+    when that save never committed and is not in flight here, its own previous."""
+    if target.islink():
+        return None, None
+    head = target.head()
+    if head is None or not looks_like_pointer(head):
+        return None, None
+    data = target.read()
+    try:
+        old = Pointer.parse(data, target.display)
+    except CheckpointError:
+        return None, None
+    if old.store != store_name:
+        return None, None
+    if old.step in entry.inflight or old.step in entry.store.steps():
+        return data, (old.step, old.id)
+    if old.previous is None:
+        return data, None
+    return data, (old.previous, old.previous_id)
+
+
+def restore(target: CheckpointFile, pointer: Pointer, old: bytes | None, *, fsync: bool) -> None:
+    """After a failed save: put back the pointer file it replaced (or remove it), unless the
+    file was replaced meanwhile. Best effort: a reader falls back to ``previous``."""
+    try:
+        head = target.head()
+        if head is None or not looks_like_pointer(head) or target.islink():
+            return
+        if Pointer.parse(target.read(), target.display) != pointer:
+            return
+        if old is None:
+            target.remove()
+        else:
+            target.write_atomic(old, fsync=fsync)
+    except Exception as exc:
+        log.warning("could not restore %s after its save failed: %s", target.display, exc)
+
+
+def committed(target: CheckpointFile, entry: OpenStore, pointer: Pointer) -> None:
+    """After the commit: release the step the pointer replaced, never before."""
+    if pointer.previous is not None and pointer.previous != pointer.step:
+        release(target, entry, pointer.store, pointer.previous)
+
+
+def release(target: CheckpointFile, entry: OpenStore, store_name: str, step: int) -> None:
+    """Delete ``step`` unless a pointer file next to ``target`` still names it, as its step or
+    as the ``previous`` of a step that has not committed (its fallback)."""
+    try:
+        siblings = [p for p in target.siblings() if p.store == store_name]
+    except OSError as exc:  # cannot tell what still names it: keeping it is the safe side
+        log.warning(
+            "keeping step %d of %s: the pointer files next to %s could not be "
+            "read (%s); the step stays in the store (it costs space, nothing is lost)",
+            step,
+            store_name,
+            target.display,
+            exc,
+        )
+        return
+    named = {p.step for p in siblings}
+    fallbacks = [p for p in siblings if p.previous == step and p.step != step]
+    if fallbacks and step not in named:
+        steps = set(entry.store.steps())
+        if any(p.step not in steps for p in fallbacks):
+            named.add(step)
+    if step in named:
+        log.debug("keeping step %d of %s: another pointer file names it", step, store_name)
+        return
+    with entry.lock:  # no save may start while the engine deletes unreferenced objects
+        try:
+            entry.store.delete(step)
+        except CheckpointNotFoundError:
+            log.debug("step %d of %s was already deleted", step, entry.store.url)
+
+
+def snapshot(
+    checkpoint: dict[str, Any], target: CheckpointFile, entry: OpenStore, store_name: str
+) -> tuple[Pointer, SaveHandle]:
+    """Snapshot ``checkpoint`` as the store's next step (the engine's ``save``: it commits in
+    the background) and return the pointer that names it (no ``previous`` yet) and the handle.
+
+    Raises:
+        UnsupportedValueError: a value that needs pickle, without ``allow_pickle``.
+    """
+    with entry.lock:
+        step = entry.next_step(lambda: target.sibling_pointers(), store_name)
+        progress = _progress(checkpoint)
+        pointer = Pointer(
+            store_name,
+            step,
+            uuid.uuid4().hex,
+            global_step=progress["global_step"],
+            epoch=progress["epoch"],
+            writer=Writer.this_process(),
+        )
+        try:
+            handle = entry.store.save(
+                checkpoint,
+                step,
+                metadata={
+                    "path": target.display,
+                    "checkpoint_id": pointer.id,
+                    "global_step": pointer.global_step,
+                    "epoch": pointer.epoch,
+                },
+            )
+        except UnsupportedValueError as exc:
+            raise UnsupportedValueError(
+                f"cannot save checkpoint {target.display}: {exc}\n"
+                "With IncrementalCheckpointIO: make the value plain data (for "
+                "hyper-parameters, e.g. self.save_hyperparameters(vars(args)) or "
+                "save_hyperparameters(ignore=[...])), or construct "
+                "IncrementalCheckpointIO(allow_pickle=True) if every reader trusts these "
+                "checkpoints."
+            ) from exc
+        entry.reserved = step + 1
+        entry.inflight.add(step)
+    return pointer, handle
+
+
+def _progress(checkpoint: Any) -> dict[str, int | None]:
+    """The checkpoint's global step and epoch, when it records them as ints."""
+    out: dict[str, int | None] = {}
+    for key in ("global_step", "epoch"):
+        value = checkpoint.get(key) if isinstance(checkpoint, dict) else None
+        out[key] = value if is_int(value) else None
+    return out

@@ -37,12 +37,12 @@ def state(value: float) -> dict[str, torch.Tensor]:
 
 def test_claims_grow_and_respect_the_minimum(store_url: str) -> None:
     with small_store(store_url) as store:
-        assert store.claim_generation() == 0
-        assert store.claim_generation() == 1
+        assert store.claim_generation() == 1  # 0: the writers that joined before any claim
+        assert store.claim_generation() == 2
         assert store.claim_generation(minimum=5) == 5
         assert store.claim_generation(minimum=2) == 6
         assert store.generation == 6
-        assert fencing.generations(store.storage) == [0, 1, 5, 6]
+        assert fencing.generations(store.storage) == [1, 2, 5, 6]
         store.save(state(1.0), 1).wait()
         assert store.manifest(1).generation == 6
     with small_store(store_url) as other:  # a store that never claims joins the newest
@@ -63,10 +63,10 @@ def test_a_writer_generation_is_fixed_at_first_use() -> None:
 
 def test_a_fenced_off_writer_cannot_commit(store_url: str) -> None:
     old = small_store(store_url)
-    assert old.claim_generation() == 0
+    assert old.claim_generation() == 1
     old.save(state(1.0), 1).wait()
     with small_store(store_url) as new:
-        assert new.claim_generation() == 1
+        assert new.claim_generation() == 2
         handle = old.save(state(2.0), 2)
         with pytest.raises(FencedError, match=r"step 2 not committed.*generation 1"):
             handle.wait()
@@ -183,8 +183,8 @@ def test_claimants_never_share_a_generation(local_url: str) -> None:
             return super().put(path, data, overwrite=overwrite)
 
     with small_store(Racing(inner)) as store:
-        assert store.claim_generation() == 1
-    assert fencing.generations(inner) == [0, 1]
+        assert store.claim_generation() == 2
+    assert fencing.generations(inner) == [1, 2]
 
 
 ZOMBIE = textwrap.dedent(
@@ -229,7 +229,7 @@ def test_a_frozen_writer_that_wakes_up_writes_nothing_visible(local_url: str, mo
             assert time.monotonic() < deadline, "the writer never froze"
             time.sleep(0.05)
         with small_store(local_url) as new:
-            assert new.claim_generation() == 1
+            assert new.claim_generation() == 2
             os.kill(zombie.pid, signal.SIGCONT)
             out, _ = zombie.communicate(timeout=60)
             assert zombie.returncode == 3, out

@@ -121,7 +121,7 @@ def test_a_frozen_lease_holder_commits_nothing_visible_after_a_takeover(local_ur
         _kill(holder)
 
 
-# A restarted job's previous incarnation (same run id, generation 0, keep_last=1) frozen in
+# A restarted job's previous incarnation (same run id, generation 1, keep_last=1) frozen in
 # its retention after committing step 2: it planned what to keep, and stops at the sweep.
 FROZEN_RETENTION = """
     import os, signal, sys, torch
@@ -153,14 +153,14 @@ FROZEN_RETENTION = """
 
 
 def test_a_fenced_zombie_deletes_nothing(local_url: str, monkeypatch) -> None:
-    """The restarted job (same run id) claims generation 1 over the frozen one, resumes from
+    """The restarted job (same run id) claims generation 2 over the frozen one, resumes from
     step 2 and saves step 3; the zombie wakes mid-retention and must delete nothing (with no
     minimum object age to help it): every object of step 3 stays."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-retention")
     zombie = _start_frozen(FROZEN_RETENTION, local_url)
     try:
         with small_store(local_url) as new:
-            assert new.claim_generation(1) == 1
+            assert new.claim_generation(1) == 2
             assert_state_equal(new.load(), state(2.0))
             new.save(state(3.0), 3).wait()
             before = set(new.storage.list("packs"))
@@ -311,3 +311,40 @@ def test_a_clock_marker_left_by_a_crash_is_swept_later(local_url: str) -> None:
         os.utime(Path(local_url, CLOCK_DIR, "left-by-a-crash"), (stamp, stamp))
         store.gc()
         assert store.storage.list(CLOCK_DIR) == [f"{CLOCK_DIR}/written-just-now"]
+
+
+def test_a_writer_frozen_before_its_first_lease_record_is_fenced_off_by_the_first_claim(
+    local_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer of the job's previous incarnation stops in its very first save, before its
+    lease record lands (nothing was claimed yet: it joined generation 0). The restarted job
+    claims the store and finishes (it releases the lease). The old writer wakes: it takes the
+    released lease, but the first claim was above the generation it joined, so what it commits
+    is not visible and it is told so."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-first")
+    root = local_url
+
+    class FreezesAtItsLease(LocalStorage):
+        """The old process's storage (a location key of its own: its own lease)."""
+
+        frozen = False
+
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            self.url = f"{path} (old process)"
+
+        def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
+            if path.startswith("lease/") and not self.frozen:
+                self.frozen = True  # meanwhile, the restarted job runs and ends
+                with small_store(root) as restarted:
+                    restarted.claim_generation()
+            return super().put(path, data, overwrite=overwrite)
+
+    old = CheckpointStore(FreezesAtItsLease(root), chunk_size=4096, pack_size=16384)
+    try:
+        with pytest.raises(FencedError, match="step 1 not committed"):
+            old.save(state(1.0), 1).wait()
+    finally:
+        old.close()
+    with small_store(root) as reader:
+        assert reader.steps() == []

@@ -145,7 +145,7 @@ def test_a_killed_process_is_restarted_by_the_launcher_and_resumes_exactly(
     assert result["resumed"] == 6
     assert_identical(reference, result)
     with CheckpointStore(env["JOB_STORE"]) as store:
-        assert [store.manifest(s).generation for s in store.steps()] == [0, 0, 1, 1, 1]
+        assert [store.manifest(s).generation for s in store.steps()] == [1, 1, 2, 2, 2]
 
 
 def test_launch_flag_routes_save_state_and_load_state(

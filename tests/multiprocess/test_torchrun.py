@@ -162,7 +162,7 @@ def test_the_reference_runs_without_a_restart(runs: dict[str, dict[str, Any]]) -
     ref = runs["reference"]
     assert {e["restart"] for e in ref["events"]} == {0}
     assert started(ref, 0)["resumed_from"] is None
-    assert started(ref, 0)["generation"] == 0
+    assert started(ref, 0)["generation"] == 1
 
 
 def test_sigkill_of_rank_1_then_of_rank_0_recovers_bit_exactly(
@@ -176,7 +176,7 @@ def test_sigkill_of_rank_1_then_of_rank_0_recovers_bit_exactly(
     # (2 steps), plus the save that was still being written when rank 0 died.
     first, second = started(run, 1), started(run, 2)
     assert first["resumed_from"] in (2, 4) and second["resumed_from"] in (6, 8)
-    assert [started(run, r)["generation"] for r in (0, 1, 2)] == [0, 1, 2]
+    assert [started(run, r)["generation"] for r in (0, 1, 2)] == [1, 2, 3]
     for restart in (1, 2):  # every rank resumed from the same step
         assert started(run, restart, 1)["resumed_from"] == started(run, restart)["resumed_from"]
     _report(run, "kill")
@@ -206,17 +206,18 @@ def test_a_frozen_rank_is_fenced_off_and_the_run_recovers_bit_exactly(
     # the freeze; the checkpoint whose commit was killed is not the one that is visible.
     store = CheckpointStore(run["store"])
     try:
-        assert fencing.generations(store.storage) == [0, 1, 2]
+        assert fencing.generations(store.storage) == [1, 2, 3]
         visible = store.steps()
         assert visible == list(range(2, 13, 2)), visible
         by_step = {s: store.manifest(s).generation for s in visible}
-        fence1 = fencing.parse(store.storage.get(fencing.fence_path(1)), 1, "fence 1")
+        # Generation g + 1 is restart g's (0 is what writers join before any claim).
+        fence1 = fencing.parse(store.storage.get(fencing.fence_path(2)), 2, "fence 2")
         assert all(s <= stop["step"] for s in fence1.accepted)
-        assert all(by_step[s] == 0 for s in fence1.accepted)
-        assert all(g >= 1 for s, g in by_step.items() if s not in fence1.accepted)
+        assert all(by_step[s] == 1 for s in fence1.accepted)
+        assert all(g >= 2 for s, g in by_step.items() if s not in fence1.accepted)
         # Checkpoint 10 is the one restart 2 wrote; restart 1 died before committing it.
-        assert by_step[10] == 2
-        fence2 = fencing.parse(store.storage.get(fencing.fence_path(2)), 2, "fence 2")
+        assert by_step[10] == 3
+        fence2 = fencing.parse(store.storage.get(fencing.fence_path(3)), 3, "fence 3")
         assert 10 not in fence2.accepted and max(fence2.accepted) < 10
         assert started(run, 2)["resumed_from"] == max(fence2.accepted)
         # Nothing outside the visible history: no stray manifests from any generation.
@@ -286,7 +287,7 @@ def test_stop_restarts_from_the_last_good_checkpoint(runs: dict[str, dict[str, A
     assert started(run, 1)["resumed_from"] == 4  # the diverged step 6 was never committed
     with CheckpointStore(run["store"]) as store:
         assert store.steps() == list(range(2, 13, 2))
-        assert store.manifest(6).generation == 1
+        assert store.manifest(6).generation == 2
 
 
 def test_a_hung_rank_is_found_by_the_watchdog_and_the_run_recovers(

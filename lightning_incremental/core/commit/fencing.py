@@ -17,7 +17,9 @@ Create-only writes (local link, S3 ``If-None-Match``) make two claimants of the 
 impossible: the loser takes the next number. On a backend without an atomic create-only write
 (an S3 endpoint without conditional writes, some fsspec filesystems) the claimant reads its record
 back, which narrows the race but cannot close it: there, fencing is best effort. Stores that
-never claim join the newest generation.
+never claim join the newest generation, fixed when they first write; before any claim that is
+generation 0, so every claim is at least 1 (a writer that joined before the first claim, then
+froze, is fenced off by it like any other).
 
 A damaged newest fence record (e.g. truncated by a crash with ``fsync=False``) stops every read
 with an error naming it; deleting that file restores the previous generation's rule.
@@ -223,7 +225,8 @@ class Fencing:
 
     def claim(self, minimum: int, visible: Callable[[], list[int]]) -> int:
         """Claim the next generation (at least ``minimum``, above every generation claimed or
-        written): write its fence record, listing ``visible()`` steps, create-only."""
+        written, and at least 1: 0 is the generation of writers that joined before any claim):
+        write its fence record, listing ``visible()`` steps, create-only."""
         generation = minimum
         while True:
             fence = newest(self.storage)
@@ -234,7 +237,10 @@ class Fencing:
                     written = self._read(steps[-1]).generation + 1
                 except CheckpointError:
                     written = 0
-            generation = max(generation, written, fence.generation + 1 if fence else 0)
+            # Generation 0 is what writers join while nothing was claimed: a claim is always
+            # above it, or a writer that joined before the first claim (one frozen in its first
+            # save) would write manifests as visible as the claimant's.
+            generation = max(generation, written, fence.generation + 1 if fence else 1)
             data = record(generation, steps, minimum)
             path = fence_path(generation)
             # Create-only, then read back: on a backend whose create-only write is a check then

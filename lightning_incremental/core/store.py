@@ -181,9 +181,9 @@ class CheckpointStore:
     def claim_generation(self, minimum: int = 0) -> int:
         """Claim a new fencing generation for this writer: at least ``minimum`` (e.g. the
         launcher's restart count), at least 1 (0 is the generation of writers that joined before
-        any claim) and greater than every generation claimed or written in storage. Checkpoints that older generations write from now on are never visible, and
-        their commits raise :class:`FencedError` (see
-        :mod:`~lightning_incremental.core.commit.fencing`).
+        any claim) and greater than every generation claimed or written in storage.
+        Checkpoints that older generations write from now on are never visible, and their
+        commits raise :class:`FencedError` (see :mod:`~lightning_incremental.core.commit.fencing`).
 
         Call once per (re)start of a job, on the process that commits, before saving.
 

@@ -68,8 +68,16 @@ def blocks(path: Path) -> list[Block]:
             j += 1
         if j == len(lines):
             raise AssertionError(f"{path}:{i + 1}: a code block that is never closed")
-        found.append(Block(path, i + 1, kind, "\n".join(body) + "\n",
-                           bool(NOT_RUN.match(previous)), bool(SLOW.match(previous))))
+        found.append(
+            Block(
+                path,
+                i + 1,
+                kind,
+                "\n".join(body) + "\n",
+                bool(NOT_RUN.match(previous)),
+                bool(SLOW.match(previous)),
+            )
+        )
         i = j + 1
     return found
 
@@ -83,8 +91,12 @@ def problem(block: Block) -> str | None:
     if block.kind == "python" or block.kind == "text":
         return None
     if block.kind in COMMANDS:
-        return None if block.not_run else (
-            f"a {block.kind} block must be marked <!-- not run: reason --> on the line before it"
+        return (
+            None
+            if block.not_run
+            else (
+                f"a {block.kind} block must be marked <!-- not run: reason --> on the line before it"
+            )
         )
     if block.kind == "json":
         json.loads(block.code)
@@ -95,8 +107,10 @@ def problem(block: Block) -> str | None:
         yaml = pytest.importorskip("yaml")
         yaml.safe_load(block.code)
     else:
-        return (f"a block of kind {block.kind!r} is neither run nor known: use python, text, "
-                f"{', '.join(sorted(COMMANDS | DATA))}")
+        return (
+            f"a block of kind {block.kind!r} is neither run nor known: use python, text, "
+            f"{', '.join(sorted(COMMANDS | DATA))}"
+        )
     return None
 
 
@@ -107,8 +121,15 @@ def run(block: Block, workdir: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("PYTHONHASHSEED", "0")
-    return subprocess.run([sys.executable, str(script)], cwd=workdir, env=env, text=True,
-                          capture_output=True, timeout=RUN_TIMEOUT_S, check=False)
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=workdir,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
 
 
 ALL = [block for path in documents() for block in blocks(path)]
@@ -148,7 +169,11 @@ def test_the_checks_fail_on_broken_blocks(tmp_path: Path) -> None:
     )
     found = blocks(page)
     assert [(b.kind, b.not_run) for b in found] == [
-        ("python", False), ("bash", False), ("bash", True), ("", False), ("json", False),
+        ("python", False),
+        ("bash", False),
+        ("bash", True),
+        ("", False),
+        ("json", False),
         ("python", True),
     ]
     assert run(found[0], tmp_path).returncode != 0

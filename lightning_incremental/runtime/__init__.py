@@ -8,7 +8,9 @@ Imports torch, numpy and :mod:`lightning_incremental.core` only, never Lightning
   outcome (:func:`coordinated`, :class:`CoordinatorError`);
 - :mod:`~lightning_incremental.runtime.options`: :class:`RecoveryOptions`, what the adapters do
   about dead peers, diverged replicas and failed saves;
-- :mod:`~lightning_incremental.runtime.watchdog`: heartbeats, dead/hung/isolated ranks;
+- :mod:`~lightning_incremental.runtime.watchdog`: heartbeats, dead/hung/isolated ranks, judged
+  by :mod:`~lightning_incremental.runtime.judgement` over store calls that
+  :mod:`~lightning_incremental.runtime.bounded` bounds by a deadline;
 - :mod:`~lightning_incremental.runtime.replicas`: replica fingerprints, comparison, repair;
   :mod:`~lightning_incremental.runtime.replica_policy`: warn, repair or stop before a save;
 - :mod:`~lightning_incremental.runtime.failures`: the ``max_consecutive_failures`` policy;

@@ -1,26 +1,37 @@
 """Heartbeat watchdog: notice dead, hung and isolated ranks, and end the process on purpose.
 
-Each rank runs two named daemon threads with their own clients of the job's
-``torch.distributed`` TCPStore (under torchrun it is hosted by the elastic agent and survives
-worker deaths):
+Each rank runs two named daemon threads over the job's ``torch.distributed`` TCPStore (under
+torchrun it is hosted by the elastic agent and survives worker deaths). Every call they make
+into the store is bounded by a deadline (:mod:`~lightning_incremental.runtime.bounded`): a
+TCPStore client blocks for as long as a silently cut link lasts, whatever its timeout.
 
 - the *heartbeat* publishes ``{"seq", "step", "progress", "time"}`` under ``<prefix>/<rank>``
   every ``heartbeat_interval`` seconds; ``seq`` grows every beat, ``progress`` every call of
   :meth:`Watchdog.progress` (each training or validation batch), ``step`` is the training step
   reported last; a rank that stops its watchdog normally publishes ``"stopped"`` and is no longer
   watched (it finished; the others must not take it for dead);
-- the *monitor* reads every rank's record (its own included) and judges by what it observes on
-  its own monotonic clock — never by comparing clocks across hosts:
-  * **dead**: a rank's ``seq`` has not changed for ``heartbeat_timeout`` seconds;
+- the *monitor* (:class:`Monitor`): on the coordinator (rank 0) it reads every rank's record and
+  publishes a small verdict under ``<prefix>/verdict``; on every other rank it reads only the
+  verdict. Judgement is by what a rank observes on its own monotonic clock — never by comparing
+  clocks across hosts:
+  * **dead**: a rank's ``seq`` has not changed for ``heartbeat_timeout`` seconds (the
+    coordinator's: its verdict has not changed for that long);
   * **hung**: ``seq`` moves but ``progress`` has not changed for ``progress_timeout`` seconds
     (a rank stuck in a collective; one stuck in a call that holds the GIL shows up as dead);
-  * **isolated**: this rank could not reach the store for ``heartbeat_timeout`` seconds: it
-    fences itself (it must stop committing) and exits.
+  * **isolated**: this rank could not complete a read of the store — a round trip, not a write
+    that expects no answer — for ``heartbeat_timeout`` seconds, or the coordinator's verdict says
+    it has not heard from this rank for that long.
+
+Traffic per interval, for N ranks: N heartbeat writes, one read of N records by the coordinator
+and one write of its verdict, N - 1 reads of the verdict (a ``check`` and a ``get`` each): O(N)
+operations and bytes through the one store, where reading every record on every rank was N².
 
 On a finding the watchdog logs who, what and for how long, then calls ``on_failure``; the
-default ends the process with :func:`os._exit` and a distinct exit code (a thread cannot
-``sys.exit`` the process), so the elastic agent restarts the group, which resumes from the newest
-committed checkpoint. It never waits out a collective timeout.
+default fences this process off (:func:`~lightning_incremental.core.commit.fencing.fence_process`:
+no commit or deletion from it afterwards) and ends it with :func:`os._exit` and a distinct exit
+code (a thread cannot ``sys.exit`` the process), so the elastic agent restarts the group, which
+resumes from the newest committed checkpoint. It never waits out a collective timeout. Both sides
+of a partition end: the isolated rank with 88, the others with 86 (the rank they lost).
 
 Exit codes: ``EXIT_PEER_DEAD`` (86), ``EXIT_PEER_HUNG`` (87), ``EXIT_ISOLATED`` (88).
 """
@@ -35,158 +46,49 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
 
+from lightning_incremental.core.commit.fencing import fence_process
 from lightning_incremental.core.errors import ConfigError
+from lightning_incremental.runtime.bounded import BoundedStore, KeyValueStore, Stopped
+from lightning_incremental.runtime.judgement import (
+    COORDINATOR,
+    EXIT_ISOLATED,
+    EXIT_PEER_DEAD,
+    EXIT_PEER_HUNG,
+    VERDICT,
+    Failure,
+    Monitor,
+    PeerTracker,
+    WatchdogConfig,
+    setter,
+)
 
 log = logging.getLogger("lightning_incremental")
 
-EXIT_PEER_DEAD = 86
-EXIT_PEER_HUNG = 87
-EXIT_ISOLATED = 88
+__all__ = [  # the judgement's names are the watchdog's too
+    "EXIT_ISOLATED",
+    "EXIT_PEER_DEAD",
+    "EXIT_PEER_HUNG",
+    "Failure",
+    "KeyValueStore",
+    "Monitor",
+    "PeerTracker",
+    "Watchdog",
+    "WatchdogConfig",
+    "job_store_address",
+    "tcp_store_connector",
+    "watch_job",
+]
 
-
-class KeyValueStore(Protocol):
-    """What the watchdog needs of a ``torch.distributed.Store``."""
-
-    def set(self, key: str, value: str) -> None: ...
-
-    def get(self, key: str) -> bytes: ...
-
-    def check(self, keys: list[str]) -> bool: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class WatchdogConfig:
-    """Watchdog timing, in seconds.
-
-    Attributes:
-        heartbeat_interval: how often each rank publishes a heartbeat and checks the others.
-        heartbeat_timeout: a rank whose heartbeat has not changed for this long is dead; a rank
-            that cannot reach the store for this long is isolated. At least 3 intervals.
-        progress_timeout: a rank whose training step has not changed for this long is hung.
-            Longer than the slowest legitimate step (evaluation, a checkpoint, data loading).
-    """
-
-    heartbeat_interval: float = 5.0
-    heartbeat_timeout: float = 60.0
-    progress_timeout: float = 900.0
-
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_interval", "heartbeat_timeout", "progress_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.heartbeat_timeout < 3 * self.heartbeat_interval:
-            raise ConfigError(
-                f"heartbeat_timeout ({self.heartbeat_timeout}s) must be at least 3 heartbeat "
-                f"intervals ({3 * self.heartbeat_interval}s), or one late beat kills the job"
-            )
-        if self.progress_timeout <= self.heartbeat_timeout:
-            raise ConfigError(
-                f"progress_timeout ({self.progress_timeout}s) must be longer than "
-                f"heartbeat_timeout ({self.heartbeat_timeout}s)"
-            )
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What the monitor found."""
-
-    kind: str  # "dead" | "hung" | "isolated"
-    rank: int  # the rank it concerns
-    seconds: float  # how long the condition has lasted
-    step: int | None  # the rank's last reported training step
-
-    @property
-    def exit_code(self) -> int:
-        return {"dead": EXIT_PEER_DEAD, "hung": EXIT_PEER_HUNG}.get(self.kind, EXIT_ISOLATED)
-
-    def describe(self) -> str:
-        what = {
-            "dead": "sent no heartbeat",
-            "hung": "made no training progress",
-            "isolated": "could not reach the coordination store",
-        }[self.kind]
-        return f"rank {self.rank} {what} for {self.seconds:.1f}s (last step {self.step})"
-
-
-@dataclass
-class _Seen:
-    seq: int = -1
-    step: int | None = None
-    progress: Any = None
-    seq_since: float = 0.0
-    step_since: float = 0.0
-    stopped: bool = False
-
-
-@dataclass
-class PeerTracker:
-    """The monitor's judgement, as a pure function of observations and a clock."""
-
-    world_size: int
-    config: WatchdogConfig
-    started: float
-    seen: dict[int, _Seen] = field(default_factory=dict)
-
-    def observe(self, rank: int, record: dict[str, Any] | None, now: float) -> None:
-        """Record what rank ``rank`` published (None: nothing yet)."""
-        state = self.seen.setdefault(rank, _Seen(seq_since=self.started, step_since=self.started))
-        if record is None:
-            return
-        if record.get("stopped") is True:
-            state.stopped = True
-            return
-        seq, step = record.get("seq"), record.get("step")
-        progress = record.get("progress", step)
-        if isinstance(seq, int) and seq != state.seq:
-            state.seq, state.seq_since = seq, now
-        state.step = step
-        if progress != state.progress:
-            state.progress, state.step_since = progress, now
-
-    def judge(self, now: float) -> Failure | None:
-        """The first rank found dead, else — once a rank has made no progress for
-        ``progress_timeout`` — the rank furthest behind of all that stopped (a rank stuck outside
-        a collective stops the others inside it: all stop progressing, the culprit with the
-        fewest batches done), else None.
-
-        "Stopped" is no progress for half the timeout: the ranks waiting for the culprit stop
-        about when it does, but a heartbeat published late under load can make the culprit's
-        last progress *seen* later than theirs, so the first rank past the timeout is not
-        necessarily the one to blame. Ties go to the rank seen stopping first, then the lower
-        rank."""
-        for rank in range(self.world_size):
-            state = self.seen.get(rank, _Seen(seq_since=self.started, step_since=self.started))
-            if not state.stopped and now - state.seq_since > self.config.heartbeat_timeout:
-                return Failure("dead", rank, now - state.seq_since, state.step)
-        stopped, timed_out = [], False
-        for rank in range(self.world_size):
-            state = self.seen.get(rank, _Seen(seq_since=self.started, step_since=self.started))
-            if state.stopped or state.progress in (None, 0):
-                continue  # armed at a rank's first progress: setup may legitimately be long
-            idle = now - state.step_since
-            timed_out = timed_out or idle > self.config.progress_timeout
-            if idle > self.config.progress_timeout / 2:
-                behind = state.progress if isinstance(state.progress, int) else 0
-                failure = Failure("hung", rank, idle, state.step)
-                stopped.append((behind, state.step_since, rank, failure))
-        return min(stopped, key=lambda item: item[:3])[3] if timed_out else None
-
-
-def _read_records(client: KeyValueStore, keys: list[str]) -> list[dict[str, Any] | None]:
-    """Every key's record (None where a rank has not published yet): one round trip when all
-    exist and the store has ``multi_get`` (a TCPStore does), else one per key."""
-    multi_get = getattr(client, "multi_get", None)
-    if multi_get is not None and client.check(keys):
-        return [json.loads(value) for value in multi_get(keys)]
-    return [json.loads(client.get(key)) if client.check([key]) else None for key in keys]
+STOP_TIMEOUT_S = 5.0  # how long Watchdog.stop waits for its threads by default
+STOP_PUBLISH_S = 2.0  # how long a finishing rank tries to say so
 
 
 def _exit_process(failure: Failure) -> None:
+    """The default action: fence this process off (no store of it commits or deletes from now
+    on, a save queued on a saver thread included), then end it with the failure's exit code."""
+    fence_process(failure.describe())
     logging.shutdown()
     os._exit(failure.exit_code)
 
@@ -195,12 +97,13 @@ class Watchdog:
     """Heartbeat and monitor threads for one rank.
 
     Args:
-        connect: returns a new client of the job's store (called once per thread), e.g.
+        connect: returns a new client of the job's store (called once per lane: see
+            :mod:`~lightning_incremental.runtime.bounded`), e.g.
             ``lambda: TCPStore(host, port, is_master=False, timeout=...)``.
         rank, world_size: this process's rank and the group's size.
         config: timings.
-        on_failure: called once with the :class:`Failure`; default: log and ``os._exit`` with the
-            failure's exit code.
+        on_failure: called once with the :class:`Failure`; default: fence this process off, log
+            and ``os._exit`` with the failure's exit code.
         clock: monotonic seconds (injectable for tests).
         prefix: the store keys' prefix; include the generation so a restarted group starts clean.
     """
@@ -256,10 +159,13 @@ class Watchdog:
     def _at_exit(self) -> None:
         self.stop(timeout=2 * self.config.heartbeat_interval)
 
-    def stop(self, timeout: float | None = None, *, finished: bool = True) -> None:
-        """Stop both threads. ``finished``: this rank is done (training ended normally), so it
-        publishes ``stopped`` and the others stop watching it. Pass False when this rank is
-        failing: if the others are left waiting for it, they must find it dead and restart."""
+    def stop(self, timeout: float | None = STOP_TIMEOUT_S, *, finished: bool = True) -> None:
+        """Stop both threads, waiting at most ``timeout`` seconds (every store call of theirs
+        is bounded, and one in flight is abandoned at once: they end within a moment, or
+        within :data:`STOP_PUBLISH_S` while this rank says it finished). ``finished``: this
+        rank is done (training ended normally), so it publishes ``stopped`` and the others stop
+        watching it. Pass False when this rank is failing: if the others are left waiting for
+        it, they must find it dead and restart."""
         if not self._stop.is_set():  # the first call decides
             self._finished = finished
             self._stop.set()
@@ -267,6 +173,8 @@ class Watchdog:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout)
+                if thread.is_alive():
+                    log.warning("watchdog thread %s did not end within %ss", thread.name, timeout)
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -291,63 +199,60 @@ class Watchdog:
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/{rank}"
 
-    def _records(self, client: KeyValueStore) -> list[dict[str, Any] | None]:
-        return _read_records(client, [self._key(rank) for rank in range(self.world_size)])
-
     def _heartbeat(self) -> None:
-        client: KeyValueStore | None = None
+        store = BoundedStore(self.connect, f"li-store-heartbeat-rank{self.rank}", self._stop)
         seq = 0
-        last_ok = self.clock()
-        while not self._stop.is_set():
-            try:
-                if client is None:
-                    client = self.connect()
-                record = {
-                    "seq": seq,
-                    "step": self._step,
-                    "progress": self._progress,
-                    "time": time.time(),
-                }
-                client.set(self._key(self.rank), json.dumps(record))
-                seq += 1
-                last_ok = self.clock()
-            except Exception as exc:  # the store is unreachable: isolated once it lasts
-                client = None
-                cut_off = self.clock() - last_ok
-                log.warning(
-                    "rank %d cannot publish its heartbeat (%.1fs): %s", self.rank, cut_off, exc
+        try:
+            while not self._stop.is_set():
+                payload = json.dumps(
+                    {
+                        "seq": seq,
+                        "step": self._step,
+                        "progress": self._progress,
+                        "time": time.time(),
+                    }
                 )
-                if cut_off > self.config.heartbeat_timeout:
-                    self._fire(Failure("isolated", self.rank, cut_off, self._step))
-                    return
-            self._stop.wait(self.config.heartbeat_interval)
-        if self._finished and self._failure is None:
-            # Over the client already open (no new connection that could wait on a store whose
-            # host has gone): the others stop watching this rank.
+                try:
+                    store.call(setter(self._key(self.rank), payload), self.config.heartbeat_timeout)
+                    seq += 1
+                except Stopped:
+                    break
+                except Exception as exc:  # judged by the monitor: it needs a round trip
+                    log.warning("rank %d cannot publish its heartbeat: %s", self.rank, exc)
+                self._stop.wait(self.config.heartbeat_interval)
+            if self._finished and self._failure is None:
+                self._publish_stopped(store)
+        finally:
+            store.close()
+
+    def _publish_stopped(self, store: BoundedStore) -> None:
+        """Tell the others this rank finished (the coordinator: that it judges no more), within
+        :data:`STOP_PUBLISH_S`; if the store cannot be reached the others judge by silence."""
+        records = [(self._key(self.rank), {"stopped": True, "step": self._step})]
+        if self.rank == COORDINATOR:
+            records.append((f"{self.prefix}/{VERDICT}", {"stopped": True}))
+        for key, record in records:
             try:
-                client = client or self.connect()
-                client.set(self._key(self.rank), json.dumps({"stopped": True, "step": self._step}))
-            except Exception as exc:  # the others then judge this rank by its silence
+                store.call(setter(key, json.dumps(record)), STOP_PUBLISH_S, interruptible=False)
+            except Exception as exc:
                 log.warning("rank %d could not publish that it stopped: %s", self.rank, exc)
+                return
 
     def _monitor(self) -> None:
-        tracker = PeerTracker(self.world_size, self.config, started=self.clock())
-        client: KeyValueStore | None = None
-        while not self._stop.wait(self.config.heartbeat_interval):
-            now = self.clock()
-            try:
-                if client is None:
-                    client = self.connect()
-                for rank, record in enumerate(self._records(client)):
-                    tracker.observe(rank, record, now)
-            except Exception as exc:  # judged by the heartbeat thread (isolated)
-                client = None
-                log.warning("rank %d cannot read heartbeats: %s", self.rank, exc)
-                continue
-            failure = tracker.judge(now)
-            if failure is not None:
-                self._fire(failure)
-                return
+        store = BoundedStore(self.connect, f"li-store-monitor-rank{self.rank}", self._stop)
+        monitor = Monitor(self.rank, self.world_size, self.config, self.prefix, self.clock())
+        try:
+            while not self._stop.wait(self.config.heartbeat_interval):
+                monitor.step_seen = self._step
+                try:
+                    failure = monitor.step(store.call, self.clock)
+                except Stopped:
+                    return
+                if failure is not None:
+                    self._fire(failure)
+                    return
+        finally:
+            store.close()
 
 
 _WATCHES = itertools.count()  # every rank starts its watchdogs in the same order

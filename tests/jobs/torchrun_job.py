@@ -14,7 +14,11 @@ Each ``--fault RESTART:RANK:STEP:KIND`` fires once, in the run whose
   checkpoint of STEP checks the replicas (``--replica-check``);
 * ``hang``: the rank stops making progress (sleeps, its heartbeat thread still running: a
   deadlock in data loading, a stuck filesystem), and the others wait for it in the next
-  collective.
+  collective;
+* ``cut``: the rank records that its link to the job's TCPStore is to be cut, and trains on,
+  a second per batch from then on (so that training outlasts the heartbeat timeout); the
+  test's forwarder (``LI_TEST_STORE_PROXY``: its port), which that rank's store clients go
+  through in the first run, then stops forwarding (a partition: only the store link).
 
 Every run records its events (pids, faults, watchdog findings, resumes) as JSON lines in
 ``O/events.jsonl``; the run that finishes writes each rank's final weights to
@@ -106,6 +110,10 @@ class Faults(L.Callback):
             if trainer.global_step == step and kind == "hang":
                 self.events("signal", kind=kind, step=step)
                 time.sleep(600)
+            if trainer.global_step == step and kind == "cut":
+                self.events("signal", kind=kind, step=step)
+            if trainer.global_step >= step and kind == "cut":
+                time.sleep(1.0)
             if trainer.global_step == step and kind in ("kill", "stop"):
                 self.events("signal", kind=kind, step=step)
                 os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
@@ -113,7 +121,8 @@ class Faults(L.Callback):
 
     def _kill_at_commit(self, trainer: L.Trainer, step: int) -> None:
         ckpt = next(cb for cb in trainer.callbacks if isinstance(cb, IncrementalCheckpoint))  # type: ignore[attr-defined]
-        store = ckpt._saver.store if ckpt._saver is not None else None
+        saver = ckpt._fit.saver
+        store = saver.store if saver is not None else None
         assert store is not None, "only rank 0 commits"
         put = store.storage.put
         target = f"manifests/{step:020d}.json"
@@ -155,12 +164,19 @@ def main() -> None:
     args = parser.parse_args()
     for spec in args.fault:
         restart, rank, step, kind = spec.split(":")
-        assert kind in ("kill", "stop", "commit", "flip", "hang"), kind
+        assert kind in ("kill", "stop", "commit", "flip", "hang", "cut"), kind
         FAULTS.append((int(restart), int(rank), int(step), kind))
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     events = Events(out)
+    proxy = os.environ.get("LI_TEST_STORE_PROXY")
+    cut_rank = {rank for restart, rank, _, kind in FAULTS if restart == RESTART and kind == "cut"}
+    if proxy and int(os.environ["RANK"]) in cut_rank:
+        # This rank reaches the job's store only through the test's forwarder, which learns
+        # where to forward from this file.
+        (out / "upstream").write_text(os.environ["MASTER_PORT"])
+        os.environ["MASTER_PORT"] = proxy
     logging.getLogger("lightning_incremental").addHandler(WatchdogLog(events))
     L.seed_everything(0, verbose=False)
     ckpt = IncrementalCheckpoint(

@@ -26,7 +26,8 @@ import torch
 from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.commit import fencing
 from lightning_incremental.core.format import layout as mf
-from lightning_incremental.runtime.watchdog import EXIT_PEER_DEAD, EXIT_PEER_HUNG
+from lightning_incremental.runtime.watchdog import EXIT_ISOLATED, EXIT_PEER_DEAD, EXIT_PEER_HUNG
+from tests.forwarder import Forwarder
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +37,21 @@ LAUNCH_TIMEOUT_S = 420
 
 
 def torchrun(
-    work: Path, name: str, faults: list[str], zombie: bool = False, replica_check: str = "warn"
+    work: Path,
+    name: str,
+    faults: list[str],
+    zombie: bool = False,
+    replica_check: str = "warn",
+    partition: bool = False,
 ) -> dict[str, Any]:
-    """Launch the job; with ``zombie``, send SIGCONT to the frozen rank once the others ended."""
+    """Launch the job; with ``zombie``, send SIGCONT to the frozen rank once the others ended;
+    with ``partition``, route the ``cut`` rank's store link through a forwarder that is cut
+    when the rank says so and healed once that run's ranks all ended."""
     out = work / name
     out.mkdir(parents=True)
+    link = (
+        Forwarder(lambda: ("127.0.0.1", int((out / "upstream").read_text()))) if partition else None
+    )
     cmd = [
         sys.executable,
         "-m",
@@ -70,11 +81,16 @@ def torchrun(
         OMP_NUM_THREADS="1",
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
     )
+    if link is not None:
+        env["LI_TEST_STORE_PROXY"] = str(link.port)
     log = (out / "torchrun.log").open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     waker = threading.Thread(target=_wake_zombie, args=(out, proc), daemon=True)
     if zombie:
         waker.start()
+    cut: dict[str, float] = {}
+    if link is not None:
+        threading.Thread(target=_cut_and_heal, args=(out, proc, link, cut), daemon=True).start()
     try:
         rc = proc.wait(LAUNCH_TIMEOUT_S)
     finally:
@@ -82,10 +98,18 @@ def torchrun(
             proc.kill()
             proc.wait()
         log.close()
+        if link is not None:
+            link.close()
     events = _events(out)
     text = (out / "torchrun.log").read_text()
     assert rc == 0, f"torchrun exited with {rc}:\n{text[-6000:]}"
-    return {"out": out, "store": work / f"{name}_store", "events": events, "log": text}
+    return {
+        "out": out,
+        "store": work / f"{name}_store",
+        "events": events,
+        "log": text,
+        "cut": cut,
+    }
 
 
 def _events(out: Path) -> list[dict[str, Any]]:
@@ -112,6 +136,26 @@ def _wake_zombie(out: Path, proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+def _cut_and_heal(
+    out: Path, proc: subprocess.Popen, link: Forwarder, cut: dict[str, float]
+) -> None:
+    """Cut the link when a rank asks for it; heal it once every rank of that run ended."""
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        events = _events(out)
+        asked = [e for e in events if e["event"] == "signal" and e["kind"] == "cut"]
+        if asked and not cut:
+            link.cut()
+            cut["time"] = time.time()
+        if cut:
+            ranks = {e["pid"] for e in events if e["event"] == "started" and e["restart"] == 0}
+            if ranks and all(not _alive(pid) for pid in ranks):
+                link.heal()
+                cut["healed"] = time.time()
+                return
+        time.sleep(0.02)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -135,6 +179,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
         "repair": torchrun(work, "repair", ["0:1:6:flip"], replica_check="repair"),
         # ... and in the restarted run, rank 1 hangs at step 9
         "stop": torchrun(work, "stop", ["0:1:6:flip", "1:1:9:hang"], replica_check="stop"),
+        # rank 1's link to the job's store is cut at step 5 (gloo links stay up); it is healed
+        # once both ranks of that run ended
+        "partition": torchrun(work, "partition", ["0:1:5:cut"], partition=True),
     }
 
 
@@ -308,3 +355,41 @@ def test_a_hung_rank_is_found_by_the_watchdog_and_the_run_recovers(
     assert started(run, 2)["resumed_from"] == 8
     print(f"\nhang: the watchdog ended the group {latency:.1f}s after rank 1 stopped progressing")
     _report(run, "hang")
+
+
+def test_a_partitioned_rank_is_found_on_both_sides_and_the_run_recovers_bit_exactly(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    run = runs["partition"]
+    assert_bitwise_equal(run, runs["reference"])
+    events, cut = run["events"], run["cut"]["time"]
+    found = {e["rank"]: e for e in events if e["event"] == "watchdog" and e["restart"] == 0}
+    # The cut-off rank could not complete a read of the store: it fenced itself off and ended
+    # with 88, within the heartbeat timeout (3 s) plus an interval (0.25 s) of the cut.
+    isolated = found[1]
+    assert "rank 1 could not reach the coordination store" in isolated["message"], found
+    assert f"exit code {EXIT_ISOLATED}" in isolated["message"]
+    assert f"exitcode: {EXIT_ISOLATED}" in run["log"] or f"exitcode : {EXIT_ISOLATED}" in run["log"]
+    latency = isolated["time"] - cut
+    assert latency <= 3.0 + 0.25 + 2.0, latency  # plus scheduling on a loaded machine
+    # The healthy side found rank 1 dead (86) — unless the agent stopped it first, after rank
+    # 1's exit: both are a restart.
+    healthy = found.get(0)
+    if healthy is not None:
+        assert "rank 1 sent no heartbeat" in healthy["message"], healthy
+        assert f"exit code {EXIT_PEER_DEAD}" in healthy["message"]
+    print(
+        f"\npartition: rank 1 isolated {latency:.2f}s after the cut; rank 0 "
+        + (f"found it dead after {healthy['time'] - cut:.2f}s" if healthy else "was stopped")
+    )
+    # The restarted run resumed from a checkpoint committed before the cut ended anything, and
+    # every committed checkpoint was written by a rank 0 (rank 1 never commits a manifest; the
+    # fenced rank committed nothing).
+    assert started(run, 1)["resumed_from"] is not None
+    zeros = {e["pid"] for e in events if e["event"] == "started" and e["rank"] == 0}
+    store = CheckpointStore(run["store"])
+    try:
+        assert store.verify().ok
+        assert all(store.manifest(s).audit["pid"] in zeros for s in store.steps())
+    finally:
+        store.close()

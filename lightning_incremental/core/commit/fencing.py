@@ -23,6 +23,11 @@ froze, is fenced off by it like any other).
 
 A damaged newest fence record (e.g. truncated by a crash with ``fsync=False``) stops every read
 with an error naming it; deleting that file restores the previous generation's rule.
+
+A process can also fence *itself* (:func:`fence_process`): the runtime's watchdog does so when it
+finds this rank isolated or the group failing, before the process exits. From then on no store of
+the process commits or deletes (a save already queued on its saver thread included), whatever
+the fence records say.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lightning_incremental")
 
 FENCE_DIR = "fences"
+_PROCESS_FENCE: list[str] = []  # why this process may no longer commit (set once, kept)
 _NAME = re.compile(r"^(\d{10,})\.json$")  # zero-padded to 10 digits, longer when larger
 _MAX_ACCEPTED = 10_000_000
 
@@ -78,6 +84,27 @@ class Fence:
     def describe(self) -> str:
         who = self.record.get("host"), self.record.get("pid"), self.record.get("created")
         return f"generation {self.generation} (claimed by host {who[0]} pid {who[1]} at {who[2]})"
+
+
+def fence_process(reason: str) -> None:
+    """Fence off this process: no store of it commits or deletes from now on (each raises
+    :class:`FencedError` naming ``reason``). Kept until the process ends."""
+    if not _PROCESS_FENCE:
+        _PROCESS_FENCE.append(reason)
+        log.error("this process is fenced off (%s): it commits and deletes nothing more", reason)
+
+
+def process_fence() -> str | None:
+    """Why this process was fenced off (:func:`fence_process`), or None."""
+    return _PROCESS_FENCE[0] if _PROCESS_FENCE else None
+
+
+def _check_process(what: str) -> None:
+    reason = process_fence()
+    if reason is not None:
+        raise FencedError(
+            f"{what}: this process was fenced off ({reason}); the job restarts without it"
+        )
 
 
 def should_claim(world_size: int) -> bool:
@@ -253,7 +280,8 @@ class Fencing:
 
     def check(self, step: int, generation: int, outcome: str) -> None:
         """Raise :class:`FencedError` when a newer generation took over and does not admit a
-        manifest of ``step`` written by ``generation``."""
+        manifest of ``step`` written by ``generation``, or this process was fenced off."""
+        _check_process(f"checkpoint step {step} {outcome}")
         fence = newest(self.storage)
         if fence is None or fence.admits(step, generation):
             return
@@ -377,8 +405,10 @@ class Generation:
         period and the minimum object age protect what others are writing.
 
         Raises:
-            WriterLeaseError: this process lost the lease. FencedError: a newer generation.
+            WriterLeaseError: this process lost the lease. FencedError: a newer generation, or
+                this process was fenced off.
         """
+        _check_process(what)
         if not lease.held:
             return
         lease.check()

@@ -70,6 +70,7 @@ from lightning_incremental.core.storage import Storage
 log = logging.getLogger("lightning_incremental")
 
 LEASE_DIR = "lease"
+RELEASE_JOIN_S = 30.0  # how long a release waits for the heartbeat thread to end
 _NAME = re.compile(r"^(\d{10,})\.json$")
 _MAX_RECORD = 1 << 16
 
@@ -326,7 +327,15 @@ class _Held:
         self._release()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()  # the heartbeat ends with its lease: no thread outlives the store
+            # The heartbeat ends with its lease: no thread outlives the store — unless its
+            # storage call is stuck (a hung mount), which must not hang the shutdown too.
+            thread.join(RELEASE_JOIN_S)
+            if thread.is_alive():
+                log.warning(
+                    "the writer lease heartbeat of %s is stuck in a storage call; not waiting "
+                    "for it (a daemon thread, it ends with the process)",
+                    self.storage.url,
+                )
 
     def _release(self) -> None:
         with self.lock:

@@ -22,6 +22,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from accelerate_incremental import _takeover
 from accelerate_incremental.checkpointer import IncrementalCheckpointer
 from lightning_incremental.core import ConfigError
 
@@ -139,7 +140,7 @@ def enable(
         ValueError: arguments for an accelerator already enabled.
         TypeError / ValueError: see :class:`IncrementalCheckpointer`.
     """
-    existing = getattr(accelerator, "_incremental_checkpointer", None)
+    existing = _takeover.installed(accelerator)
     if existing is not None:
         if dirpath is not None or kwargs:
             raise ValueError(

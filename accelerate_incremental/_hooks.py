@@ -29,13 +29,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-
-def save_hooks(accelerator: Any) -> list[Any]:
-    return list(accelerator._save_model_state_pre_hook.values())
-
-
-def load_hooks(accelerator: Any) -> list[Any]:
-    return list(accelerator._load_model_state_pre_hook.values())
+from accelerate_incremental import _compat
 
 
 def run_save_hooks(accelerator: Any, output_dir: Any, iteration: int) -> list[dict[str, Any]]:
@@ -56,9 +50,10 @@ def run_save_hooks(accelerator: Any, output_dir: Any, iteration: int) -> list[di
             "save_state(output_dir) or use ProjectConfiguration(automatic_checkpoint_naming=True)"
         )
     os.makedirs(directory, exist_ok=True)
-    weights = [accelerator.unwrap_model(m).state_dict() for m in accelerator._models]
-    for hook in save_hooks(accelerator):
-        hook(accelerator._models, weights, directory)
+    models = _compat.models(accelerator)
+    weights = [accelerator.unwrap_model(m).state_dict() for m in models]
+    for hook in _compat.save_state_pre_hooks(accelerator):
+        hook(models, weights, directory)
     return weights
 
 
@@ -69,7 +64,7 @@ def load_hooks_for(accelerator: Any, input_dir: Any) -> Any:
     Raises:
         ValueError: ``input_dir`` is not a directory, or there is none to give the hooks.
     """
-    if not load_hooks(accelerator):
+    if not _compat.load_state_pre_hooks(accelerator):
         return None
     config = accelerator.project_configuration
     if input_dir is not None:
@@ -93,8 +88,8 @@ def load_hooks_for(accelerator: Any, input_dir: Any) -> Any:
                     f"{step}), {directory}, which does not exist: was it saved with "
                     "accelerator.save_state?"
                 )
-        models = list(accelerator._models)
-        for hook in load_hooks(accelerator):
+        models = list(_compat.models(accelerator))
+        for hook in _compat.load_state_pre_hooks(accelerator):
             hook(models, directory)
         return models
 

@@ -30,6 +30,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from accelerate_incremental import _compat, _takeover
+from accelerate_incremental._arguments import check_arguments
 from accelerate_incremental._flag import (
     ENV_CONFIG,
     ENV_DIR,
@@ -38,7 +40,7 @@ from accelerate_incremental._flag import (
     file_settings,
     settings,
 )
-from accelerate_incremental.checkpointer import IncrementalCheckpointer, check_arguments
+from accelerate_incremental.checkpointer import IncrementalCheckpointer
 from lightning_incremental.core import ConfigError
 from lightning_incremental.core.codecs.optimizer_state import POLICIES
 
@@ -140,13 +142,11 @@ def install(config: dict[str, Any]) -> None:
 def attach(accelerator: Any, config: dict[str, Any]) -> IncrementalCheckpointer | None:
     """Enable ``accelerator`` once it holds a prepared model; afterwards, follow what later
     ``prepare`` calls add. Returns its checkpointer (None while no model is prepared)."""
-    existing: IncrementalCheckpointer | None = getattr(
-        accelerator, "_incremental_checkpointer", None
-    )
+    existing: IncrementalCheckpointer | None = _takeover.installed(accelerator)
     if existing is not None:
         existing.follow()
         return existing
-    if not accelerator._models:
+    if not _compat.models(accelerator):
         return None
     return enable(accelerator, **config)
 

@@ -7,12 +7,14 @@ from typing import Any
 
 import torch
 
+from accelerate_incremental import _compat
+
 _SHOWN = 8
 
 
 def check_prepared(accelerator: Any) -> None:
     """Raises RuntimeError when nothing was prepared yet."""
-    if not accelerator._models:
+    if not _compat.models(accelerator):
         raise RuntimeError(
             "no prepared model: call accelerator.prepare(model, optimizer, ...) before saving or "
             "loading a checkpoint (the checkpointer restores into the prepared objects)"
@@ -21,7 +23,7 @@ def check_prepared(accelerator: Any) -> None:
 
 def check_loaders(accelerator: Any) -> None:
     """Raises ValueError for a prepared torchdata ``StatefulDataLoader`` (not covered)."""
-    for i, loader in enumerate(accelerator._dataloaders):
+    for i, loader in enumerate(_compat.dataloaders(accelerator)):
         if getattr(loader, "use_stateful_dataloader", False) is True:
             raise ValueError(
                 f"prepared DataLoader {i} uses use_stateful_dataloader=True, which "
@@ -116,7 +118,7 @@ def check_compatible(
     shapes and the optimizers' groups (False for sharded state dicts, which torch's
     ``set_model_state_dict`` / ``set_optimizer_state_dict`` check)."""
     if models is None:
-        models = list(accelerator._models)
+        models = list(_compat.models(accelerator))
     if not isinstance(state, dict) or state.get("format") != fmt:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(
@@ -124,12 +126,12 @@ def check_compatible(
             "was it written by another adapter?"
         )
     _count("prepared models", len(state["models"]), len(models))
-    _count("prepared optimizers", len(state["optimizers"]), len(accelerator._optimizers))
-    _count("prepared schedulers", len(state["schedulers"]), len(accelerator._schedulers))
+    _count("prepared optimizers", len(state["optimizers"]), len(_compat.optimizers(accelerator)))
+    _count("prepared schedulers", len(state["schedulers"]), len(_compat.schedulers(accelerator)))
     _count(
         "objects registered with register_for_checkpointing",
         len(state["custom"]),
-        len(accelerator._custom_objects),
+        len(_compat.custom_objects(accelerator)),
     )
     saved_processes = len(state["processes"])
     if saved_processes != accelerator.num_processes:
@@ -139,12 +141,12 @@ def check_compatible(
             "be mapped; resume with the same --num_processes"
         )
     loaders = len(state["processes"][accelerator.process_index]["loaders"])
-    _count("prepared DataLoaders", loaders, len(accelerator._dataloaders))
+    _count("prepared DataLoaders", loaders, len(_compat.dataloaders(accelerator)))
     if not weights:
         return
     for i, (model, saved_weights) in enumerate(zip(models, state["models"], strict=True)):
         check_model(i, accelerator.unwrap_model(model), saved_weights)
     for i, (opt, saved) in enumerate(
-        zip(accelerator._optimizers, state["optimizers"], strict=True)
+        zip(_compat.optimizers(accelerator), state["optimizers"], strict=True)
     ):
         check_optimizer(i, opt, saved)

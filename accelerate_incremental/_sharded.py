@@ -17,10 +17,9 @@ holding the whole model. :func:`fsdp_fallback_warning` names that.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-_TRUE = ("1", "true", "yes")
+from accelerate_incremental import _compat
 
 
 def is_sharded(accelerator: Any) -> bool:
@@ -32,7 +31,7 @@ def is_sharded(accelerator: Any) -> bool:
 def fsdp_fallback_warning(accelerator: Any) -> str | None:
     """The warning for an FSDP run Accelerate turned into DDP (None when FSDP runs, or was not
     asked for)."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() not in _TRUE:
+    if not _compat.fsdp_requested():
         return None
     if is_sharded(accelerator):
         return None
@@ -80,12 +79,12 @@ def state(accelerator: Any) -> dict[str, Any]:
         get_optimizer_state_dict,
     )
 
-    models = list(accelerator._models)
+    models = list(_compat.models(accelerator))
     return {
         "models": [get_model_state_dict(m, options=_options()) for m in models],
         "optimizers": [
             get_optimizer_state_dict(owner(models, opt), _inner(opt), options=_options())
-            for opt in accelerator._optimizers
+            for opt in _compat.optimizers(accelerator)
         ],
     }
 
@@ -100,6 +99,6 @@ def apply(accelerator: Any, models: list[Any], loaded: dict[str, Any]) -> None:
 
     for model, weights in zip(models, loaded["models"], strict=True):
         set_model_state_dict(model, weights, options=_options())
-    everything = list(accelerator._models)
-    for opt, saved in zip(accelerator._optimizers, loaded["optimizers"], strict=True):
+    everything = list(_compat.models(accelerator))
+    for opt, saved in zip(_compat.optimizers(accelerator), loaded["optimizers"], strict=True):
         set_optimizer_state_dict(owner(everything, opt), _inner(opt), saved, options=_options())

@@ -15,48 +15,80 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
-from accelerate_incremental import _hooks, _tracking
+from accelerate_incremental import _compat, _hooks, _tracking
+from accelerate_incremental._loaders import Loaders
 
-if TYPE_CHECKING:
-    from accelerate_incremental.checkpointer import IncrementalCheckpointer
-
-_ATTRS = ("save_state", "load_state", "skip_first_batches", "_incremental_checkpointer")
+_ATTR = "_incremental_checkpointer"  # on the accelerator instance: the checkpointer installed
+_ATTRS = ("save_state", "load_state", "skip_first_batches", _ATTR)
 
 
-def take_over(ckpt: IncrementalCheckpointer) -> None:
+@dataclass(frozen=True)
+class Target:
+    """What the takeover needs of a checkpointer, given by it (:meth:`IncrementalCheckpointer.
+    take_over`).
+
+    Attributes:
+        owner: the checkpointer itself, recorded on the accelerator (:func:`installed`).
+        accelerator: the ``Accelerator`` taken over.
+        loaders: the positions of its prepared DataLoaders.
+        epoch: ``epoch(index)`` is one tracked epoch of prepared DataLoader ``index`` (what a
+            tracked loader's own ``for`` loop iterates).
+        save: ``save(iteration, weights)`` saves checkpoint ``iteration`` on every process
+            (``weights``: the models' state dicts after the save pre-hooks, or None), waits for
+            its commit, warns about or raises failed saves alike everywhere, and returns the
+            store's URL.
+        load: ``load(pre_hooks)`` restores the newest checkpoint and returns its step (None for
+            an empty store); ``pre_hooks`` (or None) runs the load pre-hooks given the step and
+            returns the models the weights go to.
+    """
+
+    owner: Any
+    accelerator: Any
+    loaders: Loaders
+    epoch: Callable[[int], Iterator[Any]]
+    save: Callable[[int, list[dict[str, Any]] | None], str]
+    load: Callable[[Callable[[int], list[Any]] | None], int | None]
+
+
+def installed(accelerator: Any) -> Any:
+    """The checkpointer that took ``accelerator`` over; None when none did."""
+    return getattr(accelerator, _ATTR, None)
+
+
+def take_over(target: Target) -> None:
     """See :meth:`IncrementalCheckpointer.take_over`.
 
     Raises:
         RuntimeError: the accelerator is already taken over.
         TypeError: a prepared DataLoader whose iteration cannot be tracked.
     """
-    acc = ckpt.accelerator
-    if getattr(acc, "_incremental_checkpointer", None) is not None:
+    acc = target.accelerator
+    loaders = target.loaders
+    if installed(acc) is not None:
         raise RuntimeError("this accelerator's save_state/load_state are already taken over")
 
     def save_state(output_dir: Any = None, *args: Any, **kwargs: Any) -> str:
         iteration = acc.project_configuration.iteration
         weights = None
-        if _hooks.save_hooks(acc):
+        if _compat.save_state_pre_hooks(acc):
             weights = _hooks.run_save_hooks(acc, output_dir, iteration)
-        ckpt._save(iteration, iteration + 1, None, weights)
-        ckpt._settle(block=True)  # on every process: all warn or raise alike
-        ckpt.store.wait()
+        url = target.save(iteration, weights)
         acc.project_configuration.iteration = iteration + 1
-        return str(ckpt.store.url)
+        return url
 
     def load_state(input_dir: Any = None, *args: Any, **kwargs: Any) -> int | None:
-        return ckpt.load(_pre_hooks=_hooks.load_hooks_for(acc, input_dir))
+        return target.load(_hooks.load_hooks_for(acc, input_dir))
 
     def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
-        index = ckpt._index(dataloader)
+        index = loaders.index(dataloader)
         counted = isinstance(num_batches, int) and not isinstance(num_batches, bool)
         if index is None or not _tracking.is_tracked(dataloader) or not counted or num_batches < 0:
-            return type(acc).skip_first_batches(acc, dataloader, num_batches)
-        position = ckpt._position(index)
+            return _compat.skip_first_batches(acc, dataloader, num_batches)
+        position = loaders.position(index)
         pending = position.pending()
         if pending is None:
             position.skip_next(num_batches)
@@ -74,38 +106,38 @@ def take_over(ckpt: IncrementalCheckpointer) -> None:
     acc.save_state = save_state
     acc.load_state = load_state
     acc.skip_first_batches = skip_first_batches
-    acc._incremental_checkpointer = ckpt
+    setattr(acc, _ATTR, target.owner)
     try:
-        follow(ckpt)
+        follow(target)
     except TypeError:
-        release(ckpt)
+        release(target)
         raise
 
 
-def follow(ckpt: IncrementalCheckpointer) -> None:
+def follow(target: Target) -> None:
     """Track every prepared DataLoader of the taken-over accelerator not tracked yet.
 
     Raises:
         TypeError: a prepared DataLoader whose iteration cannot be tracked.
     """
-    for loader in ckpt.accelerator._dataloaders:
+    for loader in _compat.dataloaders(target.accelerator):
         if not _tracking.is_tracked(loader):
-            _tracking.track(loader, functools.partial(_epoch, ckpt, loader))
+            _tracking.track(loader, functools.partial(_epoch, target, loader))
 
 
-def _epoch(ckpt: IncrementalCheckpointer, loader: Any) -> Iterator[Any]:
-    index = ckpt._index(loader)
+def _epoch(target: Target, loader: Any) -> Iterator[Any]:
+    index = target.loaders.index(loader)
     if index is None:  # no longer prepared (accelerator.free_memory): Accelerate's iteration
         return _tracking.own_iter(loader)
-    return ckpt._epoch(index)
+    return target.epoch(index)
 
 
-def release(ckpt: IncrementalCheckpointer) -> None:
+def release(target: Target) -> None:
     """See :meth:`IncrementalCheckpointer.release`."""
-    acc = ckpt.accelerator
-    if getattr(acc, "_incremental_checkpointer", None) is not ckpt:
+    acc = target.accelerator
+    if installed(acc) is not target.owner:
         return
-    for loader in acc._dataloaders:
+    for loader in _compat.dataloaders(acc):
         _tracking.untrack(loader)
     for name in _ATTRS:
         vars(acc).pop(name, None)

@@ -10,22 +10,14 @@ process; under FSDP every process writes its own shards of the models and optimi
 
 from __future__ import annotations
 
-import os
-import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from accelerate_incremental import _layout, _sharded, _takeover, _tracking
-from accelerate_incremental._position import LoaderPosition
-from lightning_incremental.core import (
-    CheckpointNotFoundError,
-    CheckpointStore,
-    SaveHandle,
-    StepError,
-    StepTypeError,
-    StoreConfig,
-)
+from accelerate_incremental import _compat, _layout, _sharded, _state, _takeover
+from accelerate_incremental._arguments import check_accelerator, check_arguments, check_step
+from accelerate_incremental._loaders import Loaders
+from lightning_incremental.core import CheckpointNotFoundError, CheckpointStore, SaveHandle
 from lightning_incremental.core.commit import fencing
 from lightning_incremental.runtime import collectives, replica_policy, rng
 from lightning_incremental.runtime.backpressure import wait_for_room
@@ -40,19 +32,6 @@ from lightning_incremental.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-
-FORMAT = "accelerate_incremental/1"
-# Accelerate's distributed types whose state the engine behind them owns and writes in its own
-# files (FSDP is covered: see _sharded).
-_REFUSED = {
-    "DEEPSPEED": "DeepSpeed's engine owns the partitioned optimizer state and saves and loads it "
-    "itself (its own files per process), outside of the state dicts this checkpointer saves",
-    "MEGATRON_LM": "Megatron-LM's engine partitions the model and optimizer itself and saves "
-    "them with its own checkpointing",
-    "XLA": "XLA devices hold the tensors (the state would be moved off the device and "
-    "gathered without XLA's own sharding information)",
-}
 
 
 class IncrementalCheckpointer:
@@ -137,31 +116,7 @@ class IncrementalCheckpointer:
         optimizer_state: str = "exact",
         **options: Any,
     ) -> None:
-        from accelerate import Accelerator
-
-        if not isinstance(accelerator, Accelerator):
-            raise TypeError(
-                f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}"
-            )
-        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-        if kind.upper() in _REFUSED:
-            raise ValueError(
-                f"IncrementalCheckpointer does not support {kind} accelerators: "
-                f"{_REFUSED[kind.upper()]}. Covered: single process, data parallel (DDP on "
-                "CPU/GPU/XPU/NPU, i.e. distributed_type NO or MULTI_*) and FSDP; use "
-                "accelerator.save_state for DeepSpeed/Megatron-LM/XLA."
-            )
-        fallback = _sharded.fsdp_fallback_warning(accelerator)
-        if fallback is not None and accelerator.is_main_process:
-            warnings.warn(fallback, UserWarning, stacklevel=2)
-        launched = os.environ.get("WORLD_SIZE", "1")
-        if launched.isdigit() and int(launched) > 1 and accelerator.num_processes == 1:
-            raise ValueError(
-                f"this process was launched as one of WORLD_SIZE={launched} processes, but the "
-                "Accelerator runs as a single process (distributed_type NO), so every process "
-                "would write the same checkpoints on its own. On a machine without GPUs create "
-                "Accelerator(cpu=True) or launch with ACCELERATE_USE_CPU=1"
-            )
+        check_accelerator(accelerator)
         self.recovery = check_arguments(
             dirpath,
             storage_options=storage_options,
@@ -192,8 +147,7 @@ class IncrementalCheckpointer:
             distributed=self.sharded and accelerator.num_processes > 1,
             **options,
         )
-        self._positions: dict[int, LoaderPosition] = {}
-        self._saved_rng: dict[str, Any] | None = None  # this process's RNG at the loaded save
+        self._loaders = Loaders(accelerator)
         # A save due at an epoch's last batch, taken when one of these loaders' next epoch
         # starts (or at wait/close): (step, indices of the loaders at their epoch's end).
         self._deferred: tuple[int, set[int]] | None = None
@@ -226,7 +180,7 @@ class IncrementalCheckpointer:
         dog = self._watchdog
         if dog is None:
             return
-        for opt in self.accelerator._optimizers:
+        for opt in _compat.optimizers(self.accelerator):
             if id(opt) not in self._watched:
                 self._watched.add(id(opt))
                 inner = getattr(opt, "optimizer", opt)
@@ -276,12 +230,12 @@ class IncrementalCheckpointer:
         end work too (an epoch-interval scheduler step, an evaluation) and a resumed run starts
         the next epoch, whatever its loop looks like (``while loader.iteration < epochs`` or
         ``for epoch in range(start, epochs)``)."""
-        _check_step(step)
+        check_step(step)
         if self._watchdog is not None:
             self._watchdog.progress(step)
         if self.every_n_steps is None or step <= 0 or step % self.every_n_steps:
             return None
-        ended = {i for i, position in self._positions.items() if position.at_epoch_end()}
+        ended = self._loaders.at_epoch_end()
         if ended:
             self._deferred = (step, ended)
             return None
@@ -291,6 +245,16 @@ class IncrementalCheckpointer:
         if self._deferred is not None:
             self.save(self._deferred[0])
 
+    def _epoch(self, index: int) -> Iterator[Any]:
+        """One epoch of prepared DataLoader ``index``, its position tracked: the iteration of
+        :meth:`iterate` and of a tracked loader's own ``for`` loop."""
+
+        def before() -> None:
+            if self._deferred is not None and index in self._deferred[1]:
+                self._save_deferred()  # the epoch is over, the next one not begun
+
+        return self._loaders.epoch(index, before=before, watchdog=lambda: self._watchdog)
+
     def _save(
         self,
         step: int,
@@ -298,17 +262,14 @@ class IncrementalCheckpointer:
         metadata: dict[str, Any] | None,
         weights: list[dict[str, Any]] | None = None,  # the models' state dicts, after the hooks
     ) -> SaveHandle | None:
-        _check_step(step)
+        check_step(step)
         self._deferred = None  # a due save not taken yet: this one holds newer state
         if self._watchdog is not None:
             self._watchdog.progress(step)
         acc = self.accelerator
         _layout.check_prepared(acc)
         _layout.check_loaders(acc)
-        local = {
-            "rng": rng.capture(),
-            "loaders": [self._position(i).state() for i in range(len(acc._dataloaders))],
-        }
+        local = {"rng": rng.capture(), "loaders": self._loaders.states()}
         self._settle(block=False)  # earlier failed saves: warned about, or raised, everywhere
         verdict = self._check_replicas()
         if verdict.skip_save:
@@ -317,27 +278,12 @@ class IncrementalCheckpointer:
             metadata = {**(metadata or {}), "replica_repair": verdict.audit()}
         processes = collectives.gather(local)
         if self.sharded:
-            sharded = _sharded.state(acc)  # every process: its own shards
-            models, optimizers = sharded["models"], sharded["optimizers"]
+            models, optimizers = _state.sharded(acc)  # every process: its own shards
         elif not acc.is_main_process:
             return None
         else:
-            models = (
-                weights
-                if weights is not None
-                else [acc.unwrap_model(m).state_dict() for m in acc._models]
-            )
-            optimizers = [opt.state_dict() for opt in acc._optimizers]
-        state = {
-            "format": FORMAT,
-            "models": models,
-            "optimizers": optimizers,
-            "schedulers": [s.state_dict() for s in acc._schedulers],
-            "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
-            "custom": [obj.state_dict() for obj in acc._custom_objects],
-            "counters": {"step": int(acc.step), "iteration": int(iteration)},
-            "processes": processes,
-        }
+            models, optimizers = _state.full(acc, weights)
+        state = _state.checkpoint(acc, models, optimizers, iteration, processes)
         handle = self._failures.start(  # None: the limit was reached (raised at the next call)
             lambda: self.store.save(state, step, metadata=metadata, world_size=len(processes)),
             lambda: self._failures.collect(self._handles, block=False),
@@ -354,16 +300,7 @@ class IncrementalCheckpointer:
             return replica_policy.Verdict(None)
 
         def state() -> dict[str, Any]:
-            # Parameters and optimizer state, not buffers (running statistics legitimately
-            # differ per process under DDP); the tensors share storage with the live ones (for
-            # a repair).
-            return {
-                "models": [
-                    {name: p.detach() for name, p in acc.unwrap_model(m).named_parameters()}
-                    for m in acc._models
-                ],
-                "optimizers": [opt.state_dict() for opt in acc._optimizers],
-            }
+            return _state.replicated(acc)
 
         def finish_saves() -> None:
             self._failures.collect(self._handles, block=True)
@@ -405,7 +342,7 @@ class IncrementalCheckpointer:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, *, _pre_hooks: Any = None) -> int | None:
+    def load(self) -> int | None:
         """Restore the newest committed checkpoint into the prepared objects on every process and
         return its step; None (nothing restored) when the store has no checkpoint.
 
@@ -420,11 +357,18 @@ class IncrementalCheckpointer:
             CorruptCheckpointError: every committed checkpoint is corrupt (on the main process;
                 the others raise ``CoordinatorError`` naming it).
         """
+        return self._load(None)
+
+    def _load(self, pre_hooks: Callable[[int], list[Any]] | None) -> int | None:
+        """:meth:`load`; ``pre_hooks`` (or None) runs Accelerate's load pre-hooks given the
+        restored step and returns the models the checkpoint's weights go to."""
         acc = self.accelerator
         _layout.check_prepared(acc)
         self._deferred = None  # the state it would have held is being replaced
         state: dict[str, Any] | None = None
-        into = self._live()  # on every process (FSDP1's sharded state dict is a collective)
+        into = _state.live(
+            acc, is_sharded=self.sharded
+        )  # on every process (FSDP1's sharded state dict is a collective)
 
         def newest() -> int | None:
             nonlocal state
@@ -444,38 +388,13 @@ class IncrementalCheckpointer:
         if state is None:
             state = self.store.load(step, map_location="cpu", into=into, strict_into=False)
         # Accelerate's load pre-hooks: before the weights, which go to the models they leave
-        models = list(acc._models) if _pre_hooks is None else _pre_hooks(step)
-        _layout.check_compatible(acc, state, FORMAT, models, weights=not self.sharded)
-        if self.sharded:  # torch checks the keys and sets every process's shards
-            _sharded.apply(acc, models, state)
-        else:
-            for model, weights in zip(models, state["models"], strict=True):
-                acc.unwrap_model(model).load_state_dict(weights)
-            for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
-                opt.load_state_dict(opt_state)
-        for sched, sched_state in zip(acc._schedulers, state["schedulers"], strict=True):
-            sched.load_state_dict(sched_state)
-        if acc.scaler is not None and state["scaler"] is not None:
-            acc.scaler.load_state_dict(state["scaler"])
-        for obj, obj_state in zip(acc._custom_objects, state["custom"], strict=True):
-            obj.load_state_dict(obj_state)
-        acc.step = int(state["counters"]["step"])
-        acc.project_configuration.iteration = int(state["counters"]["iteration"])
+        models = list(_compat.models(acc)) if pre_hooks is None else pre_hooks(step)
+        _layout.check_compatible(acc, state, _state.FORMAT, models, weights=not self.sharded)
+        _state.restore(acc, state, models, is_sharded=self.sharded)
         mine = state["processes"][acc.process_index]
-        for i, position in enumerate(mine["loaders"]):
-            self._position(i).restore(position)
-        self._saved_rng = mine["rng"]
+        self._loaders.restore(mine["loaders"], mine["rng"])
         rng.restore(mine["rng"])
         return step
-
-    def _live(self) -> dict[str, Any]:
-        """The prepared models' own tensors, for the engine to restore into: their weights are
-        decoded in place (``load_state_dict`` then copies each onto itself), not into a second
-        copy of the model."""
-        acc = self.accelerator
-        if self.sharded:  # the live shards, optimizers' included
-            return _sharded.state(acc)
-        return {"models": [acc.unwrap_model(m).state_dict() for m in acc._models]}
 
     # ------------------------------------------------------------------ takeover
 
@@ -503,17 +422,34 @@ class IncrementalCheckpointer:
             ValueError: pre-hooks are registered and there is no checkpoint directory for them
                 (no ``output_dir`` / ``input_dir`` and no automatic checkpoint naming).
         """
-        _takeover.take_over(self)
+        _takeover.take_over(self._target())
 
     def follow(self) -> None:
         """Track the DataLoaders (and watch the optimizers) prepared since :meth:`take_over`;
         the launch flag calls it after every ``accelerator.prepare``."""
-        _takeover.follow(self)
+        _takeover.follow(self._target())
         self._watch_optimizers()
 
     def release(self) -> None:
         """Undo :meth:`take_over`: the accelerator's own methods and loaders' iteration again."""
-        _takeover.release(self)
+        _takeover.release(self._target())
+
+    def _target(self) -> _takeover.Target:
+        return _takeover.Target(
+            owner=self,
+            accelerator=self.accelerator,
+            loaders=self._loaders,
+            epoch=self._epoch,
+            save=self._save_now,
+            load=self._load,
+        )
+
+    def _save_now(self, iteration: int, weights: list[dict[str, Any]] | None) -> str:
+        """``accelerator.save_state``: save checkpoint ``iteration`` and wait for its commit."""
+        self._save(iteration, iteration + 1, None, weights)
+        self._settle(block=True)  # on every process: all warn or raise alike
+        self.store.wait()
+        return str(self.store.url)
 
     # ------------------------------------------------------------------ data position
 
@@ -526,48 +462,13 @@ class IncrementalCheckpointer:
         Raises:
             ValueError: ``dataloader`` was not returned by ``accelerator.prepare``.
         """
-        index = self._index(dataloader)
+        index = self._loaders.index(dataloader)
         if index is None:
             raise ValueError(
                 "iterate() takes a DataLoader returned by accelerator.prepare(...); this one was "
                 "not prepared by this accelerator"
             )
         return self._epoch(index)
-
-    def _index(self, dataloader: Any) -> int | None:
-        loaders = self.accelerator._dataloaders
-        return next((i for i, dl in enumerate(loaders) if dl is dataloader), None)
-
-    def _epoch(self, index: int) -> Iterator[Any]:
-        """One epoch of prepared DataLoader ``index``, its position tracked: the iteration of
-        :meth:`iterate` and of a tracked loader's own ``for`` loop."""
-        position = self._position(index)
-        loader = position.loader
-
-        def open_epoch(skip: int) -> Any:
-            if skip == 0:
-                return _tracking.own_iter(loader)
-            acc = self.accelerator  # Accelerate's own, not a taken-over instance attribute
-            return type(acc).skip_first_batches(acc, loader, skip)
-
-        def restore_now() -> None:
-            if self._saved_rng is not None:
-                rng.restore(self._saved_rng)
-
-        if self._deferred is not None and index in self._deferred[1]:
-            self._save_deferred()  # the epoch is over, the next one not begun
-        dog = self._watchdog
-        for batch in position.iterate(open_epoch, restore_now):
-            if dog is not None:
-                dog.progress()
-            yield batch
-
-    def _position(self, index: int) -> LoaderPosition:
-        loader = self.accelerator._dataloaders[index]
-        position = self._positions.get(index)
-        if position is None or position.loader is not loader:
-            position = self._positions[index] = LoaderPosition(loader)
-        return position
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -604,68 +505,6 @@ class IncrementalCheckpointer:
 
     def __repr__(self) -> str:
         return f"IncrementalCheckpointer({self.store.url!r}, every_n_steps={self.every_n_steps})"
-
-
-def check_arguments(
-    dirpath: Any,
-    *,
-    storage_options: Any = None,
-    keep_last: Any = None,
-    every_n_steps: Any = None,
-    max_consecutive_failures: Any = DEFAULT_MAX_CONSECUTIVE_FAILURES,
-    watchdog: Any = None,
-    heartbeat_interval: Any = 5.0,
-    heartbeat_timeout: Any = 60.0,
-    progress_timeout: Any = 900.0,
-    replica_check: Any = "warn",
-    recovery: Any = None,
-    **options: Any,
-) -> RecoveryOptions:
-    """Validate :class:`IncrementalCheckpointer`'s arguments without an accelerator or a store
-    (the launch flag checks its settings before the script runs). Returns the recovery options
-    (watchdog, replica check, ``max_consecutive_failures``), validated.
-
-    Raises:
-        TypeError: an argument of the wrong type.
-        ValueError: a bad ``every_n_steps``, ``max_consecutive_failures`` or ``replica_check``.
-        ConfigError: an invalid store option or watchdog timing, or ``recovery`` given together
-            with one of the arguments it holds.
-    """
-    if not isinstance(dirpath, str):
-        raise TypeError(f"dirpath must be a str (a directory or URL), got {type(dirpath).__name__}")
-    if storage_options is not None and not isinstance(storage_options, dict):
-        raise TypeError(
-            f"storage_options must be a dict or None, got {type(storage_options).__name__}"
-        )
-    if every_n_steps is not None and (
-        isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
-    ):
-        raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
-    recovery = RecoveryOptions.resolve(
-        recovery,
-        watchdog=watchdog,
-        heartbeat_interval=heartbeat_interval,
-        heartbeat_timeout=heartbeat_timeout,
-        progress_timeout=progress_timeout,
-        replica_check=replica_check,
-        max_consecutive_failures=max_consecutive_failures,
-    )
-    StoreConfig().replace(keep_last=keep_last, **options)
-    return recovery
-
-
-def _check_step(step: Any) -> None:
-    """The checks on a step the engine makes at ``save``, made on every process before any
-    collective (so that every process raises alike).
-
-    Raises:
-        StepError: ``step`` is not an int (a ``StepTypeError``, also a ``TypeError``), or is
-            negative.
-    """
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise StepTypeError(f"step must be an int, got {type(step).__name__} {step!r}")
-    if step < 0:
-        raise StepError(f"step must be >= 0, got {step}")
 
 
 def stop_dropped(dog: Watchdog) -> None:

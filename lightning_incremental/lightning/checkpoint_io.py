@@ -46,12 +46,12 @@ steps (the engine refuses the second, nothing is overwritten).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import warnings
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
@@ -63,7 +63,6 @@ from typing_extensions import override
 from lightning_incremental.core import (
     CheckpointError,
     CheckpointStore,
-    ConfigError,
     StoreConfig,
 )
 from lightning_incremental.lightning import pointer_lifecycle
@@ -78,7 +77,14 @@ from lightning_incremental.lightning.compat import (
     trainer_stage_running,
 )
 from lightning_incremental.lightning.materialize import materialize, materialize_option
-from lightning_incremental.lightning.path_resolution import Plan, load_from_store, resolve, rewrap
+from lightning_incremental.lightning.path_resolution import (
+    TO_CPU,
+    Plan,
+    load_from_store,
+    resolve,
+    to_cpu,
+)
+from lightning_incremental.lightning.plugin_arguments import check_plugin_arguments
 from lightning_incremental.lightning.pointer_lifecycle import OpenStore
 from lightning_incremental.lightning.pointers import (
     CheckpointFile,
@@ -86,7 +92,6 @@ from lightning_incremental.lightning.pointers import (
     Pointer,
     PointerError,
     looks_like_pointer,
-    valid_store_name,
 )
 from lightning_incremental.lightning.trainer import marks_of
 from lightning_incremental.runtime import collectives
@@ -96,7 +101,6 @@ from lightning_incremental.runtime.failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     FailurePolicy,
     check_max_consecutive_failures,
-    describe,
 )
 
 log = logging.getLogger(__name__)
@@ -113,18 +117,6 @@ _RUNTIME = (
 )
 
 __all__ = ["IncrementalCheckpointIO", "NotATorchCheckpointError", "PointerError"]
-
-
-class _TorchIODefault:
-    """``load_checkpoint``'s default ``map_location``: every tensor on the CPU, as
-    ``TorchCheckpointIO``'s default (``lambda storage, loc: storage``). An explicit ``None``
-    means what it means to ``torch.load``: the device each tensor was saved on."""
-
-    def __repr__(self) -> str:
-        return "<cpu: TorchCheckpointIO's default>"
-
-
-_TO_CPU: Any = _TorchIODefault()
 
 
 class IncrementalCheckpointIO(CheckpointIO):
@@ -180,24 +172,7 @@ class IncrementalCheckpointIO(CheckpointIO):
         **options: Any,
     ) -> None:
         super().__init__()
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(
-                f"storage_options must be a dict of fsspec options or None, got "
-                f"{type(storage_options).__name__}"
-            )
-        if not isinstance(store_name, str) or not valid_store_name(store_name):
-            raise ConfigError(
-                f"store_name must be one plain directory name (letters, digits, '_', '-', '.'; "
-                f"not '.' or '..'), got {store_name!r}"
-            )
-        if "keep_last" in options:
-            raise ConfigError(
-                "keep_last is not an option of IncrementalCheckpointIO: checkpoints are kept or "
-                "removed by Lightning (ModelCheckpoint(save_top_k=...)); the store keeps exactly "
-                "the checkpoints that files point to"
-            )
-        if not isinstance(allow_pickle, bool):
-            raise ConfigError(f"allow_pickle must be True or False, got {allow_pickle!r}")
+        check_plugin_arguments(storage_options, store_name, allow_pickle, options)
         self.materialize = materialize_option(materialize)
         self.storage_options = dict(storage_options) if storage_options else None
         self.allow_pickle = allow_pickle
@@ -284,69 +259,23 @@ class IncrementalCheckpointIO(CheckpointIO):
             entry.saving.append(job)
             raise
 
-        failure: list[BaseException] = []
-
-        def finish() -> None:
-            try:
-                handle.wait()
-            except BaseException as exc:  # reported by the next call, as the policy says
-                entry.inflight.discard(step)
-                self._restore(target, pointer, old_bytes)
-                log.error("IncrementalCheckpointIO: saving %s failed: %s", target.display, exc)
-                failure.append(exc)
-                self._failures.failed(f"{target.display} (step {step} of {entry.store.url})", exc)
-                if not isinstance(exc, Exception):
-                    raise  # KeyboardInterrupt, SystemExit: not a storage failure to count
-                return
-            entry.inflight.discard(step)
-            self._failures.committed()
-            pointer_lifecycle.committed(target, entry, pointer)
-
+        finish, failure = pointer_lifecycle.finisher(
+            handle, target, entry, pointer, old_bytes, self._restore, self._failures
+        )
         job = self._background.submit(finish, f"saving {target.display}", track=entry.store_url)
         entry.saving.append(job)
         self._background.set_pending(target.key, job)
         with self._lock:
             self._marks.update(marks_of(checkpoint))
-        if trainer_stage_running() is False:
-            self._finish_now(job, failure, target, step, entry)
-
-    def _finish_now(
-        self,
-        job: Future[None],
-        failure: list[BaseException],
-        target: CheckpointFile,
-        step: int,
-        entry: OpenStore,
-    ) -> None:
-        """``Trainer.save_checkpoint`` outside of a running stage: wait for the commit, raise
-        its failure, and end the threads (nothing else runs until the next stage or call).
-
-        Raises:
-            CheckpointError: the save failed to commit.
-        """
-        job.exception()
-        if not failure:
-            self.close()
-            return
-        exc = failure[0]
-        self._failures.take()  # reported here, by raising
-        try:
-            self.close()
-        except Exception as other:
-            log.error("another checkpoint error while closing: %r", other)
-        message = (
-            f"saving {target.display} (step {step} of {entry.store.url}) did not commit: "
-            f"{describe(exc)}; the file keeps naming the checkpoint it named before, if any"
-        )
-        if isinstance(exc, CheckpointError):
-            raise rewrap(exc, message) from exc
-        raise CheckpointError(message) from exc
+        if trainer_stage_running() is False:  # wait for the commit, raise its failure
+            what = f"{target.display} (step {step} of {entry.store.url})"
+            pointer_lifecycle.finish_now(job, failure, what, self._failures, self.close)
 
     @override
     def load_checkpoint(
         self,
         path: PathLike,
-        map_location: Any | None = _TO_CPU,
+        map_location: Any | None = TO_CPU,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """The complete checkpoint dict saved at ``path`` (bit-identical tensors).
@@ -435,13 +364,8 @@ class IncrementalCheckpointIO(CheckpointIO):
             return
         target.remove()
         entry = self._store(target.store_url(pointer.store))
-
-        def release() -> None:
-            pointer_lifecycle.release(target, entry, pointer.store, pointer.step)
-            if pointer.previous is not None:  # kept when that save never committed
-                pointer_lifecycle.release(target, entry, pointer.store, pointer.previous)
-
-        self._background.submit(release, f"removing {target.display}")
+        removed = functools.partial(pointer_lifecycle.removed, target, entry, pointer)
+        self._background.submit(removed, f"removing {target.display}")
 
     @override
     def teardown(self) -> None:
@@ -561,12 +485,12 @@ class IncrementalCheckpointIO(CheckpointIO):
         """Load what :func:`~.path_resolution.resolve` decided; also returns the step loaded."""
         if plan.kind == "torch":
             state = torch_load_checkpoint(
-                plan.location, _to_cpu if map_location is _TO_CPU else map_location, weights_only
+                plan.location, to_cpu if map_location is TO_CPU else map_location, weights_only
             )
             return state, None
         return load_from_store(
             plan,
-            "cpu" if map_location is _TO_CPU else map_location,
+            "cpu" if map_location is TO_CPU else map_location,
             weights_only,
             store_of=self._store_of,
             open_reader=lambda url: self._open_store(url, self.config.replace(allow_pickle=False)),
@@ -609,7 +533,3 @@ class IncrementalCheckpointIO(CheckpointIO):
         """
         self._background.raise_first()
         self._failures.apply()
-
-
-def _to_cpu(storage: Any, location: str) -> Any:
-    return storage

@@ -213,6 +213,12 @@ def saving_trainer() -> pl.Trainer | None:
     return None
 
 
+def raw_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer a ``LightningOptimizer`` wraps (its ``_optimizer``); any other
+    optimizer itself."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
 def strategy_fitted(strategy: Any) -> bool:
     """Whether the trainer of ``strategy``'s LightningModule ran ``fit``."""
     from lightning.pytorch.trainer.states import TrainerFn

@@ -40,6 +40,25 @@ from lightning_incremental.lightning.pointers import (
 log = logging.getLogger(__name__)
 
 
+class _TorchIODefault:
+    """``load_checkpoint``'s default ``map_location``: every tensor on the CPU, as
+    ``TorchCheckpointIO``'s default (``lambda storage, loc: storage``). An explicit ``None``
+    means what it means to ``torch.load``: the device each tensor was saved on."""
+
+    def __repr__(self) -> str:
+        return "<cpu: TorchCheckpointIO's default>"
+
+
+#: ``load_checkpoint``'s default ``map_location`` (see :class:`_TorchIODefault`).
+TO_CPU: Any = _TorchIODefault()
+
+
+def to_cpu(storage: Any, location: str) -> Any:
+    """``TorchCheckpointIO``'s default ``map_location``: every storage stays where it was
+    loaded, on the CPU."""
+    return storage
+
+
 class Plan(NamedTuple):
     """What a load reads: a plain ``torch.save`` file, or one step of a store (None: its
     newest). Rank 0 broadcasts it under DDP, so it holds only plain values."""

@@ -60,6 +60,7 @@ from lightning_incremental.core import (
     SaveHandle,
     UnsupportedValueError,
 )
+from lightning_incremental.lightning.path_resolution import rewrap
 from lightning_incremental.lightning.pointers import (
     CheckpointFile,
     Pointer,
@@ -67,8 +68,11 @@ from lightning_incremental.lightning.pointers import (
     is_int,
     looks_like_pointer,
 )
+from lightning_incremental.runtime.failures import FailurePolicy, describe
 
 log = logging.getLogger(__name__)
+# The plug-in's own logger: what it reports of a save keeps that logger's name.
+_plugin_log = logging.getLogger("lightning_incremental.lightning.checkpoint_io")
 
 
 class OpenStore:
@@ -143,6 +147,83 @@ def restore(target: CheckpointFile, pointer: Pointer, old: bytes | None, *, fsyn
 def committed(target: CheckpointFile, entry: OpenStore, pointer: Pointer) -> None:
     """After the commit: release the step the pointer replaced, never before."""
     if pointer.previous is not None and pointer.previous != pointer.step:
+        release(target, entry, pointer.store, pointer.previous)
+
+
+def finisher(
+    handle: SaveHandle,
+    target: CheckpointFile,
+    entry: OpenStore,
+    pointer: Pointer,
+    old: bytes | None,
+    restore: Callable[[CheckpointFile, Pointer, bytes | None], None],
+    failures: FailurePolicy,
+) -> tuple[Callable[[], None], list[BaseException]]:
+    """The background job that ends the save of ``pointer`` at ``target`` (which replaced the
+    bytes ``old``), and the list that job puts the save's failure in. The job waits for the
+    commit; then it releases the step the pointer replaced (:func:`committed`), or, when the
+    save failed, puts the old pointer back (``restore``) and records the failure in
+    ``failures`` (reported by the plug-in's next call, as the policy says)."""
+    step = pointer.step
+    failure: list[BaseException] = []
+
+    def finish() -> None:
+        try:
+            handle.wait()
+        except BaseException as exc:  # reported by the next call, as the policy says
+            entry.inflight.discard(step)
+            restore(target, pointer, old)
+            _plugin_log.error("IncrementalCheckpointIO: saving %s failed: %s", target.display, exc)
+            failure.append(exc)
+            failures.failed(f"{target.display} (step {step} of {entry.store.url})", exc)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: not a storage failure to count
+            return
+        entry.inflight.discard(step)
+        failures.committed()
+        committed(target, entry, pointer)
+
+    return finish, failure
+
+
+def finish_now(
+    job: Future[None],
+    failure: list[BaseException],
+    what: str,
+    failures: FailurePolicy,
+    close: Callable[[], None],
+) -> None:
+    """``Trainer.save_checkpoint`` outside of a running stage: wait for the save's ``job`` (from
+    :func:`finisher`), raise its ``failure``, and end the threads (``close``: nothing else runs
+    until the next stage or call). ``what`` names the file and the step in the error.
+
+    Raises:
+        CheckpointError: the save failed to commit.
+    """
+    job.exception()
+    if not failure:
+        close()
+        return
+    exc = failure[0]
+    failures.take()  # reported here, by raising
+    try:
+        close()
+    except Exception as other:
+        _plugin_log.error("another checkpoint error while closing: %r", other)
+    message = (
+        f"saving {what} did not commit: {describe(exc)}; the file keeps naming the checkpoint it "
+        "named before, if any"
+    )
+    if isinstance(exc, CheckpointError):
+        raise rewrap(exc, message) from exc
+    raise CheckpointError(message) from exc
+
+
+def removed(target: CheckpointFile, entry: OpenStore, pointer: Pointer) -> None:
+    """After the pointer file at ``target`` was removed: release its step, and its
+    ``previous`` (kept when that save never committed)."""
+    release(target, entry, pointer.store, pointer.step)
+    if pointer.previous is not None:
         release(target, entry, pointer.store, pointer.previous)
 
 

@@ -48,6 +48,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
 from lightning_incremental.core import ConfigError
+from lightning_incremental.lightning.compat import raw_optimizer
 
 REPLICATED = "replicated"
 SHARDED = "sharded"
@@ -95,10 +96,6 @@ def _model(trainer: pl.Trainer) -> Any:
     return model
 
 
-def _raw(optimizer: Any) -> Any:
-    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-
-
 def model_state(trainer: pl.Trainer) -> dict[str, Any]:
     """This rank's sharded model state dict (DTensors / ShardedTensors sharing the live
     parameters' memory; the engine copies them)."""
@@ -113,7 +110,7 @@ def optimizer_state(trainer: pl.Trainer, optimizer: Any) -> dict[str, Any]:
     tensors to fill."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(_model(trainer), _raw(optimizer), options=_options())
+    return get_optimizer_state_dict(_model(trainer), raw_optimizer(optimizer), options=_options())
 
 
 def live_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -150,7 +147,7 @@ def apply(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
             f"{len(trainer.optimizers)} optimizers"
         )
     for optimizer, state in zip(trainer.optimizers, saved):
-        set_optimizer_state_dict(model, _raw(optimizer), state, options=_options(strict))
+        set_optimizer_state_dict(model, raw_optimizer(optimizer), state, options=_options(strict))
 
 
 # --- IncrementalCheckpointIO under these strategies ---------------------------------------------

@@ -186,7 +186,7 @@ def test_both_adapters_take_recovery_options(tmp_path: Any) -> None:
     assert (callback.replica_check, callback.max_consecutive_failures) == ("repair", 2)
     with pytest.raises(ConfigError, match="not both"):
         IncrementalCheckpoint(tmp_path / "a", recovery=options, watchdog=True)
-    from accelerate_incremental.checkpointer import check_arguments
+    from accelerate_incremental._arguments import check_arguments
 
     assert check_arguments(str(tmp_path / "b"), recovery=options) is options
     with pytest.raises(ConfigError, match="not both"):

@@ -1,0 +1,106 @@
+"""Every use of an Accelerate internal, in one module, read against the Accelerate sources of the
+releases we support (:data:`OLDEST_SUPPORTED`, the ``accelerate>=1.0`` of the requirements, to
+:data:`NEWEST_CHECKED`).
+
+Accelerate has no public API for what the adapter must see of an ``Accelerator``: the objects
+``prepare`` returned, in order (``_models``, ``_optimizers``, ``_schedulers``,
+``_dataloaders``), the objects given to ``register_for_checkpointing`` (``_custom_objects``),
+and the hooks given to ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``
+(``_save_model_state_pre_hook`` / ``_load_model_state_pre_hook``, ordered dicts of handle id to
+hook). All of them are plain instance attributes with these names and meanings in every release
+from 1.0 to 1.15; ``free_memory`` replaces the lists with new ones, so they are read on every use,
+never kept.
+
+Version differences handled here:
+
+- ``ACCELERATE_USE_FSDP``: Accelerate itself takes only ``"true"`` for FSDP (exactly before 1.10,
+  in any case from 1.10 on) and sets it to ``"true"`` when given an FSDP plugin.
+  :func:`fsdp_requested` reads it as the adapter always has (``1``, ``true`` or ``yes``, in any
+  case) for every release: it only decides whether the checkpointer warns about a run that
+  asked for FSDP and got DDP.
+
+Importing this module does not import Accelerate: every function takes the accelerator (or
+reads the environment) it is about.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+#: The oldest Accelerate release the adapter supports (the requirement ``accelerate>=1.0``).
+OLDEST_SUPPORTED = (1, 0)
+#: The newest Accelerate release whose sources the uses here were checked against.
+NEWEST_CHECKED = (1, 15)
+
+_FSDP_ENV = "ACCELERATE_USE_FSDP"
+_TRUE = ("1", "true", "yes")
+
+
+# --- what accelerator.prepare returned, and what was registered for checkpointing
+
+
+def models(accelerator: Any) -> list[Any]:
+    """The prepared models, in ``prepare`` order (the accelerator's own list: do not change it)."""
+    found: list[Any] = accelerator._models
+    return found
+
+
+def optimizers(accelerator: Any) -> list[Any]:
+    """The prepared optimizers (``AcceleratedOptimizer``), in ``prepare`` order."""
+    found: list[Any] = accelerator._optimizers
+    return found
+
+
+def schedulers(accelerator: Any) -> list[Any]:
+    """The prepared learning-rate schedulers (``AcceleratedScheduler``), in ``prepare`` order."""
+    found: list[Any] = accelerator._schedulers
+    return found
+
+
+def dataloaders(accelerator: Any) -> list[Any]:
+    """The prepared DataLoaders (Accelerate's wrappers), in ``prepare`` order."""
+    found: list[Any] = accelerator._dataloaders
+    return found
+
+
+def custom_objects(accelerator: Any) -> list[Any]:
+    """The objects given to ``register_for_checkpointing``, in registration order."""
+    found: list[Any] = accelerator._custom_objects
+    return found
+
+
+# --- save_state / load_state pre-hooks
+
+
+def save_state_pre_hooks(accelerator: Any) -> list[Any]:
+    """The hooks registered with ``register_save_state_pre_hook``, in registration order (each
+    called ``hook(models, weights, output_dir)``)."""
+    return list(accelerator._save_model_state_pre_hook.values())
+
+
+def load_state_pre_hooks(accelerator: Any) -> list[Any]:
+    """The hooks registered with ``register_load_state_pre_hook``, in registration order (each
+    called ``hook(models, input_dir)``)."""
+    return list(accelerator._load_model_state_pre_hook.values())
+
+
+# --- methods the takeover shadows on the instance
+
+
+def skip_first_batches(accelerator: Any, dataloader: Any, num_batches: int) -> Any:
+    """Accelerate's own ``accelerator.skip_first_batches(dataloader, num_batches)``: the class's
+    method, not an instance attribute that shadows it (the takeover's)."""
+    return type(accelerator).skip_first_batches(accelerator, dataloader, num_batches)
+
+
+# --- FSDP
+
+
+def fsdp_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``ACCELERATE_USE_FSDP`` asks for FSDP (``accelerate launch --use_fsdp``, an FSDP
+    config, or an ``Accelerator`` given an FSDP plugin, which sets it); see the module's notes
+    on how Accelerate's own reading differs by version."""
+    env = os.environ if environ is None else environ
+    return env.get(_FSDP_ENV, "false").lower() in _TRUE

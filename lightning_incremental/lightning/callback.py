@@ -1,11 +1,8 @@
-"""IncrementalCheckpoint: the engine as a Lightning callback.
-
-Hooks map to engine calls: a schedule decides when, the trainer's own checkpoint dump decides what
-(exactly what ``trainer.save_checkpoint`` writes), a
-:class:`~lightning_incremental.core.CheckpointStore` saves it in the background. On top, what a
-restarted job needs to continue as if nothing had happened: automatic resume from the newest
-committed checkpoint, and each rank's random state and position in its training data (see
-:mod:`~.resume` and :mod:`~.data_position`).
+"""IncrementalCheckpoint: the engine as a Lightning callback. A schedule decides when
+(:mod:`~.save_points`), the trainer's own checkpoint dump what, a
+:class:`~lightning_incremental.core.CheckpointStore` saves it in the background; a restarted job
+resumes by itself, random states and data position included (:mod:`~.resume`,
+:mod:`~.data_position`), and a preemption notice costs no step (:mod:`~.preemption`).
 """
 
 from __future__ import annotations
@@ -32,12 +29,14 @@ from lightning_incremental.lightning.fit_state import (
     TrainerLoop,
     open_fit_store,
 )
+from lightning_incremental.lightning.preemption import PreemptionPoint
 from lightning_incremental.lightning.resume import KEY, ResumeHook, ResumeSource
 from lightning_incremental.lightning.save_points import SaveNow, SavePoints
 from lightning_incremental.lightning.saver import Saver
 from lightning_incremental.lightning.schedule import Schedule
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from lightning_incremental.runtime.options import RecoveryOptions
+from lightning_incremental.runtime.preemption import PreemptionConfig
 from lightning_incremental.runtime.watchdog import WatchdogConfig
 
 log = logging.getLogger(__name__)
@@ -96,29 +95,28 @@ class IncrementalCheckpoint(Checkpoint):
             the store and the error) and training goes on from the previous committed
             checkpoint. This many failed saves in a row raise ``CheckpointError`` on every rank
             instead; a committed save resets the count. 1: stop at the first failure.
-        watchdog: run the heartbeat watchdog (see :mod:`lightning_incremental.runtime.watchdog`):
-            a rank that dies, hangs or loses the job's TCPStore ends every process with a
-            distinct exit code (86 dead peer, 87 hung peer, 88 isolated) instead of waiting out
-            a collective timeout, so ``torchrun --max-restarts`` restarts the group, which
-            resumes from the newest checkpoint. Default None: on in multi-process runs.
-        heartbeat_interval: seconds between heartbeats (and checks of the others').
-        heartbeat_timeout: seconds without a heartbeat after which a rank is dead (at least 3
-            intervals); also how long a rank may lose the store before it fences itself off.
-        progress_timeout: seconds without a finished batch after which a rank is hung; longer
-            than the slowest legitimate pause (a long validation, data loading, a checkpoint).
+        watchdog: run the heartbeat watchdog (:mod:`lightning_incremental.runtime.watchdog`): a
+            rank that dies, hangs or loses the job's TCPStore ends every process with a distinct
+            exit code (86 dead peer, 87 hung peer, 88 isolated), so ``torchrun --max-restarts``
+            restarts the group. Default None: on in multi-process runs.
+        heartbeat_interval, heartbeat_timeout, progress_timeout: the watchdog's windows in
+            seconds: between heartbeats; without one a rank is dead (at least 3 intervals; also
+            how long a rank may lose the store); without a finished batch a rank is hung.
         replica_check: under DDP, before each checkpoint, compare a fingerprint of every rank's
-            weights and optimizer state (one hash per tensor, gathered; see
-            :mod:`lightning_incremental.runtime.replicas`). On a divergence: ``"warn"`` logs which
-            rank and which tensors differ (and skips the checkpoint if rank 0's copy is the odd
-            one out); ``"repair"`` broadcasts the reference copy (the majority's; rank 0's when
-            two ranks disagree) to every rank, records the repair in the checkpoint's audit
-            trail and goes on; ``"stop"`` ends every process with exit code 89 so the group
-            restarts from the last good checkpoint; ``"off"`` skips the check. A diverged copy
-            is never committed.
+            weights and optimizer state: ``"warn"`` logs a divergence (and skips the checkpoint
+            if rank 0's copy is the odd one out), ``"repair"`` broadcasts the majority's copy
+            and goes on, ``"stop"`` exits 89 (the group restarts from the last good
+            checkpoint), ``"off"`` skips it; a diverged copy is never committed (see
+            :mod:`lightning_incremental.runtime.replica_policy`).
         recovery: all of ``watchdog``, the three timings, ``replica_check`` and
             ``max_consecutive_failures`` as one
             :class:`~lightning_incremental.runtime.RecoveryOptions` (then leave those at their
             defaults).
+        preemption: what a preemption notice does (True: the defaults of
+            :class:`~lightning_incremental.runtime.preemption.PreemptionConfig`; False: nothing).
+            At SIGTERM (and SLURM's requeue signal), or :meth:`request_preemption`, every rank
+            agrees at the next training batch's end, saves that step, waits for the commit and
+            exits with code 143: a preemption costs no step, single-process or distributed.
 
     Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` every rank
     saves its own shards (the sharded state dicts of ``torch.distributed.checkpoint.state_dict``,
@@ -162,28 +160,22 @@ class IncrementalCheckpoint(Checkpoint):
         progress_timeout: float = 900.0,
         replica_check: str = "warn",
         recovery: RecoveryOptions | None = None,
+        preemption: PreemptionConfig | bool = True,
     ) -> None:
         super().__init__()
-        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
-            raise TypeError(f"dirpath must be a path or URL string, got {type(dirpath).__name__}")
-        if dirpath is not None and not os.fspath(dirpath):
-            raise ConfigError("dirpath must not be empty; pass None for the default location")
-        self.dirpath: str | None = os.fspath(dirpath) if dirpath is not None else None
+        self.preemption = fit_checks.preemption_config(preemption)
+        self.dirpath = fit_checks.dirpath(dirpath)
         self.schedule = Schedule.from_args(every_n_train_steps, every_n_epochs, train_time_interval)
-        for name, flag in (
-            ("save_on_exception", save_on_exception),
-            ("save_on_train_end", save_on_train_end),
-            ("resume", resume),
-            ("allow_pickle", allow_pickle),
-        ):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        fit_checks.flags(
+            save_on_exception=save_on_exception,
+            save_on_train_end=save_on_train_end,
+            resume=resume,
+            allow_pickle=allow_pickle,
+        )
         self.save_on_exception = save_on_exception
         self.save_on_train_end = save_on_train_end
         self.resume = resume
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
-        self.storage_options = storage_options
+        self.storage_options = fit_checks.storage_options(storage_options)
         self.recovery = RecoveryOptions.resolve(
             recovery,
             watchdog=watchdog,
@@ -212,11 +204,12 @@ class IncrementalCheckpoint(Checkpoint):
         if fit is not None and fit.watchdog is not None:  # a fit that never reached teardown
             fit.watchdog.stop(finished=False)
         self._fit = FitState(
+            PreemptionPoint(self.preemption),
             SavePoints(
                 self.schedule,
                 save_on_train_end=self.save_on_train_end,
                 save_on_exception=self.save_on_exception,
-            )
+            ),
         )
 
     # ------------------------------------------------------------------ public
@@ -266,6 +259,11 @@ class IncrementalCheckpoint(Checkpoint):
         blocked for it."""
         saver = self._fit.saver
         return list(saver.results) if saver is not None else []
+
+    def request_preemption(self, reason: str = "requested by the script") -> None:
+        """Save at the next training batch's end and exit, as on SIGTERM (a cloud notice, your
+        own handler); on any rank: the ranks agree at the batch's end."""
+        self._fit.preemption.request(reason)
 
     def wait(self) -> list[SaveResult]:
         """Wait for the saves running in the background; returns their results (and logs their
@@ -328,11 +326,7 @@ class IncrementalCheckpoint(Checkpoint):
             rank_zero_info("IncrementalCheckpoint: disabled with fast_dev_run")
             fit.disabled = True
             return
-        if trainer.world_size > 1 and url.startswith("memory://"):
-            raise ConfigError(
-                f"dirpath {url} is in-process memory, which other ranks cannot read: "
-                "use a path or URL every rank can reach"
-            )
+        fit_checks.reachable_by_every_rank(url, trainer.world_size)
         store = open_fit_store(trainer, fit, self._open_store, claim_unless_refused=self.resume)
         fit.saver = Saver(
             store,
@@ -347,12 +341,7 @@ class IncrementalCheckpoint(Checkpoint):
             world_size=trainer.world_size,
             generation=fit.generation or 0,
         )
-        if not self.resume and fit.newest is not None:
-            raise ConfigError(
-                f"IncrementalCheckpoint(resume=False) but {url} already holds checkpoints "
-                f"(newest: step {fit.newest}); a new run cannot write steps it already holds. "
-                "Use an empty dirpath for a new run, or resume=True to continue that one."
-            )
+        fit_checks.fresh_unless_resuming(url, fit.newest, resume=self.resume)
         if self.resume:
             fit.resume_hook = ResumeHook(
                 ResumeSource(url, fit.sharded, fit.reader(self._open_store), fit.resumed), trainer
@@ -371,6 +360,7 @@ class IncrementalCheckpoint(Checkpoint):
         if fit.disabled:
             return
         fit.points.train_started(time.monotonic())
+        fit.preemption.start()
         step = trainer.global_step
         newest = fit.newest
         if fit.resumed_step is None and newest is not None and newest > step:
@@ -410,6 +400,8 @@ class IncrementalCheckpoint(Checkpoint):
         if fit.watchdog is not None:
             fit.watchdog.progress(trainer.global_step)
         self._collect()
+        if fit.preemption.at_batch_end(trainer, lambda step: self._preempt_save(trainer, step)):
+            return
         decision = fit.points.after_batch(
             trainer.global_step, self._last_saved_step, time.monotonic(), TrainerLoop(trainer)
         )
@@ -475,14 +467,18 @@ class IncrementalCheckpoint(Checkpoint):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        fit = self._fit
         try:
-            decision = self._fit.exception_decision(trainer, self._last_saved_step)
+            preempted = fit.preemption.handles(exception)
+            decision = None if preempted else fit.exception_decision(trainer, self._last_saved_step)
             if decision is not None:
                 self._save(trainer, decision)
-            saver = self._fit.saver
+            saver = fit.saver
             if saver is not None:
                 saver.collect(block=True)
                 saver.log_failures()
+            if preempted:
+                fit.preemption.exit_with_code(exception)
         except Exception:  # the training error propagates; this one must be seen too
             log.exception("IncrementalCheckpoint: saving after %r failed", exception)
         finally:
@@ -524,8 +520,15 @@ class IncrementalCheckpoint(Checkpoint):
         fit.points.saved(time.monotonic())
 
     def _collect(self) -> None:
-        if self._fit.saver is not None:
-            self._fit.saver.collect(block=False)
+        for result in self._fit.saver.collect(block=False) if self._fit.saver else []:
+            self._fit.preemption.observe_save(result.total_s)
+
+    def _preempt_save(self, trainer: pl.Trainer, step: int) -> None:
+        if step not in (0, self._last_saved_step):
+            self._save(trainer, SaveNow("preemption", boundary=not self._fit.points.epoch_open))
+        assert self._fit.saver is not None
+        self._fit.saver.collect(block=True)
+        self._fit.saver.raise_failures()
 
     def _open_store(self, *, distributed: bool = False) -> CheckpointStore:
         assert self._fit.url is not None

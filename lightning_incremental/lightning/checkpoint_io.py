@@ -104,6 +104,7 @@ from lightning_incremental.runtime.failures import (
 )
 
 log = logging.getLogger(__name__)
+HPC_PREFIX = "hpc_ckpt_"  # the files Lightning's SLURM requeue handler saves (hpc_save_path)
 
 # not pickled
 _RUNTIME = (
@@ -270,6 +271,10 @@ class IncrementalCheckpointIO(CheckpointIO):
         if trainer_stage_running() is False:  # wait for the commit, raise its failure
             what = f"{target.display} (step {step} of {entry.store.url})"
             pointer_lifecycle.finish_now(job, failure, what, self._failures, self.close)
+        elif target.name.startswith(HPC_PREFIX):
+            # Lightning's SLURM requeue handler runs `scontrol requeue` right after this save:
+            # it must have committed by then, or a kill right after the requeue loses it.
+            job.exception()  # its failure is reported as any background save's
 
     @override
     def load_checkpoint(

@@ -430,3 +430,24 @@ def _resume_aggregate(metric: Any, saved: dict[str, Any]) -> None:
         metric.value = previous + metric.value
     elif meta.is_max_reduction or meta.is_min_reduction:
         metric.value = meta.reduce_fx(previous, metric.value)
+
+
+def is_sigterm(exception: BaseException) -> bool:
+    """Whether ``exception`` is Lightning's ``SIGTERMException`` (raised at a batch boundary
+    after the trainer's SIGTERM handler ran)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    return isinstance(exception, SIGTERMException)
+
+
+def received_sigterm(trainer: pl.Trainer) -> bool:
+    """Whether the trainer's own SIGTERM handler ran in this process."""
+    return bool(getattr(trainer, "received_sigterm", False))
+
+
+def stop_as_on_sigterm(trainer: pl.Trainer) -> None:
+    """Make the trainer stop as after a SIGTERM: its loops raise ``SIGTERMException`` at the next
+    check (2.5 and 2.6: the signal connector's ``received_sigterm``)."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is not None:
+        connector.received_sigterm = True

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_incremental.core import ConfigError, StoreConfig
+from lightning_incremental.runtime.preemption import PreemptionConfig
 
 
 def replicated_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -97,3 +98,53 @@ def check_model_checkpoints(trainer: pl.Trainer, url: str) -> None:
                 "ModelCheckpoint writes plain .ckpt files there, which the incremental "
                 "store does not manage. Give them different directories."
             )
+
+
+def preemption_config(value: object) -> PreemptionConfig:
+    """The callback's ``preemption`` argument as a config (True/False: the defaults, on/off)."""
+    if isinstance(value, bool):
+        return PreemptionConfig(enabled=value)
+    if not isinstance(value, PreemptionConfig):
+        raise TypeError(f"preemption must be a bool or a PreemptionConfig, got {value!r}")
+    return value
+
+
+def dirpath(value: object) -> str | None:
+    """The callback's ``dirpath``: a path or URL string, or None for the default location."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"dirpath must be a path or URL string, got {type(value).__name__}")
+    path = os.fspath(value)
+    if not path:
+        raise ConfigError("dirpath must not be empty; pass None for the default location")
+    return str(path)
+
+
+def flags(**values: object) -> None:
+    for name, flag in values.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+
+
+def storage_options(value: object) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"storage_options must be a dict, got {type(value).__name__}")
+    return value
+
+
+def reachable_by_every_rank(url: str, world_size: int) -> None:
+    if world_size > 1 and url.startswith("memory://"):
+        raise ConfigError(
+            f"dirpath {url} is in-process memory, which other ranks cannot read: "
+            "use a path or URL every rank can reach"
+        )
+
+
+def fresh_unless_resuming(url: str, newest: int | None, *, resume: bool) -> None:
+    if not resume and newest is not None:
+        raise ConfigError(
+            f"IncrementalCheckpoint(resume=False) but {url} already holds checkpoints "
+            f"(newest: step {newest}); a new run cannot write steps it already holds. "
+            "Use an empty dirpath for a new run, or resume=True to continue that one."
+        )

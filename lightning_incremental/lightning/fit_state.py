@@ -25,6 +25,7 @@ from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning import data_position as dp
 from lightning_incremental.lightning import resume
 from lightning_incremental.lightning.fit_checks import replicated_state
+from lightning_incremental.lightning.preemption import PreemptionPoint
 from lightning_incremental.lightning.resume import ResumeHook
 from lightning_incremental.lightning.save_points import BatchCounts, Declined, SaveNow, SavePoints
 from lightning_incremental.lightning.saver import Saver
@@ -40,6 +41,7 @@ class FitState:
     """What :class:`~.callback.IncrementalCheckpoint` holds for one ``fit``: a new one at every
     setup (everything it resets there)."""
 
+    preemption: PreemptionPoint
     points: SavePoints
     url: str | None = None
     saver: Saver | None = None
@@ -170,6 +172,7 @@ class FitState:
         dog, self.watchdog = self.watchdog, None
         if dog is not None:
             dog.stop(finished=finished)
+        self.preemption.stop()
         self.close_warnings_guard()
         hook, self.resume_hook = self.resume_hook, None
         if hook is not None:

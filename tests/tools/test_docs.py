@@ -95,7 +95,8 @@ def problem(block: Block) -> str | None:
             None
             if block.not_run
             else (
-                f"a {block.kind} block must be marked <!-- not run: reason --> on the line before it"
+                f"a {block.kind} block must be marked <!-- not run: reason --> on the line "
+                "before it"
             )
         )
     if block.kind == "json":

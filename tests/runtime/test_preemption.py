@@ -1,0 +1,188 @@
+"""The preemption mechanism on its own: real signals, the handler chain, the agreement, the
+deadline warning, the SLURM requeue (a fake ``scontrol`` on PATH) and the cloud notice poller
+(a real HTTP server on loopback)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import os
+import signal
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lightning_incremental.core.errors import ConfigError
+from lightning_incremental.runtime import preemption as pre
+
+
+def test_a_signal_asks_and_the_handler_before_it_still_runs() -> None:
+    seen: list[int] = []
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
+    try:
+        p = pre.Preemption(pre.PreemptionConfig(signals=("SIGUSR2",))).install()
+        assert not p.requested
+        os.kill(os.getpid(), signal.SIGUSR2)
+        deadline = time.monotonic() + 5
+        while not p.requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.requested and p.request_ is not None
+        assert p.request_.reason == "signal SIGUSR2" and p.request_.signum == signal.SIGUSR2
+        assert seen == [signal.SIGUSR2], "the handler installed before must run too"
+        p.uninstall()
+        assert signal.getsignal(signal.SIGUSR2) is not p._on_signal
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.05)
+        assert seen == [signal.SIGUSR2, signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+def test_default_signals_are_sigterm_and_slurms_requeue_signal() -> None:
+    config = pre.PreemptionConfig()
+    assert config.signal_numbers({}) == [signal.SIGTERM]
+    slurm = config.signal_numbers({"SLURM_JOB_ID": "42"})
+    assert slurm == sorted([signal.SIGTERM, signal.SIGUSR1])
+    assert pre.slurm_requeue_signal({"SLURM_JOB_ID": "42", "LI_SLURM_SIGNAL": "USR2"}) == (
+        signal.SIGUSR2
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"signals": ("SIGNOPE",)}, "not a signal"),
+        ({"grace_s": 0}, "grace_s"),
+        ({"exit_code": 0}, "exit_code"),
+        ({"exit_code": 300}, "exit_code"),
+    ],
+)
+def test_config_is_validated(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        pre.PreemptionConfig(**kwargs)
+
+
+def test_any_rank_asked_means_every_rank_stops() -> None:
+    asked, other = pre.Preemption(), pre.Preemption()
+    asked.request("signal SIGTERM")
+    flags: list[bool] = []
+
+    def all_reduce(flag: bool) -> bool:  # what the ranks' collective returns to each
+        flags.append(flag)
+        return True
+
+    assert asked.agree(all_reduce) and other.agree(all_reduce)
+    assert flags == [True, False]
+    assert other.requested and other.request_ is not None
+    assert other.request_.reason == "another rank was asked"
+    assert not pre.Preemption().agree(lambda flag: flag)
+    assert not pre.Preemption().agree()  # alone, nobody asked
+
+
+def test_a_save_slower_than_the_grace_is_warned_once(caplog: pytest.LogCaptureFixture) -> None:
+    p = pre.Preemption(pre.PreemptionConfig(grace_s=2.0))
+    with caplog.at_level(logging.WARNING, "lightning_incremental"):
+        p.observe_save(0.5)
+        assert "longer than the preemption grace" not in caplog.text
+        p.observe_save(3.5)
+        p.observe_save(4.0)
+    assert caplog.text.count("longer than the preemption grace of 2.0s") == 1
+    assert "takes 3.5s to commit" in caplog.text
+
+
+def test_the_deadline_counts_from_the_request() -> None:
+    now = [100.0]
+    p = pre.Preemption(pre.PreemptionConfig(grace_s=25.0), clock=lambda: now[0])
+    assert p.remaining() is None
+    p.request("signal SIGTERM")
+    now[0] = 110.0
+    p.request("again")  # the first request's time is kept
+    assert p.remaining() == pytest.approx(15.0)
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    calls = tmp_path / "scontrol.calls"
+    script = tmp_path / "bin" / "scontrol"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
+    return calls
+
+
+def test_finish_requeues_on_rank_0_after_the_commit_and_exits(
+    fake_scontrol: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    p = pre.Preemption()
+    p.request("signal SIGUSR1")
+    with pytest.raises(SystemExit) as exited:
+        p.finish(rank=1, requeue_default=True)
+    assert exited.value.code == pre.EXIT_PREEMPTED
+    assert not fake_scontrol.exists(), "only rank 0 requeues"
+    with pytest.raises(SystemExit):
+        p.finish(rank=0, requeue_default=True, committed="checkpoint step 15")
+    assert fake_scontrol.read_text().split() == ["requeue", "4711"]
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "9")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert pre.requeue_slurm_job()
+    assert fake_scontrol.read_text().split()[-1] == "9_3"
+    with pytest.raises(SystemExit):  # not asked to requeue: no call
+        pre.Preemption(pre.PreemptionConfig(requeue=False)).finish(rank=0, requeue_default=True)
+    assert fake_scontrol.read_text().count("requeue") == 2
+
+
+class _Notice(http.server.BaseHTTPRequestHandler):
+    body: bytes | None = None  # None: 404, as AWS answers while no stop is scheduled
+
+    def do_GET(self) -> None:
+        if type(self).body is None:
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(type(self).body or b"")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def notice_server() -> Iterator[tuple[str, type[_Notice]]]:
+    handler = type("Notice", (_Notice,), {"body": None})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/spot/instance-action", handler
+    server.shutdown()
+
+
+def test_the_cloud_notice_poller_turns_a_notice_into_a_request(
+    notice_server: tuple[str, type[_Notice]],
+) -> None:
+    url, handler = notice_server
+    p = pre.Preemption()
+    poller = pre.MetadataPoller(p, url, interval_s=0.05, timeout_s=1.0)
+    assert poller.poll() is None  # 404: no notice
+    poller.start()
+    time.sleep(0.2)
+    assert not p.requested
+    handler.body = json.dumps({"action": "terminate", "time": "2026-12-02T01:00:00Z"}).encode()
+    deadline = time.monotonic() + 5
+    while not p.requested and time.monotonic() < deadline:
+        time.sleep(0.02)
+    poller.stop()
+    assert p.request_ is not None
+    assert p.request_.reason == "cloud preemption notice: terminate at 2026-12-02T01:00:00Z"
+    handler.body = b"TRUE"  # GCP's form
+    assert pre.MetadataPoller(p, url).poll() == "the instance is being preempted"
+    handler.body = b"FALSE"
+    assert pre.MetadataPoller(p, url).poll() is None
+    with pytest.raises(ConfigError, match="http"):
+        pre.MetadataPoller(p, "ftp://nowhere")

@@ -253,16 +253,13 @@ class IncrementalCheckpoint(Checkpoint):
 
     @property
     def results(self) -> list[tuple[SaveResult, float]]:
-        """This ``fit``'s committed saves so far (on global rank 0; in a sharded run on every
-        rank, each its own part): each engine
-        :class:`~lightning_incremental.core.SaveResult` with the seconds the training loop was
-        blocked for it."""
+        """This ``fit``'s committed saves (rank 0; sharded: every rank's part), each engine
+        :class:`~lightning_incremental.core.SaveResult` with the seconds training was blocked."""
         saver = self._fit.saver
         return list(saver.results) if saver is not None else []
 
     def request_preemption(self, reason: str = "requested by the script") -> None:
-        """Save at the next training batch's end and exit, as on SIGTERM (a cloud notice, your
-        own handler); on any rank: the ranks agree at the batch's end."""
+        """Save at the next batch's end and exit, as on SIGTERM; on any rank (they agree)."""
         self._fit.preemption.request(reason)
 
     def wait(self) -> list[SaveResult]:
@@ -275,8 +272,7 @@ class IncrementalCheckpoint(Checkpoint):
             CheckpointError: ``max_consecutive_failures`` saves in a row failed, or this writer
                 was fenced off by a newer generation of the job.
         """
-        saver = self._fit.saver
-        if saver is None:
+        if (saver := self._fit.saver) is None:
             return []
         results = saver.collect(block=True)
         saver.raise_failures()
@@ -400,7 +396,7 @@ class IncrementalCheckpoint(Checkpoint):
         if fit.watchdog is not None:
             fit.watchdog.progress(trainer.global_step)
         self._collect()
-        if fit.preemption.at_batch_end(trainer, lambda step: self._preempt_save(trainer, step)):
+        if fit.preemption.at_batch_end(trainer, self._preempt_save):
             return
         decision = fit.points.after_batch(
             trainer.global_step, self._last_saved_step, time.monotonic(), TrainerLoop(trainer)
@@ -418,14 +414,20 @@ class IncrementalCheckpoint(Checkpoint):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self._fit.watchdog is not None:
-            self._fit.watchdog.progress()
+        fit = self._fit
+        if fit.watchdog is not None:
+            fit.watchdog.progress()
+        if fit.points.started and not trainer.sanity_checking:  # validating inside a fit
+            fit.preemption.hold_during_validation(trainer)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._fit.disabled:
+        fit = self._fit
+        if fit.disabled or trainer.sanity_checking:
             return
-        decision = self._fit.points.at_validation_end(
+        if fit.points.started and fit.preemption.at_batch_end(trainer, self._preempt_save):
+            return
+        decision = fit.points.at_validation_end(
             trainer.global_step, self._last_saved_step, sanity_checking=trainer.sanity_checking
         )
         if decision is not None:
@@ -523,12 +525,10 @@ class IncrementalCheckpoint(Checkpoint):
         for result in self._fit.saver.collect(block=False) if self._fit.saver else []:
             self._fit.preemption.observe_save(result.total_s)
 
-    def _preempt_save(self, trainer: pl.Trainer, step: int) -> None:
-        if step not in (0, self._last_saved_step):
+    def _preempt_save(self, trainer: pl.Trainer) -> None:
+        if trainer.global_step not in (0, self._last_saved_step):
             self._save(trainer, SaveNow("preemption", boundary=not self._fit.points.epoch_open))
-        assert self._fit.saver is not None
-        self._fit.saver.collect(block=True)
-        self._fit.saver.raise_failures()
+        self.wait()  # its commit (or its failure, raised)
 
     def _open_store(self, *, distributed: bool = False) -> CheckpointStore:
         assert self._fit.url is not None

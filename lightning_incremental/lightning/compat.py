@@ -451,3 +451,11 @@ def stop_as_on_sigterm(trainer: pl.Trainer) -> None:
     connector = getattr(trainer, "_signal_connector", None)
     if connector is not None:
         connector.received_sigterm = True
+
+
+def hold_sigterm(trainer: pl.Trainer) -> None:
+    """Undo what the trainer's SIGTERM handler recorded (until :func:`stop_as_on_sigterm`), so
+    its evaluation loop does not stop at the next batch."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is not None:
+        connector.received_sigterm = False

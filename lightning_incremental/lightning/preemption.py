@@ -1,6 +1,7 @@
 """The callback's preemption path (the mechanism: :mod:`lightning_incremental.runtime.preemption`).
 
-At a training batch's end, when any rank was asked to stop — a preemption signal (ours, or
+At a training batch's end (or a validation run's: :meth:`PreemptionPoint.hold_during_validation`)
+when any rank was asked to stop — a preemption signal (ours, or
 Lightning's own SIGTERM handler), or :meth:`~.callback.IncrementalCheckpoint.request_preemption`
 — every rank saves that step, waits for its commit and makes Lightning stop right there; the
 ``SIGTERMException`` Lightning then raises on every rank exits with the configured code (143)
@@ -44,7 +45,9 @@ class PreemptionPoint:
     def observe_save(self, seconds: float) -> None:
         self.state.observe_save(seconds)
 
-    def at_batch_end(self, trainer: pl.Trainer, save_and_wait: Callable[[int], None]) -> bool:
+    def at_batch_end(
+        self, trainer: pl.Trainer, save_and_wait: Callable[[pl.Trainer], None]
+    ) -> bool:
         """Whether training stops here for a preemption (then this step is committed)."""
         if not self.config.enabled or self.step is not None:
             return False
@@ -59,10 +62,18 @@ class PreemptionPoint:
             agreed = self.state.agree()
         if not agreed:
             return False
-        save_and_wait(trainer.global_step)
+        save_and_wait(trainer)
         self.step = trainer.global_step
         _compat.stop_as_on_sigterm(trainer)  # every rank raises SIGTERMException right here
         return True
+
+    def hold_during_validation(self, trainer: pl.Trainer) -> None:
+        """A SIGTERM during a validation run of ``fit``: let the validation finish (its random
+        draws are part of the run) and stop at its end, where the state is the one an
+        uninterrupted run has: Lightning would stop at the next validation batch."""
+        if self.config.enabled and self.step is None and _compat.received_sigterm(trainer):
+            self.state.request("SIGTERM")
+            _compat.hold_sigterm(trainer)
 
     def handles(self, exception: BaseException) -> bool:
         """Whether ``exception`` is the stop this path asked for."""

@@ -3,7 +3,8 @@ or under ``torchrun --nproc-per-node 2`` (DDP over gloo).
 
 Trains the tiny model (dropout, shuffled data) for 24 steps (3 epochs of 8 on one process) with
 ``IncrementalCheckpoint(every_n_train_steps=10)``, a little slowly (so that a test can signal it
-mid-run), appending each finished step to ``O/progress_rank<r>.txt``. A run that finishes writes
+mid-run), appending each finished step to ``O/progress_rank<r>.txt`` (and, with ``--validate``,
+validating 4 batches every 4 steps, each ``val<step>``). A run that finishes writes
 ``O/final_rank<r>.pt`` (weights and optimizer state) and ``O/result_rank<r>.json`` (the step it
 resumed from).
 """
@@ -37,11 +38,19 @@ class Progress(L.Callback):
             f.write(f"{trainer.global_step}\n")
         time.sleep(0.1)  # time for the test to send its signal mid-run
 
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if not trainer.sanity_checking:
+            with self.path.open("a") as f:
+                f.write(f"val{trainer.global_step}\n")
+            time.sleep(0.1)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--validate", action="store_true", help="validate every 4 steps")
+    parser.add_argument("--workers", type=int, default=0, help="persistent DataLoader workers")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -58,11 +67,13 @@ def main() -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        limit_val_batches=0,
+        limit_val_batches=4 if args.validate else 0,
+        val_check_interval=4 if args.validate else None,
+        num_sanity_val_steps=0,
         default_root_dir=str(out),
         callbacks=[ckpt, Progress(out, rank)],
     )
-    module = TinyModel()
+    module = TinyModel(num_workers=args.workers, persistent_workers=args.workers > 0)
     trainer.fit(module)
     final = {"weights": weights(module), "optimizer": trainer.optimizers[0].state_dict()}
     torch.save(final, out / f"final_rank{rank}.pt")

@@ -27,8 +27,9 @@ JOB = ROOT / "tests" / "jobs" / "preempt_job.py"
 SIGNAL_AFTER_STEP = 15
 
 
-def _command(world: int, store: Path, out: Path) -> list[str]:
-    job = [str(JOB), "--dir", str(store), "--out", str(out)]
+def _command(world: int, store: Path, out: Path, validate: bool, workers: int) -> list[str]:
+    job = [str(JOB), "--dir", str(store), "--out", str(out), "--workers", str(workers)]
+    job += ["--validate"] if validate else []
     if world == 1:
         return [sys.executable, *job]
     return [
@@ -44,7 +45,18 @@ def _command(world: int, store: Path, out: Path) -> list[str]:
     ]
 
 
-def _run(world: int, store: Path, out: Path, *, signal_at: int | None = None) -> dict[str, Any]:
+def _run(
+    world: int,
+    store: Path,
+    out: Path,
+    *,
+    signal_at: int | None = None,
+    in_validation: bool = False,
+    validate: bool = False,
+    workers: int = 0,
+) -> dict[str, Any]:
+    """Run the job; with ``signal_at``, SIGTERM it once step ``signal_at`` is done (with
+    ``in_validation``: once validating at such a step)."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(
         os.environ,
@@ -54,13 +66,18 @@ def _run(world: int, store: Path, out: Path, *, signal_at: int | None = None) ->
     )
     log = (out / "job.log").open("a")
     proc = subprocess.Popen(
-        _command(world, store, out), env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+        _command(world, store, out, validate or in_validation, workers),
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
     )
     signalled = None
     try:
         deadline = time.monotonic() + 300
         while proc.poll() is None and time.monotonic() < deadline:
-            if signal_at is not None and signalled is None and _steps(out, 0) >= signal_at:
+            due = _steps(out, 0, validation=in_validation) >= (signal_at or 0)
+            if signal_at is not None and signalled is None and due:
                 proc.send_signal(signal.SIGTERM)  # torchrun's agent forwards it to the workers
                 signalled = time.monotonic()
             time.sleep(0.02)
@@ -74,10 +91,13 @@ def _run(world: int, store: Path, out: Path, *, signal_at: int | None = None) ->
     return {"rc": rc, "exited_s": exited, "log": (out / "job.log").read_text()}
 
 
-def _steps(out: Path, rank: int) -> int:
+def _steps(out: Path, rank: int, *, validation: bool = False) -> int:
+    """The newest step in the progress file (``validation``: only once validating at it)."""
     path = out / f"progress_rank{rank}.txt"
     lines = path.read_text().split() if path.exists() else []
-    return int(lines[-1]) if lines else 0
+    if validation:
+        lines = [line[3:] for line in lines if line.startswith("val")]
+    return int(lines[-1].removeprefix("val")) if lines else 0
 
 
 def _final(out: Path, rank: int) -> dict[str, Any]:
@@ -99,13 +119,28 @@ def _assert_same(mine: Any, ref: Any) -> None:
         assert mine == ref
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["one process", "torchrun, 2 ranks"])
-def test_a_sigterm_costs_no_step(tmp_path: Path, world: int) -> None:
-    reference = _run(world, tmp_path / "ref_store", tmp_path / "ref")
+@pytest.mark.parametrize(
+    ("world", "in_validation", "workers"),
+    [(1, False, 0), (2, False, 0), (1, True, 0), (2, True, 0)],
+    ids=[
+        "one process",
+        "torchrun, 2 ranks",
+        "one process, in validation",
+        "torchrun, in validation",
+    ],
+)
+def test_a_sigterm_costs_no_step(
+    tmp_path: Path, world: int, in_validation: bool, workers: int
+) -> None:
+    reference = _run(
+        world, tmp_path / "ref_store", tmp_path / "ref", validate=in_validation, workers=workers
+    )
     assert reference["rc"] == 0, reference["log"][-4000:]
 
     store, out = tmp_path / "store", tmp_path / "run"
-    first = _run(world, store, out, signal_at=SIGNAL_AFTER_STEP)
+    first = _run(
+        world, store, out, signal_at=SIGNAL_AFTER_STEP, in_validation=in_validation, workers=workers
+    )
     text = first["log"]
     if world == 1:
         assert first["rc"] == EXIT_PREEMPTED, text[-4000:]
@@ -119,7 +154,7 @@ def test_a_sigterm_costs_no_step(tmp_path: Path, world: int) -> None:
     assert committed == stopped[0] >= SIGNAL_AFTER_STEP, (committed, stopped)
     assert text.count(f"preempted at step {committed}") == world, text[-6000:]
 
-    second = _run(world, store, out)
+    second = _run(world, store, out, validate=in_validation, workers=workers)
     assert second["rc"] == 0, second["log"][-4000:]
     for rank in range(world):
         result = json.loads((out / f"result_rank{rank}.json").read_text())

@@ -84,8 +84,12 @@ def _evaluate(node: ast.expr, names: dict[str, Any]) -> Any:
         return -_evaluate(node.operand, names)
     if isinstance(node, ast.BinOp):
         left, right = _evaluate(node.left, names), _evaluate(node.right, names)
-        ops = {ast.Add: "__add__", ast.Sub: "__sub__", ast.Mult: "__mul__",
-               ast.LShift: "__lshift__"}
+        ops = {
+            ast.Add: "__add__",
+            ast.Sub: "__sub__",
+            ast.Mult: "__mul__",
+            ast.LShift: "__lshift__",
+        }
         op = ops.get(type(node.op))
         if op is not None and all(isinstance(v, (int, float)) for v in (left, right)):
             return getattr(left, op)(right)
@@ -132,8 +136,11 @@ def _documented(doc: str) -> dict[str, str]:
 def _markdown(text: str) -> str:
     """reST inline markup as Markdown, and escaped for a table cell."""
     text = re.sub(r":\w+:`([^`<]+?)\s*<[^>]+>`", r"\1", text)  # :role:`title <target>`
-    text = re.sub(r":\w+:`~?([\w.]+?)`", lambda m: f"`{m.group(1).split('.')[-1]}`"
-                  if m.group(0).count("~") else f"`{m.group(1)}`", text)
+    text = re.sub(
+        r":\w+:`~?([\w.]+?)`",
+        lambda m: f"`{m.group(1).split('.')[-1]}`" if m.group(0).count("~") else f"`{m.group(1)}`",
+        text,
+    )
     text = text.replace("``", "`")
     return text.replace("|", "\\|")
 
@@ -159,11 +166,13 @@ def options_table(root: Path, target: str) -> str:
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 if "ClassVar" in ast.unparse(node.annotation):
                     continue
-                rows.append((node.target.id, ast.unparse(node.annotation),
-                             _default(node.value, names)))
+                rows.append(
+                    (node.target.id, ast.unparse(node.annotation), _default(node.value, names))
+                )
     else:
-        init = next((n for n in cls.body if isinstance(n, ast.FunctionDef)
-                     and n.name == "__init__"), None)
+        init = next(
+            (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None
+        )
         if init is None:
             raise PluginError(f"options: {target} is neither a dataclass nor has __init__")
         docs = {**_documented(ast.get_docstring(init) or ""), **docs}
@@ -184,8 +193,13 @@ def options_table(root: Path, target: str) -> str:
     for option, annotation, default in rows:
         doc = docs.get(option.lstrip("*"), "")
         if not doc:
-            log.warning("options: %s.%s has no description in the docstring of %s (%s)",
-                        name, option, target, path)
+            log.warning(
+                "options: %s.%s has no description in the docstring of %s (%s)",
+                name,
+                option,
+                target,
+                path,
+            )
         lines.append(f"| `{option}` | {_code(annotation)} | {_code(default)} | {_markdown(doc)} |")
     source = path.relative_to(root).as_posix()
     note = f"<small>Generated from the docstring of `{target}` ({source}).</small>"
@@ -209,8 +223,14 @@ def _title(text: str, default: str) -> str:
 def _dated(root: Path, path: Path) -> str:
     """The date of the commit that last changed ``path`` (empty outside a git checkout)."""
     try:
-        out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", str(path)], cwd=root,
-                             capture_output=True, text=True, timeout=30, check=False)
+        out = subprocess.run(
+            ["git", "log", "-1", "--format=%cs", "--", str(path)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return ""
     return out.stdout.strip()
@@ -224,8 +244,11 @@ def _loose_results(root: Path) -> list[Path]:
     """JSON results that no report presents: ``<report>.json``, ``<report>.analysis.json`` and
     ``<report>_<variant>.json`` belong to ``<report>.md``."""
     reports = {p.stem for p in _reports(root)}
-    return [p for p in sorted(_results(root).glob("*.json"))
-            if p.name.split(".")[0] not in reports and p.stem.split("_")[0] not in reports]
+    return [
+        p
+        for p in sorted(_results(root).glob("*.json"))
+        if p.name.split(".")[0] not in reports and p.stem.split("_")[0] not in reports
+    ]
 
 
 def _report_page(root: Path, report: Path) -> tuple[str, str]:
@@ -238,9 +261,14 @@ def _report_page(root: Path, report: Path) -> tuple[str, str]:
         if other.suffix != ".md":
             source.append(f"`{other.name}`")
     date = _dated(root, report)
-    head = [f"# {title}", "",
-            f"<small>Generated from {', '.join(source)}"
-            + (f"; results committed {date}" if date else "") + ".</small>", ""]
+    head = [
+        f"# {title}",
+        "",
+        f"<small>Generated from {', '.join(source)}"
+        + (f"; results committed {date}" if date else "")
+        + ".</small>",
+        "",
+    ]
     png = _results(root) / f"{stem}.png"
     if png.is_file():
         head += [f"![{title}]({stem}.png)", ""]
@@ -248,8 +276,12 @@ def _report_page(root: Path, report: Path) -> tuple[str, str]:
 
 
 def _loose_page(root: Path) -> str:
-    lines = ["# Other results", "",
-             "Results that have no report of their own, as the benchmarks wrote them.", ""]
+    lines = [
+        "# Other results",
+        "",
+        "Results that have no report of their own, as the benchmarks wrote them.",
+        "",
+    ]
     for path in _loose_results(root):
         data = json.loads(path.read_text(encoding="utf-8"))
         lines += [f"## `{path.name}`", ""]
@@ -258,8 +290,10 @@ def _loose_page(root: Path) -> str:
             lines += [f"<small>Committed {date}.</small>", ""]
         if isinstance(data, dict) and all(not isinstance(v, (dict, list)) for v in data.values()):
             lines += ["| key | value |", "| --- | --- |"]
-            lines += [f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |"
-                      for k, v in data.items()]
+            lines += [
+                f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |"
+                for k, v in data.items()
+            ]
         else:
             lines += ["```json", json.dumps(data, indent=1)[:20000], "```"]
         lines.append("")
@@ -283,8 +317,10 @@ def _results_list(root: Path) -> str:
 def on_config(config: MkDocsConfig) -> MkDocsConfig:
     """Add every report under benchmarks/results to the "Performance" section of the nav."""
     root = _root(config)
-    pages: list[Any] = [{_title(r.read_text(encoding="utf-8"), r.stem): f"{PERF}/{r.stem}.md"}
-                        for r in _reports(root)]
+    pages: list[Any] = [
+        {_title(r.read_text(encoding="utf-8"), r.stem): f"{PERF}/{r.stem}.md"}
+        for r in _reports(root)
+    ]
     if _loose_results(root):
         pages.append({"Other results": f"{PERF}/other.md"})
     for item in config.nav or []:

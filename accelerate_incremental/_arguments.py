@@ -9,6 +9,7 @@ import warnings
 from typing import Any
 
 from accelerate_incremental import _sharded
+from accelerate_incremental._preemption import preemption_config
 from lightning_incremental.core import StepError, StepTypeError, StoreConfig
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from lightning_incremental.runtime.options import RecoveryOptions
@@ -74,6 +75,7 @@ def check_arguments(
     progress_timeout: Any = 900.0,
     replica_check: Any = "warn",
     recovery: Any = None,
+    preemption: Any = True,
     **options: Any,
 ) -> RecoveryOptions:
     """Validate :class:`IncrementalCheckpointer`'s arguments without an accelerator or a store
@@ -81,7 +83,8 @@ def check_arguments(
     (watchdog, replica check, ``max_consecutive_failures``), validated.
 
     Raises:
-        TypeError: an argument of the wrong type.
+        TypeError: an argument of the wrong type (``preemption``: a bool or a
+            ``PreemptionConfig``).
         ValueError: a bad ``every_n_steps``, ``max_consecutive_failures`` or ``replica_check``.
         ConfigError: an invalid store option or watchdog timing, or ``recovery`` given together
             with one of the arguments it holds.
@@ -105,6 +108,7 @@ def check_arguments(
         replica_check=replica_check,
         max_consecutive_failures=max_consecutive_failures,
     )
+    preemption_config(preemption)
     StoreConfig().replace(keep_last=keep_last, **options)
     return recovery
 

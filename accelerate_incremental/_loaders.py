@@ -61,10 +61,14 @@ class Loaders:
         *,
         before: Callable[[], None],
         watchdog: Callable[[], Watchdog | None],
+        boundary: Callable[[], None] = lambda: None,
     ) -> Iterator[Any]:
         """One epoch of prepared DataLoader ``index``, its position tracked. ``before`` runs when
         the epoch starts (before its iterator is created); then ``watchdog()`` gives the
-        watchdog told of every batch handed out (None: none runs)."""
+        watchdog told of every batch handed out (None: none runs). ``boundary`` runs before
+        each batch is fetched, the first too, but not before the end of an epoch of known
+        length (its end-of-epoch work is still to come: the next epoch's first batch is the
+        boundary) — every process fetches as many batches, so every one runs it as often."""
         position = self.position(index)
         loader = position.loader
 
@@ -79,7 +83,14 @@ class Loaders:
 
         before()
         dog = watchdog()
-        for batch in position.iterate(open_epoch, restore_now):
+        batches = position.iterate(open_epoch, restore_now)
+        while True:
+            if not position.at_epoch_end():
+                boundary()  # the batch before it is done, this one not fetched yet
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
             if dog is not None:
                 dog.progress()
             yield batch

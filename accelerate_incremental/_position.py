@@ -68,6 +68,14 @@ class LoaderPosition:
 
     def state(self) -> dict[str, Any]:
         """Plain data: the epoch, the batches consumed in it, and its starting random states."""
+        resume = self._resume
+        if resume is not None:  # restored, its epoch not begun yet: still the saved position
+            return {
+                "epoch": resume.epoch,
+                "consumed": resume.consumed,
+                "torch": resume.torch_state,
+                "generators": dict(resume.generator_states),
+            }
         now = position.generator_states(generators(self.loader))
         if self.consumed is None or self._torch_state is None:
             return {"epoch": _epoch(self.loader), "consumed": None, "generators": now}

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from accelerate_incremental import _compat, _layout, _sharded, _state, _takeover
 from accelerate_incremental._arguments import check_accelerator, check_arguments, check_step
 from accelerate_incremental._loaders import Loaders
+from accelerate_incremental._preemption import PreemptionPoint
 from lightning_incremental.core import CheckpointNotFoundError, CheckpointStore, SaveHandle
 from lightning_incremental.core.commit import fencing
 from lightning_incremental.runtime import collectives, replica_policy, rng
@@ -28,6 +29,7 @@ from lightning_incremental.runtime.failures import (
     share_report,
 )
 from lightning_incremental.runtime.options import RecoveryOptions
+from lightning_incremental.runtime.preemption import PreemptionConfig
 from lightning_incremental.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -75,6 +77,8 @@ class IncrementalCheckpointer:
             ``"int8"``: optimizer moments (``exp_avg``, ``exp_avg_sq``) stored quantized; a
             resume from such a checkpoint is not bit-exact (see
             :mod:`lightning_incremental.core.codecs.optimizer_state`). Weights stay lossless.
+        preemption: a ``PreemptionConfig``, True (its defaults) or False: at SIGTERM every
+            process commits the step of the next batch boundary, exits 143 (:mod:`~._preemption`).
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
@@ -114,6 +118,7 @@ class IncrementalCheckpointer:
         replica_check: str = "warn",
         recovery: RecoveryOptions | None = None,
         optimizer_state: str = "exact",
+        preemption: PreemptionConfig | bool = True,
         **options: Any,
     ) -> None:
         check_accelerator(accelerator)
@@ -130,6 +135,7 @@ class IncrementalCheckpointer:
             replica_check=replica_check,
             recovery=recovery,
             optimizer_state=optimizer_state,
+            preemption=preemption,
             **options,
         )
         self.replica_check = self.recovery.replica_check
@@ -173,6 +179,7 @@ class IncrementalCheckpointer:
             self._watch_optimizers()
             dropped = weakref.finalize(self, stop_dropped, dog)
             dropped.atexit = False  # at exit the watchdog says it finished (Watchdog.start)
+        self._preemption = PreemptionPoint(accelerator, preemption)  # handles the signals now
 
     def _watch_optimizers(self) -> None:
         """Count every prepared optimizer's step as progress for the watchdog (whatever loop the
@@ -219,6 +226,7 @@ class IncrementalCheckpointer:
             ValueError: a prepared ``StatefulDataLoader`` (not covered).
             UnsupportedValueError: a state value that needs pickling (naming its key).
         """
+        self._preemption.seen(step)
         return self._save(step, self.accelerator.project_configuration.iteration, metadata)
 
     def maybe_save(self, step: int) -> SaveHandle | None:
@@ -231,6 +239,7 @@ class IncrementalCheckpointer:
         the next epoch, whatever its loop looks like (``while loader.iteration < epochs`` or
         ``for epoch in range(start, epochs)``)."""
         check_step(step)
+        self._preemption.seen(step)
         if self._watchdog is not None:
             self._watchdog.progress(step)
         if self.every_n_steps is None or step <= 0 or step % self.every_n_steps:
@@ -253,7 +262,12 @@ class IncrementalCheckpointer:
             if self._deferred is not None and index in self._deferred[1]:
                 self._save_deferred()  # the epoch is over, the next one not begun
 
-        return self._loaders.epoch(index, before=before, watchdog=lambda: self._watchdog)
+        def boundary() -> None:  # a batch boundary: stop here for a preemption
+            self._preemption.at_boundary(self, self._save_and_wait)
+
+        return self._loaders.epoch(
+            index, before=before, watchdog=lambda: self._watchdog, boundary=boundary
+        )
 
     def _save(
         self,
@@ -264,6 +278,7 @@ class IncrementalCheckpointer:
     ) -> SaveHandle | None:
         check_step(step)
         self._deferred = None  # a due save not taken yet: this one holds newer state
+        self._preemption.saved = step
         if self._watchdog is not None:
             self._watchdog.progress(step)
         acc = self.accelerator
@@ -286,7 +301,7 @@ class IncrementalCheckpointer:
         state = _state.checkpoint(acc, models, optimizers, iteration, processes)
         handle = self._failures.start(  # None: the limit was reached (raised at the next call)
             lambda: self.store.save(state, step, metadata=metadata, world_size=len(processes)),
-            lambda: self._failures.collect(self._handles, block=False),
+            lambda: self._collect(block=False),
         )
         if handle is not None:
             self._handles.append(handle)
@@ -303,7 +318,7 @@ class IncrementalCheckpointer:
             return _state.replicated(acc)
 
         def finish_saves() -> None:
-            self._failures.collect(self._handles, block=True)
+            self._collect(block=True)
 
         return replica_policy.check_before_save(
             state, self.replica_check, finish_saves=finish_saves, barrier=acc.wait_for_everyone
@@ -322,12 +337,15 @@ class IncrementalCheckpointer:
         if self.accelerator.is_main_process or self.store.distributed:
             # The engine's back-pressure: the next save waits for these anyway (max_in_flight).
             wait_for_room(self._handles, self.store.config.max_in_flight)
-            self._failures.collect(self._handles, block=block)
+            self._collect(block=block)
             report = self._failures.report()
         if everywhere:
             report = share_report(report)
         if report is not None:
             self._failures.apply(report)
+
+    def _collect(self, *, block: bool) -> None:
+        self._preemption.committed(self._failures.collect(self._handles, block=block))
 
     def wait(self) -> None:
         """Wait until every pending save of this process committed (or failed: a failed save is
@@ -405,15 +423,12 @@ class IncrementalCheckpointer:
         mid-epoch resume is exact in plain loops too.
 
         ``save_state`` saves checkpoint ``project_configuration.iteration``, waits for its commit
-        (Accelerate's save_state is synchronous too) and increments the iteration (as Accelerate
-        does); ``load_state`` restores the newest checkpoint and returns its step (None
-        when the store is empty). Both accept and ignore Accelerate's serialization arguments;
-        the directory is ignored too, unless pre-hooks are registered
-        (``register_save_state_pre_hook`` / ``register_load_state_pre_hook``): they run as
-        Accelerate runs them, with the checkpoint directory (see
-        :mod:`accelerate_incremental._hooks`). ``skip_first_batches`` on a tracked loader returns
-        the loader itself, skipping by index and still tracked (see
-        :mod:`accelerate_incremental._takeover`). :meth:`release` undoes all of it.
+        and increments the iteration, as Accelerate does; ``load_state`` restores the newest
+        checkpoint and returns its step (None for an empty store). Accelerate's serialization
+        arguments and the directory are ignored, unless pre-hooks are registered: they run as
+        Accelerate runs them, with the checkpoint directory (see :mod:`~._hooks`).
+        ``skip_first_batches`` on a tracked loader returns the loader itself, skipping by index
+        and still tracked (see :mod:`~._takeover`). :meth:`release` undoes all of it.
 
         Raises:
             RuntimeError: the accelerator is already taken over.
@@ -447,9 +462,15 @@ class IncrementalCheckpointer:
     def _save_now(self, iteration: int, weights: list[dict[str, Any]] | None) -> str:
         """``accelerator.save_state``: save checkpoint ``iteration`` and wait for its commit."""
         self._save(iteration, iteration + 1, None, weights)
+        self._save_and_wait(None)
+        return str(self.store.url)
+
+    def _save_and_wait(self, step: int | None) -> None:
+        """:meth:`save` ``step`` (None: nothing), then wait for every pending save's commit."""
+        if step is not None:
+            self.save(step)
         self._settle(block=True)  # on every process: all warn or raise alike
         self.store.wait()
-        return str(self.store.url)
 
     # ------------------------------------------------------------------ data position
 
@@ -472,6 +493,10 @@ class IncrementalCheckpointer:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def request_preemption(self, reason: str = "requested by the script") -> None:
+        """On any process: save at the next batch boundary and exit 143, as on SIGTERM."""
+        self._preemption.request(reason)
+
     def steps(self) -> list[int]:
         """Committed checkpoint steps, oldest first."""
         return self.store.steps()
@@ -484,6 +509,7 @@ class IncrementalCheckpointer:
         Raises:
             Exception: the error of a failed save.
         """
+        self._preemption.stop()
         dog, self._watchdog = self._watchdog, None
         hooks, self._hooks = self._hooks, []
         for hook in hooks:
@@ -508,8 +534,7 @@ class IncrementalCheckpointer:
 
 
 def stop_dropped(dog: Watchdog) -> None:
-    """Stop the watchdog of a checkpointer dropped without ``close()``, without waiting for its
-    threads. A finalizer runs on whatever thread the garbage collector does, possibly one that
-    holds a lock a watchdog thread needs to end (logging's, its store client's): joining them
-    there could wait forever. They see the stop within a heartbeat interval and end alone."""
+    """Stop the watchdog of a checkpointer dropped without ``close()``, without joining its
+    threads: a finalizer may run on a thread that holds a lock they need to end (logging's, the
+    store client's). They see the stop within a heartbeat interval and end alone."""
     dog.stop(timeout=0, finished=False)

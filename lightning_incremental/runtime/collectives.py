@@ -68,3 +68,18 @@ def barrier(group: Any = None) -> None:
     """Wait until every rank of ``group`` got here (nothing alone)."""
     if world_size(group) > 1:
         torch.distributed.barrier(group=group)
+
+
+def any_true(flag: bool, device: Any = None, group: Any = None) -> bool:
+    """Whether ``flag`` is true on any rank of ``group`` (an all-reduce, MAX, of one small
+    tensor); ``flag`` alone. ``device``: where the tensor lives — with NCCL the current CUDA
+    device (the default there), with gloo the CPU (the default otherwise)."""
+    if world_size(group) == 1:
+        return bool(flag)
+    dist = torch.distributed
+    if device is None:
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    box = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+    return bool(box.item())

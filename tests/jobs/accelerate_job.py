@@ -11,6 +11,10 @@ Environment:
         process 1 SIGKILLs itself at this global step; the launcher restarts both processes.
     JOB_FLIP_AT: process 1 flips one bit of a weight right before the save of this step (mode
         ``api``), under ``replica_check=JOB_REPLICA_CHECK`` (default ``warn``).
+    JOB_PROGRESS: each process appends every finished step to ``JOB_PROGRESS.rank<i>``, then
+        sleeps ``JOB_SLOW`` seconds (default 0), so that a test can signal the run mid-way.
+
+Run alone (``python tests/jobs/accelerate_job.py``) it is one process.
 
 The DataLoader shuffles with its own seeded generator, the model has dropout, and every process
 seeds its global RNG differently, so a resumed run is bit-identical only if the sampler state,
@@ -21,11 +25,17 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+if __package__ in (None, ""):  # run as a script: make the packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import accelerate_incremental
 from accelerate_incremental import IncrementalCheckpointer
@@ -53,6 +63,8 @@ def main() -> None:
     crash_after = int(os.environ.get("JOB_CRASH_AFTER", "-1"))
     flip_at = int(os.environ.get("JOB_FLIP_AT", "-1"))
     kill_at = int(os.environ.get("JOB_KILL_AT", "-1"))
+    progress = os.environ.get("JOB_PROGRESS")
+    slow = float(os.environ.get("JOB_SLOW", "0"))
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         kill_at = -1
     accelerator = Accelerator(cpu=True)
@@ -105,6 +117,10 @@ def main() -> None:
                 ckpt.wait()
                 accelerator.wait_for_everyone()
                 os._exit(3)
+            if progress:
+                with open(f"{progress}.rank{accelerator.process_index}", "a") as fh:
+                    fh.write(f"{counter.step}\n")
+                time.sleep(slow)
     ckpt.wait()
     agree = replicas.check_replicas(
         {"model": accelerator.unwrap_model(model).state_dict(), "opt": optimizer.state_dict()}

@@ -10,7 +10,9 @@ position in the epoch and each process's random state all come back.
 
 Arguments: ``--out FILE`` (the main process writes the final weights there), ``--crash-after N``
 (every process SIGKILLs itself right after the checkpoint of step N was saved), ``--every N``
-(save every N steps). It prints ``argv`` and ``__file__`` as it sees them.
+(save every N steps), ``--slow S`` (sleep S seconds after each step, so that a test can signal
+the run mid-way), ``--progress PREFIX`` (each process appends every finished step to
+``PREFIX.rank<i>``). It prints ``argv`` and ``__file__`` as it sees them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 import torch
 from accelerate import Accelerator
@@ -47,6 +50,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--crash-after", type=int, default=-1)
     parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--progress", default=None)
     args = parser.parse_args()
     print(f"argv {sys.argv!r} file {__file__!r} path0 {sys.path[0]!r}", flush=True)
 
@@ -86,6 +91,10 @@ def main() -> None:
             if counter.step == args.crash_after:
                 accelerator.wait_for_everyone()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.progress:
+                with open(f"{args.progress}.rank{accelerator.process_index}", "a") as fh:
+                    fh.write(f"{counter.step}\n")
+            time.sleep(args.slow)
     if accelerator.is_main_process:
         weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
         torch.save(

@@ -18,6 +18,9 @@ One mechanism for every adapter:
    commit, never before), and the process exits with :data:`EXIT_PREEMPTED` (143, what a process
    ended by SIGTERM reports: a scheduler reads a preempted job as preempted, not as a success).
 
+A signal is never swallowed: when no step boundary comes within ``grace_s`` of it (a loop the
+adapter cannot see, a hang), the process ends with ``128 + signum``, as the signal would have.
+
 The save must commit inside the grace the launcher leaves between SIGTERM and SIGKILL (torchrun
 and Kubernetes: 30 s). :meth:`Preemption.observe_save` learns how long this run's saves take;
 when the expected save time exceeds ``grace_s`` it warns once, naming both figures, while there
@@ -144,6 +147,7 @@ class Preemption:
     _saves: list[float] = field(default_factory=list)
     _warned: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _fallback: threading.Timer | None = None
 
     # ---------------------------------------------------------------- the request
 
@@ -166,6 +170,7 @@ class Preemption:
     def uninstall(self) -> None:
         """Put back the handlers that were there before :meth:`install`."""
         previous, self._previous = self._previous, {}
+        self._disarm()
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, handler in previous.items():
@@ -174,9 +179,33 @@ class Preemption:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.request(f"signal {signal.Signals(signum).name}", signum=signum)
+        if self._fallback is None and not self.agreed:
+            # Never swallow the signal: when no step boundary comes within the grace (a loop
+            # the adapter cannot see, a hang), the signal's own action ends the process.
+            self._fallback = threading.Timer(self.config.grace_s, self._default_action, (signum,))
+            self._fallback.daemon = True
+            self._fallback.start()
         previous = self._previous.get(signum)
         if callable(previous):  # a framework's or the user's handler: it runs too
             previous(signum, frame)
+
+    def _default_action(self, signum: int) -> None:
+        if self.agreed:
+            return  # the last checkpoint is being taken: the launcher's SIGKILL decides
+        log.error(
+            "preemption: no step boundary was reached within %.1fs of %s; ending the process "
+            "with code %d, as the signal would have (no last checkpoint)",
+            self.config.grace_s,
+            signal.Signals(signum).name,
+            128 + signum,
+        )
+        logging.shutdown()
+        os._exit(128 + signum)  # from a thread: a handler cannot be reset here
+
+    def _disarm(self) -> None:
+        timer, self._fallback = self._fallback, None
+        if timer is not None:
+            timer.cancel()
 
     def request(self, reason: str, *, signum: int | None = None) -> None:
         """Ask for a last checkpoint at the next step boundary (thread-safe, idempotent: the
@@ -198,7 +227,8 @@ class Preemption:
 
     def agree(self, any_rank: Callable[[bool], bool] | None = None) -> bool:
         """At a step boundary, on every rank: whether any rank was asked. ``any_rank`` is the
-        adapter's all-reduce of a flag (max); None alone. Once true it stays true."""
+        adapter's all-reduce of a flag (max); None alone. Once true it stays true (and a signal
+        no longer ends the process by itself after ``grace_s``: the checkpoint is being taken)."""
         if not self.agreed:
             mine = self.requested
             self.agreed = any_rank(mine) if any_rank is not None else mine

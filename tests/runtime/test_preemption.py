@@ -186,3 +186,26 @@ def test_the_cloud_notice_poller_turns_a_notice_into_a_request(
     assert pre.MetadataPoller(p, url).poll() is None
     with pytest.raises(ConfigError, match="http"):
         pre.MetadataPoller(p, "ftp://nowhere")
+
+
+def test_a_signal_no_boundary_follows_still_ends_the_process(tmp_path: Path) -> None:
+    """A signal is never swallowed: a process that never reaches a step boundary ends with
+    128 + SIGTERM once the grace has passed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, time\n"
+        "from lightning_incremental.runtime import preemption as pre\n"
+        "p = pre.Preemption(pre.PreemptionConfig(grace_s=0.5)).install()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+        "print('never ended')\n"
+    )
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 128 + signal.SIGTERM, out.stdout + out.stderr
+    assert "no step boundary was reached within 0.5s" in out.stderr
+    assert time.monotonic() - start < 20

@@ -31,7 +31,7 @@ from lightning_incremental.runtime.watchdog import (
 from tests.forwarder import Forwarder
 
 CONFIG = WatchdogConfig(heartbeat_interval=0.2, heartbeat_timeout=1.0, progress_timeout=30.0)
-SLACK_S = 0.6  # thread scheduling and a loaded machine
+SLACK_S = 1.5  # thread scheduling on a loaded machine (the old code never found it at all)
 
 
 @pytest.fixture

@@ -9,6 +9,13 @@ stays tracked, so a save inside it resumes exactly. Right after ``load_state()``
 position inside an epoch, that epoch continues where the checkpoint stood; a script that computes
 its own ``n`` (Accelerate's examples derive it from the checkpoint's name) gets a warning when
 its count differs from the checkpoint's.
+
+``load_state`` checks its arguments as Accelerate does and honours ``map_location``; those the
+incremental restore cannot honour are refused (:func:`~._arguments.load_state_arguments`).
+
+The taken-over accelerator and its loaders pickle and deep-copy as Accelerate's own do: a copy is
+a plain accelerator (its own methods, untracked loaders, no checkpointer), since the
+checkpointer's store and background work cannot be copied; take the copy over anew if needed.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from accelerate_incremental import _compat, _hooks, _tracking
+from accelerate_incremental._load_arguments import load_state_arguments
 from accelerate_incremental._loaders import Loaders
 
 _ATTR = "_incremental_checkpointer"  # on the accelerator instance: the checkpointer installed
@@ -41,9 +49,9 @@ class Target:
             (``weights``: the models' state dicts after the save pre-hooks, or None), waits for
             its commit, warns about or raises failed saves alike everywhere, and returns the
             store's URL.
-        load: ``load(pre_hooks)`` restores the newest checkpoint and returns its step (None for
-            an empty store); ``pre_hooks`` (or None) runs the load pre-hooks given the step and
-            returns the models the weights go to.
+        load: ``load(pre_hooks, map_location)`` restores the newest checkpoint and returns its
+            step (None for an empty store); ``pre_hooks`` (or None) runs the load pre-hooks given
+            the step and returns the models the weights go to; ``map_location``: the store's.
     """
 
     owner: Any
@@ -51,12 +59,44 @@ class Target:
     loaders: Loaders
     epoch: Callable[[int], Iterator[Any]]
     save: Callable[[int, list[dict[str, Any]] | None], str]
-    load: Callable[[Callable[[int], list[Any]] | None], int | None]
+    load: Callable[[Callable[[int], list[Any]] | None, Any], int | None]
+
+
+class _Shadow:
+    """One of the accelerator's methods, shadowed by the integration (an instance attribute).
+    Pickled or deep-copied (with the accelerator), it is the copy's own method again."""
+
+    def __init__(self, accelerator: Any, name: str, function: Callable[..., Any]) -> None:
+        self._accelerator = accelerator
+        self._name = name
+        self._function = function
+        functools.update_wrapper(self, getattr(type(accelerator), name))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._function(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return getattr, (self._accelerator, self._name)
+
+
+class _Installed:
+    """The checkpointer recorded on the accelerator; a copy of the accelerator records none."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _nothing, ()
+
+
+def _nothing() -> None:
+    return None
 
 
 def installed(accelerator: Any) -> Any:
     """The checkpointer that took ``accelerator`` over; None when none did."""
-    return getattr(accelerator, _ATTR, None)
+    record = getattr(accelerator, _ATTR, None)
+    return record.owner if isinstance(record, _Installed) else None
 
 
 def take_over(target: Target) -> None:
@@ -80,8 +120,9 @@ def take_over(target: Target) -> None:
         acc.project_configuration.iteration = iteration + 1
         return url
 
-    def load_state(input_dir: Any = None, *args: Any, **kwargs: Any) -> int | None:
-        return target.load(_hooks.load_hooks_for(acc, input_dir))
+    def load_state(input_dir: Any = None, load_kwargs: Any = None, **kwargs: Any) -> int | None:
+        location = load_state_arguments(acc, load_kwargs, kwargs)
+        return target.load(_hooks.load_hooks_for(acc, input_dir), location)
 
     def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
         index = loaders.index(dataloader)
@@ -103,10 +144,13 @@ def take_over(target: Target) -> None:
             )
         return dataloader
 
-    acc.save_state = save_state
-    acc.load_state = load_state
-    acc.skip_first_batches = skip_first_batches
-    setattr(acc, _ATTR, target.owner)
+    for name, function in (
+        ("save_state", save_state),
+        ("load_state", load_state),
+        ("skip_first_batches", skip_first_batches),
+    ):
+        setattr(acc, name, _Shadow(acc, name, function))
+    setattr(acc, _ATTR, _Installed(target.owner))
     try:
         follow(target)
     except TypeError:

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from accelerate_incremental import _compat, _layout, _sharded, _state, _takeover
+from accelerate_incremental import _compat, _layout, _load_arguments, _sharded, _state, _takeover
 from accelerate_incremental._arguments import check_accelerator, check_arguments, check_step
 from accelerate_incremental._loaders import Loaders
 from accelerate_incremental._preemption import PreemptionPoint
@@ -360,38 +360,38 @@ class IncrementalCheckpointer:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self) -> int | None:
+    def load(self, *, map_location: str | None = None) -> int | None:
         """Restore the newest committed checkpoint into the prepared objects on every process and
         return its step; None (nothing restored) when the store has no checkpoint.
 
         The main process picks the step and broadcasts it. Restores the models, optimizers,
         schedulers, scaler, registered objects, ``accelerator.step``, the project's save
-        iteration, and this process's random state and DataLoader positions.
+        iteration, and this process's random state and DataLoader positions. ``map_location``
+        is Accelerate's (``"on_device"``: new tensors on this process's device; else the CPU).
 
         Raises:
+            TypeError: a ``map_location`` Accelerate refuses (the same error).
             RuntimeError: called before ``accelerator.prepare``.
             ValueError: the checkpoint's layout (models, keys, shapes, optimizers, schedulers,
                 registered objects, process count) differs from this run's, naming the difference.
             CorruptCheckpointError: every committed checkpoint is corrupt (on the main process;
                 the others raise ``CoordinatorError`` naming it).
         """
-        return self._load(None)
+        return self._load(None, _load_arguments.map_location(self.accelerator, map_location))
 
-    def _load(self, pre_hooks: Callable[[int], list[Any]] | None) -> int | None:
+    def _load(self, pre_hooks: Callable[[int], list[Any]] | None, location: Any) -> int | None:
         """:meth:`load`; ``pre_hooks`` (or None) runs Accelerate's load pre-hooks given the
         restored step and returns the models the checkpoint's weights go to."""
         acc = self.accelerator
         _layout.check_prepared(acc)
         self._deferred = None  # the state it would have held is being replaced
         state: dict[str, Any] | None = None
-        into = _state.live(
-            acc, is_sharded=self.sharded
-        )  # on every process (FSDP1's sharded state dict is a collective)
+        into = _state.live(acc, is_sharded=self.sharded)  # every process: FSDP1's is a collective
 
         def newest() -> int | None:
             nonlocal state
             try:
-                state = self.store.load(map_location="cpu", into=into, strict_into=False)
+                state = self.store.load(map_location=location, into=into, strict_into=False)
             except CheckpointNotFoundError:
                 return None
             return self.store.loaded_step
@@ -404,7 +404,7 @@ class IncrementalCheckpointer:
         if step is None:
             return None
         if state is None:
-            state = self.store.load(step, map_location="cpu", into=into, strict_into=False)
+            state = self.store.load(step, map_location=location, into=into, strict_into=False)
         # Accelerate's load pre-hooks: before the weights, which go to the models they leave
         models = list(_compat.models(acc)) if pre_hooks is None else pre_hooks(step)
         _layout.check_compatible(acc, state, _state.FORMAT, models, weights=not self.sharded)
@@ -424,9 +424,9 @@ class IncrementalCheckpointer:
 
         ``save_state`` saves checkpoint ``project_configuration.iteration``, waits for its commit
         and increments the iteration, as Accelerate does; ``load_state`` restores the newest
-        checkpoint and returns its step (None for an empty store). Accelerate's serialization
-        arguments and the directory are ignored, unless pre-hooks are registered: they run as
-        Accelerate runs them, with the checkpoint directory (see :mod:`~._hooks`).
+        checkpoint and returns its step (None for an empty store), honours ``map_location`` and
+        refuses (TypeError) arguments it cannot honour; the directory and ``save_state``'s
+        serialization arguments are ignored, unless pre-hooks run (see :mod:`~._hooks`).
         ``skip_first_batches`` on a tracked loader returns the loader itself, skipping by index
         and still tracked (see :mod:`~._takeover`). :meth:`release` undoes all of it.
 

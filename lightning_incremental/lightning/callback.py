@@ -25,6 +25,7 @@ from lightning_incremental.lightning import fit_checks, resume
 from lightning_incremental.lightning import sharded as _sharded
 from lightning_incremental.lightning.fit_state import (
     BetweenEpochs,
+    Copies,
     FitState,
     TrainerLoop,
     open_fit_store,
@@ -42,12 +43,11 @@ from lightning_incremental.runtime.watchdog import WatchdogConfig
 log = logging.getLogger(__name__)
 
 DEFAULT_DIRNAME = "incremental_checkpoints"
-_LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 _PATH = Union[str, Path]
 
 
-class IncrementalCheckpoint(Checkpoint):
+class IncrementalCheckpoint(Copies, Checkpoint):
     """Save the complete training state incrementally on a schedule; resume from it exactly.
 
     Each save writes what ``trainer.save_checkpoint`` would (weights, optimizers, schedulers,

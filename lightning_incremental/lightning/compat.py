@@ -53,6 +53,8 @@ from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.overrides.distributed import _DatasetSamplerWrapper
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
+from lightning_incremental.lightning.hparams import plain_hyperparameters
+
 #: The oldest Lightning release the adapter supports (CI runs its quick tests against it).
 OLDEST_SUPPORTED = (2, 5)
 #: The newest Lightning minor release the adapter is tested with.
@@ -186,14 +188,16 @@ def dump_checkpoint(
     """The complete dict ``trainer.save_checkpoint`` would write. ``model_state`` /
     ``optimizer_state(optimizer)`` take the place of the strategy's
     ``lightning_module_state_dict`` / ``optimizer_state`` during the dump (instance attributes,
-    removed afterwards): a sharded strategy's own may gather the full state to rank 0."""
+    removed afterwards): a sharded strategy's own may gather the full state to rank 0.
+    OmegaConf hyper-parameters come out as plain containers (see :mod:`~.hparams`)."""
     strategy = trainer.strategy
     replaced = {"lightning_module_state_dict": model_state, "optimizer_state": optimizer_state}
     replaced = {name: f for name, f in replaced.items() if f is not None}
     for name, function in replaced.items():
         setattr(strategy, name, function)
     try:
-        return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        dump = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        return plain_hyperparameters(dump)  # OmegaConf configs as plain containers
     finally:
         for name in replaced:
             strategy.__dict__.pop(name, None)

@@ -275,3 +275,23 @@ def open_fit_store(
     if distributed:
         store = open_store(distributed=True)
     return store
+
+
+class Copies:
+    """Deep copies and pickles (``copy.deepcopy(trainer.callbacks)``, ``torch.save(trainer)``)
+    of :class:`~.callback.IncrementalCheckpoint`: they keep its configuration and restored state
+    (``state_dict``) and drop the per-``fit`` machinery (store, background saves, watchdog,
+    signal handling), which cannot be copied: a copy holds a fresh :class:`FitState`, as before
+    its first ``fit``."""
+
+    def _reset_run_state(self) -> None:  # the callback's: a new FitState
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(vars(self))
+        state["_fit"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        self._reset_run_state()

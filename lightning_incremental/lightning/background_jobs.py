@@ -12,7 +12,8 @@ previous checkpoint (the save's file keeps naming it); ``max_consecutive_failure
 in a row raise ``CheckpointError`` instead. Other background errors (releasing a replaced step)
 are raised.
 
-Threads: the worker and the stores' threads run only while there is work
+Threads: a store this process only reads or removes from is closed when that call returns
+(:mod:`~.removal`). The worker and the stores' threads run only while there is work
 (:class:`~lightning_incremental.core.workers.WorkerPool`: daemon threads that end after a short
 idle time); saves in flight at interpreter exit are finished by an exit hook
 (:mod:`lightning_incremental.core.save.at_exit`). A job tracked under a store URL makes every

@@ -13,9 +13,9 @@ as the state is snapshotted, the step committing in the background. The pointer 
 :mod:`~.pointer_lifecycle`; what a path given to ``load_checkpoint`` means (a plain ``torch.save``
 file, a store directory, a pointer, or the step it replaced when that one never committed), and
 why a load is collective under DDP, is :mod:`~.path_resolution`; the background saves and
-removals, their order and how their errors are delivered are :mod:`~.background_jobs`; plain
-``torch.save`` files where asked (``materialize``) are :mod:`~.materialize`. This class maps
-Lightning's ``CheckpointIO`` methods to them.
+removals, their order and how their errors are delivered are :mod:`~.background_jobs`; what a
+removal deletes, and the stores closed after a read, :mod:`~.removal`; plain ``torch.save`` files
+(``materialize``) :mod:`~.materialize`. This class maps ``CheckpointIO``'s methods to them.
 
 ``trainer.save_checkpoint`` called outside of a running stage (after ``fit``) is synchronous: it
 returns once the checkpoint committed (raising if it failed), as callers of ``save_checkpoint``
@@ -26,10 +26,8 @@ plug-in reopens them on next use.
 What is covered
 ---------------
 Strategies that save one full checkpoint on global rank 0 through a ``CheckpointIO`` (single
-device, DDP and its launchers); not DeepSpeed, nor FSDP / ``ModelParallelStrategy``, which save
-and load with their own checkpointing: see :mod:`lightning_incremental.lightning.sharded`, which
-also says what the plug-in warns about there. The ``IncrementalCheckpoint`` callback covers these
-strategies where it can.
+device, DDP and its launchers); not DeepSpeed, FSDP, ``ModelParallelStrategy``, which checkpoint
+by themselves (see :mod:`~.sharded`; the ``IncrementalCheckpoint`` callback covers them).
 
 Storage options and pickles
 ---------------------------
@@ -41,7 +39,8 @@ ignored. Checkpoints hold data only and load without executing code; a value tha
 ``allow_pickle=True``.
 
 One writer per directory: two processes saving to the same directory at once conflict on
-steps (the engine refuses the second, nothing is overwritten).
+steps (the engine refuses the second, nothing is overwritten). The plug-in saves in the
+background itself: wrapped in Lightning's ``AsyncCheckpointIO``, its calls raise ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -56,20 +55,16 @@ from dataclasses import replace
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_incremental.core import (
-    CheckpointError,
-    CheckpointStore,
-    StoreConfig,
-)
+from lightning_incremental.core import CheckpointStore, StoreConfig
 from lightning_incremental.lightning import pointer_lifecycle
 from lightning_incremental.lightning import sharded as _sharded
 from lightning_incremental.lightning.background_jobs import BackgroundJobs, raise_first
 from lightning_incremental.lightning.compat import (
     PathLike,
+    refuse_wrapping,
     saving_trainer,
     strategy_fitted,
     tearing_down_strategy,
@@ -91,8 +86,8 @@ from lightning_incremental.lightning.pointers import (
     NotATorchCheckpointError,
     Pointer,
     PointerError,
-    looks_like_pointer,
 )
+from lightning_incremental.lightning.removal import close_unsaved, remove_step, take_pointer
 from lightning_incremental.lightning.trainer import marks_of
 from lightning_incremental.runtime import collectives
 from lightning_incremental.runtime.backpressure import wait_for_room
@@ -224,6 +219,7 @@ class IncrementalCheckpointIO(CheckpointIO):
                 "IncrementalCheckpointIO: pass fsspec options once, as "
                 "IncrementalCheckpointIO(storage_options=...)"
             )
+        refuse_wrapping(self)
         self._saved_in_stage = True
         self._warn_strategy()
         target = self._file(path)
@@ -233,7 +229,7 @@ class IncrementalCheckpointIO(CheckpointIO):
                 f"({target.display}); save it next to the store"
             )
         target.makedirs()  # at once, as TorchCheckpointIO: the file itself comes later
-        entry = self._store(target.store_url(self.store_name))
+        entry = self._store(target.store_url(self.store_name), saving=True)
         # Back-pressure, as the engine's (max_in_flight): the oldest saves must finish first,
         # and commit, so that their errors are raised here, before this save.
         wait_for_room(entry.saving, self.config.max_in_flight)
@@ -312,6 +308,13 @@ class IncrementalCheckpointIO(CheckpointIO):
             PickleNotAllowedError: the checkpoint holds pickles and they are not allowed.
             CorruptCheckpointError: the checkpoint cannot be restored bit-exactly.
         """
+        refuse_wrapping(self)
+        try:
+            return self._load(path, map_location, weights_only)
+        finally:  # a store only read here (ddp_spawn's main process) keeps no thread nor lease
+            close_unsaved(self._lock, self._stores)
+
+    def _load(self, path: PathLike, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
         if not collectives.is_distributed():
             self.wait()
             return self._execute(
@@ -340,37 +343,33 @@ class IncrementalCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: PathLike) -> None:
-        """Delete the checkpoint file at ``path``; then, in the background, its step, unless
-        another pointer file in the directory names it. A symbolic link is only unlinked; a plain
-        ``torch.save`` file is removed as ``TorchCheckpointIO`` would.
+        """Delete the file at ``path``, then its step unless another pointer file in the
+        directory names it (what goes, ``min_object_age_s``, and when the store directory goes
+        too: :mod:`~.removal`): in the background for a store this process saves to, else now,
+        closing the store. A link is only unlinked, a ``torch.save`` file removed as
+        ``TorchCheckpointIO`` would.
 
         Raises:
             Exception: the error of an earlier background save, not delivered yet.
         """
+        refuse_wrapping(self)
         target = self._file(path)
         pending = self._background.pending(target.key)
         if pending is not None:
             pending.exception()  # its step must commit (or the old pointer be put back) first
         self._raise_failed()
-        if target.islink():
-            target.remove()
+        pointer = take_pointer(target)
+        if pointer is None:
             return
-        head = target.head()
-        if head is None:
-            return
-        if not looks_like_pointer(head):
-            TorchCheckpointIO().remove_checkpoint(target.path)
-            return
-        try:
-            pointer = Pointer.parse(target.read(), target.display)
-        except CheckpointError as exc:
-            log.warning("removing %s, which is not a valid pointer file: %s", target.display, exc)
-            target.remove()
-            return
-        target.remove()
         entry = self._store(target.store_url(pointer.store))
-        removed = functools.partial(pointer_lifecycle.removed, target, entry, pointer)
-        self._background.submit(removed, f"removing {target.display}")
+        if entry.saves:  # in the background, after this process's saves to that store
+            removed = functools.partial(remove_step, target, entry, pointer, last=False)
+            self._background.submit(removed, f"removing {target.display}")
+            return
+        try:  # a store only read or removed from here (ddp_spawn's main process): now
+            remove_step(target, entry, pointer, last=True)
+        finally:
+            close_unsaved(self._lock, self._stores)
 
     @override
     def teardown(self) -> None:
@@ -471,12 +470,13 @@ class IncrementalCheckpointIO(CheckpointIO):
         """The engine store at ``url`` (an extension point, e.g. for instrumented storage)."""
         return CheckpointStore(url, storage_options=self.storage_options, config=config)
 
-    def _store(self, url: str) -> OpenStore:
+    def _store(self, url: str, *, saving: bool = False) -> OpenStore:
         with self._lock:
             entry = self._stores.get(url)
             if entry is None:
                 entry = OpenStore(self._open_store(url, self.config), url)
                 self._stores[url] = entry
+            entry.saves = entry.saves or saving
             return entry
 
     def _file(self, path: PathLike, *, resolve: bool = False) -> CheckpointFile:

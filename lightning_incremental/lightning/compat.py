@@ -463,3 +463,30 @@ def hold_sigterm(trainer: pl.Trainer) -> None:
     connector = getattr(trainer, "_signal_connector", None)
     if connector is not None:
         connector.received_sigterm = False
+
+
+def refuse_wrapping(checkpoint_io: object) -> None:
+    """Refuse a call to ``checkpoint_io`` that comes through Lightning's ``AsyncCheckpointIO``
+    (any ``_WrappingCheckpointIO`` whose ``checkpoint_io`` it is: a frame of this thread's stack
+    whose ``self`` is one; its save thread's frame holds it too).
+
+    Raises:
+        ConfigError: the call comes through such a wrapper.
+    """
+    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+    from lightning_incremental.core import ConfigError
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        wrapper = frame.f_locals.get("self")
+        if isinstance(wrapper, _WrappingCheckpointIO) and wrapper.checkpoint_io is checkpoint_io:
+            raise ConfigError(
+                f"{type(checkpoint_io).__name__} cannot be wrapped in Lightning's "
+                f"{type(wrapper).__name__}: it already saves in the background (and orders its "
+                "removals after its saves, and waits for them at teardown, which "
+                f"{type(wrapper).__name__} neither does nor forwards); drop AsyncCheckpointIO "
+                f"and pass the plug-in itself: Trainer(plugins=[{type(checkpoint_io).__name__}"
+                "(...)])"
+            )
+        frame = frame.f_back  # type: ignore[assignment]

@@ -40,7 +40,8 @@ then the step, unless another pointer file in the directory names the same step 
 copy) or names it as the ``previous`` of a pending step. Overwriting a pointer (ModelCheckpoint
 rewrites ``last.ckpt``) releases the old step the same way, once the new one committed. The
 engine deletes a step's objects only when no remaining checkpoint needs them, so a removal never
-breaks a kept checkpoint.
+breaks a kept checkpoint (what it deletes, and when the store directory goes too:
+:mod:`~.removal`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class OpenStore:
         self.reserved: int | None = None
         self.saving: deque[Future[None]] = deque()  # this store's saves, oldest first
         self.inflight: set[int] = set()  # steps this process is saving, not committed yet
+        self.saves = False  # this process saved to it (else: opened to read or remove only)
 
     def next_step(self, pointers: Callable[[], set[tuple[str, int]]], store_name: str) -> int:
         """After every committed step and every step a pointer file names (a step deleted

@@ -9,9 +9,10 @@ Rules, in order:
    checkpoint is removed. ``thorough`` checks read every object (``verify``); otherwise the
    store's knowledge is used (what it wrote or checked, what it found damaged).
 3. Delete the manifests first, then every object that no kept manifest (nor the next save's
-   parent) names and that is older than the grace period and the minimum object age
-   (``StoreConfig.min_object_age_s``, by the storage's clock). Objects or manifests that vanish
-   while this runs (another process collecting the same store) are skipped, not errors.
+   parent, unless ``delete`` removes that parent with no save pending) names and that is older
+   than the grace period and the minimum object age (``StoreConfig.min_object_age_s``, by the
+   storage's clock). Objects or manifests that vanish while this runs (another process
+   collecting the same store) are skipped, not errors.
 4. Deletions are fenced like commits: a writer that lost its lease, or that a newer generation
    took over from, deletes nothing (checked before the first deletion and again during a long
    sweep); the minimum age spares what a save in flight may name when a check and a late
@@ -301,6 +302,11 @@ class Maintainer:
         with self.lock, self.history.lock:
             target = self.history.resolve(step)
             self.admit()
+            if target == self.base.step and self.history.last_step == self.history.committed:
+                # Deleting the next save's delta base (the newest checkpoint, committed or
+                # restored) with no save pending: nothing names its objects any more, so they
+                # are not pinned; the next save writes a full base.
+                self.base.set(None)
             return self.collector.run(Plan(None, (), (target,), 0.0, False, thorough=False))
 
     def compact(self) -> SaveResult | None:

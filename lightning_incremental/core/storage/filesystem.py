@@ -37,9 +37,9 @@ def open_fsspec(url: str, storage_options: dict[str, Any]) -> Storage:
     fs, root = filesystem(url, protocol, storage_options)
     if isinstance(fs, LocalFileSystem):
         return LocalStorage(os.path.abspath(root))
-    return FsspecStorage(
-        fs, root, url=f"{protocol}://{root}", secrets=secret_strings(storage_options)
-    )
+    # Most filesystems strip the protocol from the root; http(s) keeps the whole URL.
+    url = root if "://" in root else f"{protocol}://{root}"
+    return FsspecStorage(fs, root, url=url, secrets=secret_strings(storage_options))
 
 
 def filesystem(

@@ -48,12 +48,26 @@ def _start_frozen(script: str, url: str) -> subprocess.Popen[str]:
         text=True,
     )
     deadline = time.monotonic() + 120
-    while _proc_state(proc.pid) != "T":
+    while not _all_threads_stopped(proc.pid):
         if proc.poll() is not None:
             raise AssertionError(f"the writer ended before freezing:\n{proc.stdout.read()}")
         assert time.monotonic() < deadline, "the writer never froze"
         time.sleep(0.05)
     return proc
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped: /proc/<pid>/stat shows the main thread only, and a
+    thread that sent SIGSTOP to its own process may still run on another core for a moment (on
+    a loaded machine: long enough to pass a check the test means to come after the freeze)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    try:
+        return bool(tasks) and all(_proc_state(int(task)) == "T" for task in tasks)
+    except FileNotFoundError:  # a thread ended meanwhile: look again
+        return False
 
 
 def _wake(proc: subprocess.Popen[str]) -> tuple[int, str]:
@@ -72,7 +86,7 @@ def _kill(proc: subprocess.Popen[str]) -> None:
 # A single-process writer (it never claims a generation) frozen between its lease check and
 # its manifest write, holding a short lease.
 FROZEN_HOLDER = """
-    import os, signal, sys, torch
+    import os, signal, sys, time, torch
     from lightning_incremental.core import CheckpointStore, FencedError
 
     store = CheckpointStore(sys.argv[1], chunk_size=4096, pack_size=16384, lease_ttl_s=1.0)
@@ -82,6 +96,7 @@ FROZEN_HOLDER = """
     def freeze_before_manifest(path, data, **kw):
         if path.startswith("manifests/"):
             os.kill(os.getpid(), signal.SIGSTOP)  # after the lease check, before the commit
+            time.sleep(0.5)  # the sending thread may run on for a moment: it stops in here
         return put(path, data, **kw)
 
     store.storage.put = freeze_before_manifest
@@ -122,9 +137,10 @@ def test_a_frozen_lease_holder_commits_nothing_visible_after_a_takeover(local_ur
 
 
 # A restarted job's previous incarnation (same run id, generation 1, keep_last=1) frozen in
-# its retention after committing step 2: it planned what to keep, and stops at the sweep.
+# its retention after committing step 2: it planned what to keep, and stops at the sweep's
+# first orphan (the size it reads right before the deletion guard and the deletion).
 FROZEN_RETENTION = """
-    import os, signal, sys, torch
+    import os, signal, sys, time, torch
     from lightning_incremental.core import CheckpointStore
 
     store = CheckpointStore(
@@ -132,7 +148,7 @@ FROZEN_RETENTION = """
     )
     store.claim_generation()
     store.save({"w": torch.full((2048,), 1.0), "b": torch.arange(8) * 1.0}, 1).wait()
-    put, listing, armed = store.storage.put, store.storage.list, []
+    put, size, armed = store.storage.put, store.storage.size, []
 
     def arm_after_commit(path, data, **kw):
         done = put(path, data, **kw)
@@ -140,13 +156,14 @@ FROZEN_RETENTION = """
             armed.append(True)
         return done
 
-    def freeze_at_sweep(prefix):
-        if armed and prefix == "packs":
+    def freeze_at_sweep(path):
+        if armed and path.startswith("packs/"):
             armed.clear()
-            os.kill(os.getpid(), signal.SIGSTOP)  # the sweep lists the objects next
-        return listing(prefix)
+            os.kill(os.getpid(), signal.SIGSTOP)  # its first orphan: the deletion comes next
+            time.sleep(0.5)  # the sending thread may run on for a moment: it stops in here
+        return size(path)
 
-    store.storage.put, store.storage.list = arm_after_commit, freeze_at_sweep
+    store.storage.put, store.storage.size = arm_after_commit, freeze_at_sweep
     result = store.save({"w": torch.full((2048,), 2.0), "b": torch.arange(8) * 2.0}, 2).wait()
     print("COMMITTED", result.step, "WARNINGS", *result.warnings, flush=True)
 """

@@ -369,7 +369,8 @@ def test_a_partitioned_rank_is_found_on_both_sides_and_the_run_recovers_bit_exac
     isolated = found[1]
     assert "rank 1 could not reach the coordination store" in isolated["message"], found
     assert f"exit code {EXIT_ISOLATED}" in isolated["message"]
-    assert f"exitcode: {EXIT_ISOLATED}" in run["log"] or f"exitcode : {EXIT_ISOLATED}" in run["log"]
+    # (Which exit the agent reports first, rank 1's 88 or rank 0's 86, is a race: the finding
+    # each rank logged before its exit is what says what happened.)
     latency = isolated["time"] - cut
     assert latency <= 3.0 + 0.25 + 2.0, latency  # plus scheduling on a loaded machine
     # The healthy side found rank 1 dead (86) — unless the agent stopped it first, after rank

@@ -9,10 +9,10 @@ import warnings
 from typing import Any
 
 from accelerate_incremental import _sharded
-from accelerate_incremental._preemption import preemption_config
 from lightning_incremental.core import StepError, StepTypeError, StoreConfig
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from lightning_incremental.runtime.options import RecoveryOptions
+from lightning_incremental.runtime.preemption import PreemptionConfig
 
 # Accelerate's distributed types whose state the engine behind them owns and writes in its own
 # files (FSDP is covered: see _sharded).
@@ -108,7 +108,7 @@ def check_arguments(
         replica_check=replica_check,
         max_consecutive_failures=max_consecutive_failures,
     )
-    preemption_config(preemption)
+    PreemptionConfig.of(preemption)
     StoreConfig().replace(keep_last=keep_last, **options)
     return recovery
 

@@ -33,19 +33,6 @@ from lightning_incremental.runtime.preemption import Preemption, PreemptionConfi
 log = logging.getLogger("lightning_incremental")
 
 
-def preemption_config(value: object) -> PreemptionConfig:
-    """The checkpointer's ``preemption`` argument as a config (True/False: the defaults, on/off).
-
-    Raises:
-        TypeError: neither a bool nor a :class:`PreemptionConfig`.
-    """
-    if isinstance(value, bool):
-        return PreemptionConfig(enabled=value)
-    if not isinstance(value, PreemptionConfig):
-        raise TypeError(f"preemption must be a bool or a PreemptionConfig, got {value!r}")
-    return value
-
-
 class PreemptionPoint:
     """One checkpointer's preemption state: the request, the steps, the boundary.
 
@@ -58,7 +45,7 @@ class PreemptionPoint:
 
     def __init__(self, accelerator: Any, preemption: PreemptionConfig | bool) -> None:
         self.accelerator = accelerator
-        self.config = config = preemption_config(preemption)
+        self.config = config = PreemptionConfig.of(preemption)
         self.state = Preemption(config)
         self.newest: int | None = None  # the newest step the script passed to maybe_save/save
         self.saved: int | None = None  # the newest step a save was started for

@@ -163,7 +163,7 @@ class IncrementalCheckpoint(Copies, Checkpoint):
         preemption: PreemptionConfig | bool = True,
     ) -> None:
         super().__init__()
-        self.preemption = fit_checks.preemption_config(preemption)
+        self.preemption = PreemptionConfig.of(preemption)
         self.dirpath = fit_checks.dirpath(dirpath)
         self.schedule = Schedule.from_args(every_n_train_steps, every_n_epochs, train_time_interval)
         fit_checks.flags(

@@ -14,7 +14,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_incremental.core import ConfigError, StoreConfig
-from lightning_incremental.runtime.preemption import PreemptionConfig
 
 
 def replicated_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -98,15 +97,6 @@ def check_model_checkpoints(trainer: pl.Trainer, url: str) -> None:
                 "ModelCheckpoint writes plain .ckpt files there, which the incremental "
                 "store does not manage. Give them different directories."
             )
-
-
-def preemption_config(value: object) -> PreemptionConfig:
-    """The callback's ``preemption`` argument as a config (True/False: the defaults, on/off)."""
-    if isinstance(value, bool):
-        return PreemptionConfig(enabled=value)
-    if not isinstance(value, PreemptionConfig):
-        raise TypeError(f"preemption must be a bool or a PreemptionConfig, got {value!r}")
-    return value
 
 
 def dirpath(value: object) -> str | None:

@@ -111,6 +111,19 @@ class PreemptionConfig:
         if isinstance(code, bool) or not isinstance(code, int) or not 0 < code < 256:
             raise ConfigError(f"exit_code must be an int in 1..255, got {code!r}")
 
+    @classmethod
+    def of(cls, value: object) -> PreemptionConfig:
+        """An adapter's ``preemption`` argument as a config (True/False: the defaults, on/off).
+
+        Raises:
+            TypeError: neither a bool nor a :class:`PreemptionConfig`.
+        """
+        if isinstance(value, bool):
+            return cls(enabled=value)
+        if not isinstance(value, PreemptionConfig):
+            raise TypeError(f"preemption must be a bool or a PreemptionConfig, got {value!r}")
+        return value
+
     def signal_numbers(self, environ: Mapping[str, str] | None = None) -> list[int]:
         if self.signals is not None:
             return sorted({_signal_number(s) for s in self.signals})

@@ -452,17 +452,19 @@ def received_sigterm(trainer: pl.Trainer) -> bool:
 def stop_as_on_sigterm(trainer: pl.Trainer) -> None:
     """Make the trainer stop as after a SIGTERM: its loops raise ``SIGTERMException`` at the next
     check (2.5 and 2.6: the signal connector's ``received_sigterm``)."""
-    connector = getattr(trainer, "_signal_connector", None)
-    if connector is not None:
-        connector.received_sigterm = True
+    _set_received_sigterm(trainer, True)
 
 
 def hold_sigterm(trainer: pl.Trainer) -> None:
     """Undo what the trainer's SIGTERM handler recorded (until :func:`stop_as_on_sigterm`), so
     its evaluation loop does not stop at the next batch."""
+    _set_received_sigterm(trainer, False)
+
+
+def _set_received_sigterm(trainer: pl.Trainer, value: bool) -> None:
     connector = getattr(trainer, "_signal_connector", None)
     if connector is not None:
-        connector.received_sigterm = False
+        connector.received_sigterm = value
 
 
 def refuse_wrapping(checkpoint_io: object) -> None:

@@ -144,14 +144,33 @@ def snapshot(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def logical_bytes(value: Any, seen: set[int] | None = None) -> int:
-    """Tensor bytes of a live state, counting a tensor object that appears twice once (in these
-    tests such objects are the only tensors sharing a view)."""
+def view_identity(value: torch.Tensor | np.ndarray) -> tuple[Any, ...]:
+    """What makes two tensors one leaf of a checkpoint: the same view of the same storage, seen
+    the same way. Two distinct tensor objects can be that (``t.view(a).view(b)`` of a ``b``
+    tensor is a new object and the same view), so identity of the Python object is not enough."""
+    if isinstance(value, np.ndarray) or not value.untyped_storage().nbytes():
+        return ("object", id(value))
+    return (
+        value.untyped_storage().data_ptr(),
+        value.dtype,
+        value.storage_offset(),
+        tuple(value.shape),
+        value.stride(),
+        type(value),
+        value.requires_grad,
+        value.is_conj(),
+        value.is_neg(),
+    )
+
+
+def logical_bytes(value: Any, seen: set[tuple[Any, ...]] | None = None) -> int:
+    """Tensor bytes of a live state, counting the same view of the same storage once."""
     seen = set() if seen is None else seen
     if isinstance(value, (torch.Tensor, np.ndarray)):
-        if id(value) in seen:
+        key = view_identity(value)
+        if key in seen:
             return 0
-        seen.add(id(value))
+        seen.add(key)
         return (
             value.nbytes
             if isinstance(value, np.ndarray)
@@ -171,6 +190,19 @@ def check_result(result: SaveResult, step: int, expected_logical: int) -> None:
     assert result.bytes_written > 0  # at least the manifest
     if result.full_base:
         assert result.chunks_delta == 0
+
+
+def test_a_view_rebuilt_by_a_chain_of_views_is_counted_once(tmp_path: Any) -> None:
+    """The shape of a failing random history: ``tied`` and ``t0`` start as one tensor, ``t0`` is
+    reinterpreted as float32 and back, and is then a new object that is the same view as
+    ``tied``. The store keeps one leaf for both; the expected count must agree."""
+    tied = random_tensor(torch.complex32, (1, 1), seed=3)
+    state = {"tied": tied, "t0": tied.view(torch.float32).view(torch.complex32)}
+    assert state["t0"] is not tied
+    with CheckpointStore(str(tmp_path / "store"), fsync=False) as store:
+        result = store.save(state, 0).wait()
+        assert result.bytes_logical == logical_bytes(state) == 4
+        assert_state_equal(store.load(0), snapshot(state))
 
 
 # ---------------------------------------------------------------- random nested states

@@ -309,6 +309,27 @@ def batches_ready(trainer: pl.Trainer) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
 
 
+def epoch_length(trainer: pl.Trainer) -> tuple[int | float, Any, Any]:
+    """The batches of the current training epoch (``trainer.num_training_batches``), the batch
+    count that runs validation (``trainer.val_check_batch``) and the combined loader's per-loader
+    limits (``setup_data`` caps each loader's length with them)."""
+    loop = trainer.fit_loop
+    combined = loop._combined_loader
+    return loop.max_batches, trainer.val_check_batch, combined.limits if combined else None
+
+
+def set_epoch_length(
+    trainer: pl.Trainer, batches: int | float, val_check_batch: Any, limits: Any
+) -> None:
+    """Set what :func:`epoch_length` returns: with ``limits`` ``[batches]``, the (single)
+    training loader's epoch ends after ``batches`` batches."""
+    loop = trainer.fit_loop
+    loop.max_batches = batches
+    trainer.val_check_batch = val_check_batch
+    if loop._combined_loader is not None:
+        loop._combined_loader.limits = limits
+
+
 def batch_progress_total(trainer: pl.Trainer) -> Any:
     """The fit loop's batch counters over all epochs (``ready``/``started``/``processed``/
     ``completed``)."""

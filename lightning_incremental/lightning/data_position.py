@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from lightning_incremental.lightning import compat as _compat
+from lightning_incremental.lightning import resize
 from lightning_incremental.runtime import data_position as position
 from lightning_incremental.runtime import rng
 
@@ -102,10 +103,12 @@ def generators_changed(paths: list[str]) -> str:
 def record_epoch_start(trainer: pl.Trainer, iter_created: bool) -> dict[str, Any]:
     """What this epoch's order of batches depends on (see the module docstring)."""
     torch_state = rng.capture_torch()
+    loaders = train_loaders(trainer)
     record: dict[str, Any] = {
         "torch": torch_state.pop("torch"),
-        "generators": generator_states(train_loaders(trainer)),
+        "generators": generator_states(loaders),
         "iter_created": iter_created,
+        "data_order": resize.describe(loaders, trainer.world_size),  # for another world size
         **torch_state,  # "cuda", where CUDA is initialised
     }
     return record

@@ -23,7 +23,7 @@ from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.commit import fencing
 from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning import data_position as dp
-from lightning_incremental.lightning import resume
+from lightning_incremental.lightning import resize, resume
 from lightning_incremental.lightning.fit_checks import replicated_state
 from lightning_incremental.lightning.preemption import PreemptionPoint
 from lightning_incremental.lightning.resume import ResumeHook
@@ -61,6 +61,7 @@ class FitState:
     generation: int | None = None
     watchdog: Watchdog | None = None
     sharded: bool = False  # the strategy shards the state (see _sharded.layout)
+    remap: resize.Remap | None = None  # the resumed epoch's rest, cut for another world size
 
     def resumed(self, step: int) -> None:
         """The fit resumed from ``step`` of the store (told by ResumeHook)."""
@@ -69,6 +70,8 @@ class FitState:
     def epoch_started(self, trainer: pl.Trainer) -> None:
         """A training epoch starts: record how it begins (to recreate it on a mid-epoch resume)."""
         self.points.epoch_started()
+        if self.remap is not None and self.remap.epoch != trainer.current_epoch:
+            self.undo_remap()  # the remapped epoch is over: the loader's own sampler again
         if self.skip_epoch_record:  # this epoch's iterator was just recreated from a record
             self.skip_epoch_record = False
             return
@@ -96,7 +99,11 @@ class FitState:
         if restored is None:
             return
         self.epoch_record = restored.epoch_record
-        self.skip_epoch_record = restored.recreated and not restored.mid_epoch
+        self.remap = restored.remap
+        # Lightning starts the resumed epoch with on_train_epoch_start: a remapped epoch keeps
+        # the record of its cut (see resize) for the next checkpoints
+        remapped = restored.remap is not None
+        self.skip_epoch_record = (restored.recreated and not restored.mid_epoch) or remapped
         self.points.epoch_open = restored.mid_epoch
         self.finish_restart = restored.mid_epoch
         if restored.mid_epoch and restored.epoch_record is not None:
@@ -174,11 +181,17 @@ class FitState:
             dog.stop(finished=finished)
         self.preemption.stop()
         self.close_warnings_guard()
+        self.undo_remap()
         hook, self.resume_hook = self.resume_hook, None
         if hook is not None:
             hook.remove()
         if self.saver is not None:
             self.saver.close(raise_errors=raise_errors)
+
+    def undo_remap(self) -> None:
+        remap, self.remap = self.remap, None
+        if remap is not None:
+            remap.undo()
 
     def close_warnings_guard(self) -> None:
         guard, self.warnings_guard = self.warnings_guard, None

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_incremental.core import CheckpointError, CheckpointStore
 from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning import data_position as dp
+from lightning_incremental.lightning import resize
 from lightning_incremental.lightning import sharded as _sharded
 from lightning_incremental.runtime import rng as _rng
 from lightning_incremental.runtime.coordinate import coordinated, describe
@@ -185,6 +186,7 @@ class Restored:
     epoch_record: dict[str, Any] | None
     recreated: bool  # the epoch iterator was recreated from epoch_record (don't record again)
     mid_epoch: bool
+    remap: resize.Remap | None = None  # the epoch's rest, cut for this world (see resize)
 
 
 def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Restored | None:
@@ -198,10 +200,6 @@ def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Res
         problem = "the checkpoint was not written by IncrementalCheckpoint"
     elif saved.get("format") != FORMAT:
         problem = f"its resume state has the unknown format {saved.get('format')!r}"
-    elif saved.get("world_size") != trainer.world_size:
-        problem = (
-            f"it was saved by {saved.get('world_size')} ranks and this run has {trainer.world_size}"
-        )
     if saved is None or problem is not None:
         restart = " and the interrupted epoch restarts from its first batch"
         rank_zero_warn(
@@ -209,9 +207,16 @@ def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Res
             f"not restored{restart if loop.restarted_mid_epoch else ''}."
         )
         return None
-    state = saved["ranks"][trainer.global_rank]
+    ranks = saved["ranks"]
+    state = ranks[trainer.global_rank % len(ranks)]
     _compat.restore_logged(trainer, state.get("logged"))
     plan = dp.plan(trainer)
+    resized = saved.get("world_size") != trainer.world_size
+    if plan.mode != dp.LIGHTNING and (
+        resized
+        or (not state["boundary"] and resize.needs_remap(state["epoch_start"], trainer.world_size))
+    ):
+        return _restore_resized(trainer, int(saved["world_size"]), state)
     epoch = loop.epoch_progress.current.processed  # type: ignore[attr-defined]
     rng = state["rng"]
     if plan.mode == dp.LIGHTNING:  # stateful loaders: Lightning restored their position
@@ -252,6 +257,74 @@ def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Res
         dp.set_generator_states(loaders, saved_gens)
     _report(trainer, notes, plan, batches)
     return Restored(record, True, True)
+
+
+def _restore_resized(trainer: pl.Trainer, old: int, state: dict[str, Any]) -> Restored:
+    """Resume on another number of ranks (or an epoch a resize already cut anew): the rest of the
+    interrupted epoch split over this world (see :mod:`~.resize`), the random state of saved rank
+    ``rank % old``, and one account of it all (rank 0 warns)."""
+    new, epoch = trainer.world_size, trainer.current_epoch
+    loaders = dp.train_loaders(trainer)
+    steps_note = resize.rescale_max_steps(trainer, old)
+    if state["boundary"]:
+        _rng.restore(state["rng"])
+        dp.set_generator_states(loaders, state["generators"])
+        _compat.start_next_epoch(trainer)
+        rank_zero_warn(
+            resize.account(
+                old=old,
+                new=new,
+                where=f"at the end of epoch {epoch - 1}",
+                resumed=None,
+                batch_size=0,
+                data_note=f"epoch {epoch} starts whole, split over the {new} rank(s)",
+                steps_note=steps_note,
+            )
+        )
+        return Restored(None, False, False)
+    record, batches = state["epoch_start"], int(state["batches"])
+    described = (record or {}).get("data_order") or {
+        resize.UNMAPPED: "the start of the interrupted epoch was not recorded"
+    }
+    result = resize.remap(trainer, loaders, described, batches)
+    _rng.restore(state["rng"])
+    where = f"epoch {epoch}, after {batches} batches per rank"
+    if isinstance(result, str):
+        total = int(trainer.num_training_batches)
+        more = total - batches if total > batches else 1
+        note = (
+            f"the rest of the interrupted epoch is not known ({result}): Lightning trains "
+            f"{more} more batch(es) per rank, from the start of each rank's part of a new "
+            "order, so some of the epoch's samples are trained twice and others not at all; to "
+            f"avoid it resume on {old} rank(s), let Lightning's DistributedSampler (or a "
+            "SequentialSampler in one process) order the data, or save at epoch ends only "
+            "(every_n_epochs)"
+        )
+        rank_zero_warn(
+            resize.account(
+                old=old,
+                new=new,
+                where=where,
+                resumed=None,
+                batch_size=0,
+                data_note=note,
+                steps_note=steps_note,
+            )
+        )
+        return Restored(None, False, True)
+    remapped, described, resumed = result
+    rank_zero_warn(
+        resize.account(
+            old=old,
+            new=new,
+            where=where,
+            resumed=resumed,
+            batch_size=int(described["batch_size"]),
+            data_note="",
+            steps_note=steps_note,
+        )
+    )
+    return Restored(dict(record, data_order=described), True, True, remapped)
 
 
 def _report(trainer: pl.Trainer, notes: list[str], plan: dp.Plan, batches: int) -> None:

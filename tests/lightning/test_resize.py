@@ -1,0 +1,192 @@
+"""Resuming a Lightning DDP run on another number of ranks (``tests/jobs/resize_job.py`` under
+torchrun, gloo): every rank logs the ids of the samples it trained, and the counts over the
+interrupted epoch say whether each sample was trained exactly once; the state at the resume point
+is compared bit for bit with the state the killed run committed; the account the library gives is
+checked against what the runs did."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "tests" / "jobs" / "resize_job.py"
+SAMPLES = 96
+
+
+def launch(world: int, store: Path, out: Path, *args: str) -> str:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "--monitor-interval",
+        "0.1",
+        str(JOB),
+        "--dir",
+        str(store),
+        "--out",
+        str(out),
+        *args,
+    ]
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    log = done.stdout + done.stderr
+    killed = "--kill-at" in args
+    assert (done.returncode != 0) == killed, f"exit {done.returncode}:\n{log[-6000:]}"
+    return log
+
+
+def rows(out: Path) -> list[dict[str, Any]]:
+    found = []
+    for path in sorted(out.glob("ids_rank*.jsonl")):
+        rank = int(path.stem.removeprefix("ids_rank"))
+        found += [dict(json.loads(line), rank=rank) for line in path.read_text().splitlines()]
+    return found
+
+
+def counts(killed: Path, resumed: Path, epoch: int, committed: int) -> Counter[int]:
+    """How often each sample of ``epoch`` was trained: by the killed run up to its committed
+    step, then by the resumed run."""
+    trained: Counter[int] = Counter()
+    for row in rows(killed):
+        if row["epoch"] == epoch and row["step"] < committed:
+            trained.update(row["ids"])
+    for row in rows(resumed):
+        if row["epoch"] == epoch:
+            trained.update(row["ids"])
+    return trained
+
+
+def assert_exactly_once(trained: Counter[int]) -> None:
+    never = sorted(set(range(SAMPLES)) - set(trained))
+    twice = sorted(i for i, c in trained.items() if c > 1)
+    assert not never and not twice, f"never trained: {never}; more than once: {twice}"
+
+
+def assert_same_state(resumed: Path, killed: Path, world: int) -> None:
+    """Every resumed rank starts from exactly what the killed run committed (its rank 0)."""
+    expected = torch.load(killed / "at_kill_rank0.pt", weights_only=False)
+    for rank in range(world):
+        got = torch.load(resumed / f"at_start_rank{rank}.pt", weights_only=False)
+        assert got["step"] == expected["step"]
+        for key, tensor in expected["weights"].items():
+            assert torch.equal(got["weights"][key], tensor), key
+        for index, values in expected["optimizer"]["state"].items():
+            for name, value in values.items():
+                assert torch.equal(got["optimizer"]["state"][index][name], value), (index, name)
+
+
+def account(log: str) -> str:
+    found = re.findall(r"IncrementalCheckpoint: resuming on .*", log)
+    assert len(found) == 1, log[-4000:]
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The killed runs, and their stores resumed on other worlds (one launch each)."""
+    work = tmp_path_factory.mktemp("resize")
+    result: dict[str, Any] = {"work": work}
+
+    def killed(name: str, world: int, *args: str) -> Path:
+        launch(world, work / name / "store", work / name, *args)
+        return work / name
+
+    def resumed(name: str, source: Path, world: int, *args: str) -> str:
+        shutil.copytree(source / "store", work / name / "store")
+        return launch(world, work / name / "store", work / name, *args)
+
+    # 2 ranks, gradient accumulation 2: step 3 is batch 6 of 12 of epoch 0
+    mid = killed("mid2", 2, "--kill-at", "3", "--accumulate", "2", "--max-epochs", "2")
+    result["2to1"] = resumed("2to1", mid, 1, "--accumulate", "2", "--max-epochs", "2")
+    result["2to3"] = resumed("2to3", mid, 3, "--accumulate", "2", "--max-epochs", "2")
+    # 1 rank read in order (a SequentialSampler): step 6 of 24 of epoch 0
+    seq = killed("seq1", 1, "--kill-at", "6", "--sequential", "--max-epochs", "2")
+    result["1to2"] = resumed("1to2", seq, 2, "--sequential", "--max-epochs", "2")
+    # 1 rank shuffled by a RandomSampler: its order cannot be computed again
+    shuf = killed("shuf1", 1, "--kill-at", "6", "--max-epochs", "2")
+    result["1to2shuffled"] = resumed("1to2shuffled", shuf, 2, "--max-epochs", "2")
+    # 2 ranks, max_steps: step 12 is the end of epoch 0 (12 batches of 4 per rank)
+    end = killed("end2", 2, "--kill-at", "12", "--max-steps", "24")
+    result["2to1end"] = resumed("2to1end", end, 1, "--max-steps", "24")
+    return result
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "done", "per_rank"), [("2to1", 1, 48, 48), ("2to3", 3, 48, 16)]
+)
+def test_two_ranks_resumed_mid_epoch_on_one_or_three_train_the_epoch_exactly_once(
+    runs: dict[str, Any], name: str, world: int, done: int, per_rank: int
+) -> None:
+    work = runs["work"]
+    assert_same_state(work / name, work / "mid2", world)
+    assert_exactly_once(counts(work / "mid2", work / name, epoch=0, committed=3))
+    assert_exactly_once(counts(work / "mid2", work / name, epoch=1, committed=0))
+    text = account(runs[name])
+    assert f"resuming on {world} rank(s) a checkpoint saved by 2" in text
+    assert f"{done} of the epoch's {SAMPLES} samples were trained" in text
+    assert f"({per_rank} per rank, batches of 4), each trained once;" in text
+    assert "not bit-exact" in text and f"global batch changes by {world}/2" in text
+    # what it said runs is what ran: this many batches of the epoch on every rank
+    for rank in range(world):
+        resumed = [r for r in rows(work / name) if r["rank"] == rank and r["epoch"] == 0]
+        assert sum(len(r["ids"]) for r in resumed) == per_rank
+
+
+def test_one_rank_read_in_order_resumed_on_two_trains_the_epoch_exactly_once(
+    runs: dict[str, Any],
+) -> None:
+    work = runs["work"]
+    assert_same_state(work / "1to2", work / "seq1", 2)
+    assert_exactly_once(counts(work / "seq1", work / "1to2", epoch=0, committed=6))
+    assert_exactly_once(counts(work / "seq1", work / "1to2", epoch=1, committed=0))
+    assert "24 of the epoch's 96 samples were trained; the other 72" in account(runs["1to2"])
+
+
+def test_an_order_that_cannot_be_computed_again_is_said_so_and_what_runs_is_what_it_says(
+    runs: dict[str, Any],
+) -> None:
+    work = runs["work"]
+    assert_same_state(work / "1to2shuffled", work / "shuf1", 2)
+    text = account(runs["1to2shuffled"])
+    assert "the rest of the interrupted epoch is not known" in text
+    assert "RandomSampler" in text and "resume on 1 rank(s)" in text
+    more = int(re.search(r"Lightning trains (\d+) more batch", text).group(1))  # type: ignore[union-attr]
+    assert more == 12 - 6  # a new world's epoch of 12 batches per rank, 6 counted as done
+    for rank in range(2):
+        resumed = [r for r in rows(work / "1to2shuffled") if r["rank"] == rank and r["epoch"] == 0]
+        assert len(resumed) == more
+    assert_exactly_once(counts(work / "shuf1", work / "1to2shuffled", epoch=1, committed=0))
+
+
+def test_an_epoch_boundary_with_max_steps_trains_the_next_epoch_whole(
+    runs: dict[str, Any],
+) -> None:
+    work = runs["work"]
+    assert_same_state(work / "2to1end", work / "end2", 1)
+    text = account(runs["2to1end"])
+    assert "at the end of epoch 0" in text and "epoch 1 starts whole" in text
+    assert "the 12 steps left are 24 steps of the new one (max_steps=36 for this run)" in text
+    assert_exactly_once(counts(work / "end2", work / "2to1end", epoch=1, committed=0))
+    result = json.loads((work / "2to1end" / "result_rank0.json").read_text())
+    assert result == {"resumed_from": 12, "step": 36}

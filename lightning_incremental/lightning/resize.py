@@ -86,6 +86,11 @@ def describe(loaders: list[Any], world: int) -> dict[str, Any]:
     sampler = batches.sampler
     if isinstance(sampler, RestOfEpoch):
         sampler = sampler.original
+    if isinstance(sampler, DistributedSampler) and sampler.num_replicas != world:
+        return {
+            UNMAPPED: f"the training DistributedSampler cuts the data into {sampler.num_replicas} "
+            f"parts in a run of {world} rank(s)"
+        }
     if isinstance(sampler, DistributedSampler) and (
         type(sampler).__iter__ is DistributedSampler.__iter__
     ):
@@ -94,10 +99,8 @@ def describe(loaders: list[Any], world: int) -> dict[str, Any]:
         order = order_of.EpochOrder(
             kind, len(dataset), sampler.seed, sampler.epoch, sampler.drop_last
         )
-        split_world = sampler.num_replicas
     elif type(sampler) is SequentialSampler and world == 1:
         order = order_of.EpochOrder(order_of.SEQUENTIAL, len(sampler.data_source))
-        split_world = 1
     else:
         why = f"its sampler is a {type(sampler).__name__}"
         if type(sampler).__name__ == "RandomSampler":
@@ -105,7 +108,7 @@ def describe(loaders: list[Any], world: int) -> dict[str, Any]:
         return {UNMAPPED: f"the order of the training data cannot be computed again: {why}"}
     return {
         "order": order.to_dict(),
-        "segment": order_of.Segment(0, split_world, 0).to_dict(),
+        "segment": order_of.Segment(0, world, 0).to_dict(),
         "batch_size": batches.batch_size,
         "drop_last": batches.drop_last,
     }

@@ -53,7 +53,7 @@ from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.overrides.distributed import _DatasetSamplerWrapper
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
-from lightning_incremental.lightning.hparams import plain_hyperparameters
+from lightning_incremental.lightning.hparams import plain_hyperparameters, typed_hyperparameters
 
 #: The oldest Lightning release the adapter supports (CI runs its quick tests against it).
 OLDEST_SUPPORTED = (2, 5)
@@ -171,7 +171,7 @@ def set_loaded_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any], where
     file at ``where`` (upgraded by Lightning's migrations first)."""
     connector = trainer._checkpoint_connector
     connector._ckpt_path = where
-    connector._loaded_checkpoint = migrate_checkpoint(checkpoint)
+    connector._loaded_checkpoint = migrate_checkpoint(typed_hyperparameters(checkpoint))
 
 
 def migrate_checkpoint(checkpoint: dict[str, Any], path: Any = None) -> dict[str, Any]:

@@ -90,7 +90,8 @@ def check_model_checkpoints(trainer: pl.Trainer, url: str) -> None:
     """Raises ConfigError when a ModelCheckpoint of ``trainer`` writes into the store ``url``."""
     mine = local_path(url)
     for cb in callbacks_of(trainer):
-        theirs = cb.dirpath if isinstance(cb, ModelCheckpoint) else None
+        # getattr: dirpath is set per instance, and a Mock(spec=ModelCheckpoint) has none
+        theirs = getattr(cb, "dirpath", None) if isinstance(cb, ModelCheckpoint) else None
         if theirs and mine is not None and local_path(os.fspath(theirs)) == mine:
             raise ConfigError(
                 f"IncrementalCheckpoint and ModelCheckpoint share the directory {mine}: "

@@ -30,6 +30,7 @@ from lightning_incremental.core import (
 )
 from lightning_incremental.core.save import inflight
 from lightning_incremental.lightning.compat import PathLike
+from lightning_incremental.lightning.hparams import typed_hyperparameters
 from lightning_incremental.lightning.pointers import (
     CheckpointFile,
     Pointer,
@@ -191,9 +192,11 @@ def load_from_store(
     try:
         if weights_only and allow_pickle:  # a one-off reader that refuses pickles
             with open_reader(url) as reader:
-                return reader.load(step, map_location=location), reader.loaded_step
-        store = store_of(url)
-        return store.load(step, map_location=location), store.loaded_step
+                loaded, at = reader.load(step, map_location=location), reader.loaded_step
+        else:
+            store = store_of(url)
+            loaded, at = store.load(step, map_location=location), store.loaded_step
+        return typed_hyperparameters(loaded), at
     except PickleNotAllowedError as exc:
         hint = (
             "it was loaded with weights_only=True"

@@ -46,6 +46,7 @@ breaks a kept checkpoint (what it deletes, and when the store directory goes too
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import uuid
@@ -61,6 +62,7 @@ from lightning_incremental.core import (
     SaveHandle,
     UnsupportedValueError,
 )
+from lightning_incremental.lightning.hparams import plain_hyperparameters
 from lightning_incremental.lightning.path_resolution import rewrap
 from lightning_incremental.lightning.pointers import (
     CheckpointFile,
@@ -266,9 +268,13 @@ def snapshot(
     """Snapshot ``checkpoint`` as the store's next step (the engine's ``save``: it commits in
     the background) and return the pointer that names it (no ``previous`` yet) and the handle.
 
+    OmegaConf hyper-parameters are saved as plain containers, as the callback saves them (see
+    :mod:`~.hparams`; the caller's dict is not changed).
+
     Raises:
         UnsupportedValueError: a value that needs pickle, without ``allow_pickle``.
     """
+    checkpoint = plain_hyperparameters(copy.copy(checkpoint))  # a shallow copy, same type
     with entry.lock:
         step = entry.next_step(lambda: target.sibling_pointers(), store_name)
         progress = _progress(checkpoint)

@@ -15,7 +15,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_incremental import IncrementalCheckpoint
+import lightning_incremental
+from lightning_incremental import IncrementalCheckpoint, IncrementalCheckpointIO
 from lightning_incremental.core import CheckpointStore
 from tests.jobs.lightning_job import TinyModel, fit
 
@@ -108,3 +109,82 @@ def test_dictconfig_init_arguments_are_saved_as_plain_containers(tmp_path: Path)
     hparams = CheckpointStore(tmp_path / "store").load()["hyper_parameters"]
     assert (hparams["cfg"], hparams["layers"], hparams["hidden"]) == ({"lr": 0.1}, [4, {"k": 2}], 8)
     assert type(hparams["cfg"]) is dict and type(hparams["layers"]) is list
+
+
+def test_the_plugin_saves_dictconfig_hyperparameters_as_the_callback_does(tmp_path: Path) -> None:
+    """Through ``IncrementalCheckpointIO`` (ModelCheckpoint's saves) as well: a Hydra model's
+    configuration is saved without pickling, and Lightning's loader gives it back."""
+    from omegaconf import OmegaConf
+
+    plain = {"model": {"hidden": 8}, "shuffle": "generator", "num_workers": 0}
+    plain |= {"persistent_workers": False, "batch_size": 8}
+    cfg = OmegaConf.create(plain)
+    trainer = L.Trainer(
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+        plugins=[IncrementalCheckpointIO()],
+    )
+    trainer.fit(HydraModel(cfg))
+    path = trainer.checkpoint_callback.best_model_path  # type: ignore[union-attr]
+    store = next((tmp_path / "checkpoints").glob("*.incremental"))
+    stored = CheckpointStore(store).load()  # what the store holds: plain, no pickle
+    assert stored["hyper_parameters"] == plain and type(stored["hyper_parameters"]) is dict
+    assert isinstance(cfg, omegaconf.DictConfig)  # the model's own configuration is untouched
+    loaded = IncrementalCheckpointIO().load_checkpoint(path)  # what Lightning gets: OmegaConf
+    assert isinstance(loaded["hyper_parameters"], omegaconf.DictConfig)
+    assert loaded["hyper_parameters"] == cfg
+    restored = lightning_incremental.load_from_checkpoint(HydraModel, path)
+    assert restored.hparams.model.hidden == 8  # nested attribute access, as from torch.save
+
+
+def test_a_mocked_model_checkpoint_without_dirpath_is_tolerated(tmp_path: Path) -> None:
+    """``Mock(spec=ModelCheckpoint)`` (how some frameworks stub it) has no ``dirpath``."""
+    from unittest.mock import Mock
+
+    mock = Mock(spec=ModelCheckpoint)
+    mock.state_dict.return_value = {}  # what a checkpoint holds of it
+    mock.state_key = "mocked"
+    ckpt = IncrementalCheckpoint(tmp_path / "store", every_n_train_steps=2)
+    trainer = L.Trainer(
+        max_steps=2, logger=False, enable_progress_bar=False, callbacks=[mock, ckpt]
+    )
+    trainer.fit(TinyModel())
+    assert CheckpointStore(tmp_path / "store").steps() == [2]
+
+
+def test_omegaconf_hyperparameters_round_trip_through_plain_containers() -> None:
+    """What is saved is plain (no pickle); what a load hands Lightning is OmegaConf again, at the
+    same places, with the type Lightning rebuilds the configuration with."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    from lightning_incremental.lightning.hparams import (
+        MARK,
+        plain_hyperparameters,
+        typed_hyperparameters,
+    )
+
+    cfg = OmegaConf.create({"model": {"hidden": 8, "width": "${model.hidden}"}})
+    layers = OmegaConf.create([4, {"k": 2}])
+    checkpoint = {
+        "hyper_parameters": {"cfg": cfg, "layers": layers, "lr": 0.1},
+        "hparams_type": DictConfig,
+    }
+    plain = plain_hyperparameters(dict(checkpoint))
+    assert plain["hyper_parameters"] == {
+        "cfg": {"model": {"hidden": 8, "width": "${model.hidden}"}},
+        "layers": [4, {"k": 2}],
+        "lr": 0.1,
+    }
+    assert plain["hparams_type"] == "omegaconf.dictconfig.DictConfig"
+    assert sorted(plain[MARK]) == [["hyper_parameters", "cfg"], ["hyper_parameters", "layers"]]
+    typed = typed_hyperparameters(plain)
+    assert MARK not in typed and typed["hparams_type"] is DictConfig
+    assert isinstance(typed["hyper_parameters"]["cfg"], DictConfig)
+    assert isinstance(typed["hyper_parameters"]["layers"], ListConfig)
+    assert (
+        typed["hyper_parameters"]["cfg"] == cfg
+        and typed["hyper_parameters"]["cfg"].model.width == 8
+    )
+    assert typed["hyper_parameters"]["lr"] == 0.1

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,10 @@ from lightning_incremental.core.storage import register_scheme, registered_schem
 from tests.s3_server import s3_bucket, s3_defaults, s3_endpoint, s3_faults  # noqa: F401
 
 STORE_BACKENDS = ("local", "memory", "s3")
+# LI_TEST_DEPTH=deep: the long randomized tests at their full depth (a soak before a release);
+# by default they run at a depth that keeps the suite within CI's time. Hypothesis draws new
+# examples on every run, so the default depth still covers more over successive runs.
+DEEP = os.environ.get("LI_TEST_DEPTH", "") == "deep"
 
 
 @pytest.fixture(params=STORE_BACKENDS)

@@ -31,6 +31,11 @@ if __package__ in (None, ""):  # run as a script: make the packages importable
 from lightning_incremental import IncrementalCheckpoint
 from lightning_incremental.core import CheckpointStore
 
+# torchrun's restart count: an elastic job's restarted workers log apart from the first ones
+INCARNATION = (
+    "" if "--elastic" not in sys.argv else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+)
+
 
 class Ids(Dataset):
     """Sample ``i`` is (features, target, i)."""
@@ -48,16 +53,20 @@ class Ids(Dataset):
 
 
 class Model(L.LightningModule):
-    def __init__(self, samples: int, batch_size: int, shuffle: bool, out: Path) -> None:
+    def __init__(
+        self, samples: int, batch_size: int, shuffle: bool, out: Path, pause: float = 0.0
+    ) -> None:
         super().__init__()
         self.samples, self.batch_size, self.shuffle, self.out = samples, batch_size, shuffle, out
+        self.pause = pause
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, ids = batch
         record = {"epoch": self.current_epoch, "step": self.global_step, "ids": ids.tolist()}
-        with (self.out / f"ids_rank{self.global_rank}.jsonl").open("a") as f:
+        with (self.out / f"ids{INCARNATION}_rank{self.global_rank}.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
+        time.sleep(self.pause)
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> Any:
@@ -113,19 +122,28 @@ def main() -> None:
     parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--sequential", action="store_true", help="no shuffling")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds to sleep per batch")
+    parser.add_argument(
+        "--elastic", action="store_true", help="log per torchrun restart (ids<restart>_rank<r>)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # the world from the environment, as an elastic job must: any number of nodes
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     L.seed_everything(0, verbose=False)
-    ckpt = IncrementalCheckpoint(args.dir, every_n_train_steps=args.every, watchdog=False)
+    # an elastic job keeps the watchdog (its default under torchrun): a lost node is found by it
+    watchdog = None if args.elastic else False
+    ckpt = IncrementalCheckpoint(args.dir, every_n_train_steps=args.every, watchdog=watchdog)
     trainer = L.Trainer(
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,
         accelerator="cpu",
-        devices=world,
+        devices=local,
+        num_nodes=world // local,
         strategy="ddp" if world > 1 else "auto",
         logger=False,
         enable_progress_bar=False,
@@ -135,7 +153,7 @@ def main() -> None:
         default_root_dir=str(out),
         callbacks=[Probe(out, args.dir, args.kill_at), ckpt],
     )
-    module = Model(args.samples, args.batch, not args.sequential, out)
+    module = Model(args.samples, args.batch, not args.sequential, out, args.pause)
     trainer.fit(module)
     if args.kill_at is not None:
         raise SystemExit(f"step {args.kill_at} was never reached")

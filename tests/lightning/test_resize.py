@@ -6,12 +6,16 @@ checked against what the runs did."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -56,10 +60,10 @@ def launch(world: int, store: Path, out: Path, *args: str) -> str:
     return log
 
 
-def rows(out: Path) -> list[dict[str, Any]]:
+def rows(out: Path, incarnation: str = "") -> list[dict[str, Any]]:
     found = []
-    for path in sorted(out.glob("ids_rank*.jsonl")):
-        rank = int(path.stem.removeprefix("ids_rank"))
+    for path in sorted(out.glob(f"ids{incarnation}_rank*.jsonl")):
+        rank = int(path.stem.rpartition("_rank")[2])
         found += [dict(json.loads(line), rank=rank) for line in path.read_text().splitlines()]
     return found
 
@@ -190,3 +194,103 @@ def test_an_epoch_boundary_with_max_steps_trains_the_next_epoch_whole(
     assert_exactly_once(counts(work / "end2", work / "2to1end", epoch=1, committed=0))
     result = json.loads((work / "2to1end" / "result_rank0.json").read_text())
     assert result == {"resumed_from": 12, "step": 36}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _accepting(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_trains_the_epoch_once(
+    tmp_path: Path,
+) -> None:
+    """Two torchrun agents (``--nnodes=1:2``, one process each) form one job; once step 6 has
+    committed, one agent and its worker are SIGKILLed (a lost node). The other agent restarts
+    its worker alone (the rendezvous needs one node), which resumes on one rank: the interrupted
+    epoch is trained exactly once, and the account says 2 -> 1."""
+    from lightning_incremental.core import CheckpointStore
+
+    store, out, port = tmp_path / "store", tmp_path / "out", _free_port()
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=resize",
+        "--rdzv-conf=last_call_timeout=2,join_timeout=120", "--max-restarts=2",
+        "--monitor-interval=0.1", str(JOB), "--dir", str(store), "--out", str(out),
+        "--elastic", "--pause", "0.3", "--max-epochs", "2",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    logs = [(tmp_path / f"node{i}.log").open("w") for i in range(2)]
+    nodes: list[subprocess.Popen[bytes]] = []
+    try:
+        for i in range(2):  # the first hosts the rendezvous: it is the node that survives
+            node = subprocess.Popen(
+                command,
+                env=env,
+                stdout=logs[i],
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+            nodes.append(node)
+            deadline = time.monotonic() + 60
+            while i == 0 and not _accepting(port) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:  # step 8 started (two batches after step 6's save)
+            assert nodes[0].poll() is None and nodes[1].poll() is None
+            first = out / "ids0_rank0.jsonl"
+            if first.exists() and len(first.read_text().splitlines()) >= 9:
+                break
+            time.sleep(0.02)
+        while time.monotonic() < deadline and 6 not in CheckpointStore(store).steps():
+            time.sleep(0.02)
+        assert 6 in CheckpointStore(store).steps(), "step 6 never committed"
+        for pid in [nodes[1].pid, *_descendants(nodes[1].pid)]:  # the lost node: all of it
+            os.kill(pid, signal.SIGKILL)  # (torchrun starts its workers in sessions of their own)
+        rc = nodes[0].wait(timeout=300)
+    finally:
+        for node in nodes:
+            for pid in [node.pid, *_descendants(node.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            node.wait()
+        for log in logs:
+            log.close()
+    log = (tmp_path / "node0.log").read_text()
+    assert rc == 0, log[-6000:]
+    result = json.loads((out / "result_rank0.json").read_text())
+    committed = result["resumed_from"]
+    assert committed is not None and committed >= 6
+    assert {r["rank"] for r in rows(out, "0")} == {0, 1}  # the first incarnation: two ranks
+    assert {r["rank"] for r in rows(out, "1")} == {0}  # the restarted one: alone
+    trained: Counter[int] = Counter()
+    for row in rows(out, "0"):
+        if row["epoch"] == 0 and row["step"] < committed:
+            trained.update(row["ids"])
+    for row in rows(out, "1"):
+        if row["epoch"] == 0:
+            trained.update(row["ids"])
+    assert_exactly_once(trained)
+    assert "resuming on 1 rank(s) a checkpoint saved by 2" in account(log)

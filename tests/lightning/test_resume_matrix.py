@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import DEEP
 from tests.jobs.resume_matrix import Case, cases
 
 DRIVER = Path(__file__).resolve().parents[1] / "jobs" / "resume_matrix.py"
@@ -134,6 +135,6 @@ def test_quick_slice_of_the_matrix(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5] if DEEP else [1, 2])
 def test_randomized_crash_matrix(seed: int, tmp_path: Path) -> None:
     assert_all_exact(run_matrix(cases(seed, 60), tmp_path))

@@ -221,6 +221,22 @@ def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Res
     rng = state["rng"]
     if plan.mode == dp.LIGHTNING:  # stateful loaders: Lightning restored their position
         _rng.restore(rng)
+        if resized:
+            note = (
+                "the training dataloaders are stateful and restore their own position; whether "
+                f"it fits {trainer.world_size} rank(s) depends on them"
+            )
+            rank_zero_warn(
+                resize.account(
+                    old=int(saved["world_size"]),
+                    new=trainer.world_size,
+                    where=f"epoch {epoch}",
+                    resumed=None,
+                    batch_size=0,
+                    data_note=note,
+                    steps_note=resize.rescale_max_steps(trainer, int(saved["world_size"])),
+                )
+            )
         return Restored(None, False, False)
     if state["boundary"]:
         # Saved between two epochs: the next one starts as it did uninterrupted — Lightning

@@ -188,8 +188,8 @@ class Pointer:
         state = writer.state()
         if state == "this process":
             return (
-                "never committed: its save failed in this process (the error was reported when it "
-                "failed)"
+                "never committed: this process wrote the file, so either its save failed (the "
+                "error was reported then) or the file was copied or downloaded without its store"
             )
         if state == "running":
             return (

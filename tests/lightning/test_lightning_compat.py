@@ -253,7 +253,7 @@ def test_uncommitted_pointer_says_whether_its_writer_is_alive(tmp_path: Path) ->
             ),
             (
                 {"host": host, "pid": os.getpid()},
-                "never committed: its save failed in this process",
+                "never committed: this process wrote the file, so either its save failed",
             ),
             ({"host": host + "-elsewhere", "pid": 1}, "this host cannot tell which"),
             (None, "never committed .*the process saving it crashed"),  # an older pointer

@@ -95,6 +95,29 @@ def skip_first_batches(accelerator: Any, dataloader: Any, num_batches: int) -> A
     return type(accelerator).skip_first_batches(accelerator, dataloader, num_batches)
 
 
+def loader_over(dataloader: Any, batch_sampler: Any) -> Any:
+    """A copy of the prepared ``dataloader`` over ``batch_sampler`` (batches of sample indices),
+    built as Accelerate's ``skip_first_batches`` builds its copy of a ``DataLoaderShard``: the
+    same dataset, collate function, workers, device placement and synchronized generator."""
+    from accelerate.data_loader import _PYTORCH_DATALOADER_KWARGS, DataLoaderShard
+
+    ignore = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+    kwargs = {
+        k: getattr(dataloader, k, default)
+        for k, default in _PYTORCH_DATALOADER_KWARGS.items()
+        if k not in ignore
+    }
+    return DataLoaderShard(
+        dataloader.dataset,
+        device=dataloader.device,
+        rng_types=dataloader.rng_types,
+        synchronized_generator=dataloader.synchronized_generator,
+        iteration=dataloader.iteration,
+        batch_sampler=batch_sampler,
+        **kwargs,
+    )
+
+
 # --- FSDP
 
 

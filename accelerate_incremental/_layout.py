@@ -111,12 +111,14 @@ def check_compatible(
     models: list[Any] | None = None,
     *,
     weights: bool = True,
+    resizable: bool = True,
 ) -> None:
     """Raises ValueError when ``state`` is not a checkpoint of this accelerator's layout.
     ``models``: the models the checkpoint's weights go to (default: every prepared model; fewer
     when a load pre-hook loaded some itself). ``weights``: also compare the models' keys and
     shapes and the optimizers' groups (False for sharded state dicts, which torch's
-    ``set_model_state_dict`` / ``set_optimizer_state_dict`` check)."""
+    ``set_model_state_dict`` / ``set_optimizer_state_dict`` check). ``resizable``: a checkpoint
+    of another number of processes may be loaded (see :mod:`~._resize`)."""
     if models is None:
         models = list(_compat.models(accelerator))
     if not isinstance(state, dict) or state.get("format") != fmt:
@@ -134,13 +136,14 @@ def check_compatible(
         len(_compat.custom_objects(accelerator)),
     )
     saved_processes = len(state["processes"])
-    if saved_processes != accelerator.num_processes:
+    if saved_processes != accelerator.num_processes and not resizable:
         raise ValueError(
             f"the checkpoint was written by {saved_processes} processes, this run has "
-            f"{accelerator.num_processes}: per-process random states and data positions cannot "
-            "be mapped; resume with the same --num_processes"
+            f"{accelerator.num_processes}: a sharded state is resumed on the same number of "
+            "processes here; resume with --num_processes "
+            f"{saved_processes}"
         )
-    loaders = len(state["processes"][accelerator.process_index]["loaders"])
+    loaders = len(state["processes"][0]["loaders"])
     _count("prepared DataLoaders", loaders, len(_compat.dataloaders(accelerator)))
     if not weights:
         return

@@ -5,10 +5,11 @@ loop)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from accelerate_incremental import _compat, _tracking
+from accelerate_incremental import _compat, _resize, _tracking
 from accelerate_incremental._position import LoaderPosition
 from lightning_incremental.runtime import rng
 from lightning_incremental.runtime.watchdog import Watchdog
@@ -55,6 +56,88 @@ class Loaders:
             self.position(i).restore(position)
         self._saved_rng = saved_rng
 
+    def restore_saved(self, processes: list[dict[str, Any]]) -> dict[str, Any]:
+        """Put back the loaders' positions of a checkpoint's ``processes`` (every process's
+        saved state), on this many processes or another (then the main process warns with the
+        account of it, see :meth:`restore_resized`). Returns this process's saved state: that of
+        process ``index mod len(processes)``.
+
+        Raises:
+            ValueError: a saved position does not fit its loader.
+        """
+        acc = self.accelerator
+        mine: dict[str, Any] = processes[acc.process_index % len(processes)]
+        if not _resize.needed(processes, acc.num_processes):
+            self.restore(mine["loaders"], mine["rng"])
+            return mine
+        accounts = self.restore_resized(processes[0]["loaders"], mine["rng"], len(processes))
+        for text in accounts if acc.is_main_process else []:
+            warnings.warn(text, UserWarning, stacklevel=4)
+        return mine
+
+    def restore_resized(
+        self, main: list[dict[str, Any]], saved_rng: dict[str, Any], old_world: int
+    ) -> list[str]:
+        """Put back the positions saved by ``old_world`` processes (``main``: the main process's,
+        every process's order being the main process's) on this run's processes: an interrupted
+        epoch's rest is cut anew (see :mod:`~._resize`). Returns the account of each loader
+        resumed mid-epoch.
+
+        Raises:
+            ValueError: a loader's interrupted epoch cannot be cut anew (saying why).
+        """
+        acc = self.accelerator
+        accounts = []
+        for i, saved in enumerate(main):
+            position = self.position(i)
+            if saved.get("consumed") is None:
+                position.restore_boundary(saved)
+                continue
+            layout = _resize.layout(position.loader)
+            rest = (
+                layout
+                if isinstance(layout, str)
+                else _resize.rest_of(position.loader, layout, saved, old_world)
+            )
+            if isinstance(rest, str) or isinstance(layout, str):
+                raise ValueError(
+                    f"prepared DataLoader {i} stood {saved['consumed']} batches into epoch "
+                    f"{saved['epoch']} when {old_world} processes saved, and the rest of that "
+                    f"epoch cannot be cut for {acc.num_processes}: {rest}; resume with "
+                    f"--num_processes {old_world}, or save at epoch ends"
+                )
+            samples, done, length = rest
+            plan = _resize.plan(
+                layout,
+                samples,
+                consumed_before=int(saved["consumed"]),
+                world=acc.num_processes,
+                rank=acc.process_index,
+                old_world=old_world,
+                done_before=done,
+                length=length,
+            )
+            cut = {
+                "rest": plan.rest,
+                "segment": plan.segment.to_dict(),
+                "batch_size": plan.batch_size,
+                "done": done,
+            }
+            position.restore_cut(saved, plan.batches, cut)
+            where = f"DataLoader {i}, epoch {saved['epoch']}, after {saved['consumed']} batches"
+            accounts.append(
+                _resize.account(
+                    old=old_world,
+                    new=acc.num_processes,
+                    where=where,
+                    resumed=plan.account,
+                    batch_size=plan.batch_size,
+                    data_note="",
+                )
+            )
+        self._saved_rng = saved_rng
+        return accounts
+
     def epoch(
         self,
         index: int,
@@ -77,13 +160,16 @@ class Loaders:
                 return _tracking.own_iter(loader)
             return _compat.skip_first_batches(self.accelerator, loader, skip)
 
+        def open_batches(batches: list[list[int]]) -> Any:
+            return _compat.loader_over(loader, _resize.FixedBatches(batches))
+
         def restore_now() -> None:
             if self._saved_rng is not None:
                 rng.restore(self._saved_rng)
 
         before()
         dog = watchdog()
-        batches = position.iterate(open_epoch, restore_now)
+        batches = position.iterate(open_epoch, restore_now, open_batches)
         while True:
             if not position.at_epoch_end():
                 boundary()  # the batch before it is done, this one not fetched yet

@@ -52,6 +52,10 @@ class _Resume:
     consumed: int
     torch_state: torch.Tensor
     generator_states: dict[str, torch.Tensor]
+    # resumed on another number of processes (see _resize): this process's batches of the
+    # epoch's rest, and what the next checkpoints of the epoch record about it
+    batches: list[list[int]] | None = None
+    cut: dict[str, Any] | None = None
 
 
 class LoaderPosition:
@@ -65,6 +69,8 @@ class LoaderPosition:
         self._generator_states: dict[str, torch.Tensor] = {}
         self._resume: _Resume | None = None
         self._skip = 0  # batches the next fresh epoch starts after (skip_next)
+        self._cut: dict[str, Any] | None = None  # the epoch in progress was cut anew (_resize)
+        self._length: int | None = None  # its batches, done ones included
 
     def state(self) -> dict[str, Any]:
         """Plain data: the epoch, the batches consumed in it, and its starting random states."""
@@ -75,6 +81,7 @@ class LoaderPosition:
                 "consumed": resume.consumed,
                 "torch": resume.torch_state,
                 "generators": dict(resume.generator_states),
+                **(resume.cut or {}),
             }
         now = position.generator_states(generators(self.loader))
         if self.consumed is None or self._torch_state is None:
@@ -89,6 +96,7 @@ class LoaderPosition:
             "consumed": self.consumed,
             "torch": self._torch_state,
             "generators": dict(self._generator_states),
+            **(self._cut or {}),
         }
 
     def at_epoch_end(self) -> bool:
@@ -97,7 +105,7 @@ class LoaderPosition:
         if self.consumed is None:
             return False
         try:
-            return self.consumed >= len(self.loader)
+            return self.consumed >= (self._length if self._length is not None else len(self.loader))
         except TypeError:  # no length (an iterable dataset)
             return False
 
@@ -139,6 +147,31 @@ class LoaderPosition:
                 stacklevel=2,
             )
 
+    def restore_cut(
+        self, state: dict[str, Any], batches: list[list[int]], cut: dict[str, Any]
+    ) -> None:
+        """Arrange for the next ``iterate`` to continue the saved epoch (``state``: the main
+        process's position in it) on this process's ``batches`` of its rest, cut for another
+        number of processes (see :mod:`~._resize`); ``cut`` is recorded by the next saves."""
+        epoch = int(state["epoch"])
+        if hasattr(self.loader, "iteration"):
+            self.loader.iteration = epoch
+        self.epoch, self.consumed = epoch, None
+        saved = dict(state["generators"])
+        self._resume = _Resume(
+            epoch, int(state["consumed"]), state["torch"], saved, batches=batches, cut=cut
+        )
+
+    def restore_boundary(self, state: dict[str, Any]) -> None:
+        """The saved position is between epochs, saved by another number of processes: the next
+        epoch draws from the saved generator states where this loader has the same ones."""
+        epoch = int(state["epoch"])
+        if hasattr(self.loader, "iteration"):
+            self.loader.iteration = epoch
+        self.epoch, self.consumed, self._resume = epoch, None, None
+        current = generators(self.loader)
+        position.set_generator_states(current, dict(state["generators"]))
+
     def pending(self) -> int | None:
         """The consumed batches a restored, interrupted epoch continues after; None if none."""
         return None if self._resume is None else self._resume.consumed
@@ -152,12 +185,15 @@ class LoaderPosition:
         self,
         open_epoch: Callable[[int], Iterable[Any]],
         restore_now: Callable[[], None],
+        open_batches: Callable[[list[list[int]]], Iterable[Any]] | None = None,
     ) -> Iterator[Any]:
         """Yield the epoch's batches; a resumed epoch continues after its consumed batches.
 
         ``open_epoch(n)`` returns the loader's epoch without its first ``n`` batches (the
-        loader's own iteration for 0). ``restore_now`` puts back the process's random state as it
-        was at the save; it runs once the resumed epoch's iterator has drawn its order."""
+        loader's own iteration for 0); ``open_batches(batches)`` the loader over exactly these
+        batches of sample indices (an epoch cut anew, see :meth:`restore_cut`). ``restore_now``
+        puts back the process's random state as it was at the save; it runs once the resumed
+        epoch's iterator has drawn its order."""
         resume, self._resume = self._resume, None
         skip, self._skip = self._skip, 0
         if resume is None:
@@ -172,10 +208,15 @@ class LoaderPosition:
             self.epoch = resume.epoch
             self._torch_state = resume.torch_state
             self._generator_states = resume.generator_states
-            torch.set_rng_state(resume.torch_state.cpu())
-            position.set_generator_states(generators(self.loader), resume.generator_states)
             self.consumed = resume.consumed
-            source = iter(open_epoch(resume.consumed))
+            if resume.batches is None:
+                torch.set_rng_state(resume.torch_state.cpu())
+                position.set_generator_states(generators(self.loader), resume.generator_states)
+                source = iter(open_epoch(resume.consumed))
+            else:  # cut anew for this number of processes: its order is in the batches
+                assert open_batches is not None, "a cut epoch needs open_batches"
+                self._cut, self._length = resume.cut, resume.consumed + len(resume.batches)
+                source = iter(open_batches(resume.batches))
             try:
                 first = next(source)
             except StopIteration:
@@ -187,7 +228,7 @@ class LoaderPosition:
                 yield from self._count(source, self.consumed)
             if hasattr(self.loader, "iteration"):
                 self.loader.iteration = resume.epoch + 1
-        self.consumed = None
+        self.consumed, self._cut, self._length = None, None, None
 
     def _count(self, source: Iterator[Any], start: int) -> Iterator[Any]:
         self.consumed = start

@@ -407,10 +407,10 @@ class IncrementalCheckpointer:
             state = self.store.load(step, map_location=location, into=into, strict_into=False)
         # Accelerate's load pre-hooks: before the weights, which go to the models they leave
         models = list(_compat.models(acc)) if pre_hooks is None else pre_hooks(step)
-        _layout.check_compatible(acc, state, _state.FORMAT, models, weights=not self.sharded)
+        whole = not self.sharded  # a sharded state is checked by torch, on as many processes
+        _layout.check_compatible(acc, state, _state.FORMAT, models, weights=whole, resizable=whole)
+        mine = self._loaders.restore_saved(state["processes"])  # first: it may refuse
         _state.restore(acc, state, models, is_sharded=self.sharded)
-        mine = state["processes"][acc.process_index]
-        self._loaders.restore(mine["loaders"], mine["rng"])
         rng.restore(mine["rng"])
         return step
 

@@ -192,37 +192,8 @@ def rescale_max_steps(trainer: pl.Trainer, old_world: int) -> str | None:
     )
 
 
-def account(
-    *,
-    old: int,
-    new: int,
-    where: str,
-    resumed: order_of.Resumed | None,
-    batch_size: int,
-    data_note: str,
-    steps_note: str | None,
-) -> str:
-    """The one message of a resize: worlds, what of the epoch was done, what runs, what is not
-    bit-exact."""
-    parts = [
-        f"IncrementalCheckpoint: resuming on {new} rank(s) a checkpoint saved by {old} ({where})"
-    ]
-    if resumed is not None:
-        text = (
-            f"{resumed.done} of the epoch's {resumed.length} samples were trained; the other "
-            f"{resumed.rest} are split over the {new} rank(s) as a DistributedSampler splits an "
-            f"epoch ({resumed.per_rank} per rank, batches of {batch_size}), each trained once"
-        )
-        if resumed.repeated:
-            text += f" but {resumed.repeated} trained a second time to even out the ranks"
-        if resumed.left_out:
-            text += f" but {resumed.left_out} left out (the sampler's drop_last)"
-        parts.append(text)
-    parts.append(data_note)
-    if steps_note:
-        parts.append(steps_note)
-    parts.append(
-        f"not bit-exact: rank r takes the random state of saved rank r mod {old}, and the global "
-        f"batch changes by {new}/{old}, so the optimisation differs from an uninterrupted run"
+def account(**parts: Any) -> str:
+    """The account of a resize (see :func:`~lightning_incremental.runtime.data_order.account`)."""
+    return order_of.account(
+        who="IncrementalCheckpoint", unit="rank", splitter="a DistributedSampler", **parts
     )
-    return "; ".join(p for p in parts if p) + "."

@@ -148,3 +148,43 @@ def resume(
         repeated=max(0, total - len(rest)),
         left_out=max(0, len(rest) - total),
     )
+
+
+def account(
+    *,
+    who: str,
+    unit: str,
+    splitter: str,
+    old: int,
+    new: int,
+    where: str,
+    resumed: Resumed | None,
+    batch_size: int,
+    data_note: str,
+    steps_note: str | None = None,
+) -> str:
+    """The one message of a resume on another number of ranks (``unit``: "rank" or "process";
+    ``splitter``: what splits an epoch in this adapter): the worlds, what of the epoch was done,
+    what runs, what is not bit-exact."""
+    some = "process(es)" if unit == "process" else f"{unit}(s)"
+    parts = [f"{who}: resuming on {new} {some} a checkpoint saved by {old} ({where})"]
+    if resumed is not None:
+        text = (
+            f"{resumed.done} of the epoch's {resumed.length} samples were trained; the other "
+            f"{resumed.rest} are split over the {new} {some} as {splitter} splits an epoch "
+            f"({resumed.per_rank} per {unit}, batches of {batch_size}), each trained once"
+        )
+        if resumed.repeated:
+            text += f" but {resumed.repeated} trained a second time to even out the {some}"
+        if resumed.left_out:
+            text += f" but {resumed.left_out} left out (drop_last)"
+        parts.append(text)
+    parts.append(data_note)
+    if steps_note:
+        parts.append(steps_note)
+    parts.append(
+        f"not bit-exact: {unit} r takes the random state of saved {unit} r mod {old}, and the "
+        f"global batch changes by {new}/{old}, so the optimisation differs from an uninterrupted "
+        "run"
+    )
+    return "; ".join(p for p in parts if p) + "."

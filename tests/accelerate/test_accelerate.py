@@ -536,16 +536,87 @@ def test_corrupt_checkpoint_raises(tmp_path: Path) -> None:
         IncrementalCheckpointer(run.acc, str(tmp_path / "s")).load()
 
 
-def test_other_process_count_refused(tmp_path: Path) -> None:
-    run = make_run()
-    url = str(tmp_path / "s")
-    save_once(run, url)
+def _as_saved_by_two_processes(url: str) -> None:
+    """The newest checkpoint of ``url`` as two processes would have saved it: both at the same
+    position, each epoch's order drawn from the main process's states (as Accelerate's
+    synchronized generator makes it)."""
     with CheckpointStore(url) as store:
         state = store.load()
         state["processes"] = state["processes"] * 2
         store.save(state, 2).wait()
-    with pytest.raises(ValueError, match="written by 2 processes, this run has 1"):
-        IncrementalCheckpointer(run.acc, url).load()
+
+
+def _ids(batch: Any) -> list[int]:
+    return [int(v) // 4 for v in batch[0][:, 0]]  # sample i holds 4i, ... (make_run)
+
+
+@pytest.mark.parametrize("generator", [True, False], ids=["seeded-generator", "global-rng"])
+def test_a_checkpoint_of_two_processes_resumes_on_one_with_the_rest_of_the_epoch(
+    tmp_path: Path, generator: bool
+) -> None:
+    """Saved after 1 batch per process by 2 processes, the epoch had trained its first 2
+    batches; resumed on 1 process it trains exactly the rest of that epoch's order, once."""
+    url = str(tmp_path / "s")
+    run = make_run(generator=generator)
+    order = []
+    with IncrementalCheckpointer(run.acc, url) as ckpt:
+        for batch in ckpt.iterate(run.loader):
+            order.append(_ids(batch))
+            if len(order) == 1:
+                ckpt.save(1)
+    _as_saved_by_two_processes(url)
+    resumed = make_run(generator=generator)
+    with IncrementalCheckpointer(resumed.acc, url) as ckpt:
+        with pytest.warns(UserWarning, match="resuming on 1 process.es. a checkpoint saved by 2"):
+            assert ckpt.load() == 2
+        got = [_ids(batch) for batch in ckpt.iterate(resumed.loader)]
+        assert got == order[2:]  # the epoch's order after the first 2 * 1 batches
+    flat = sorted(i for batch in order[:2] + got for i in batch)
+    assert flat == list(range(12))  # every sample of the epoch exactly once
+
+
+def test_a_resumed_epoch_interrupted_again_goes_on_from_its_rest(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    run = make_run()
+    order = []
+    with IncrementalCheckpointer(run.acc, url) as ckpt:
+        for batch in ckpt.iterate(run.loader):
+            order.append(_ids(batch))
+            if len(order) == 1:
+                ckpt.save(1)
+    _as_saved_by_two_processes(url)
+    once = make_run()
+    with IncrementalCheckpointer(once.acc, url) as ckpt, pytest.warns(UserWarning):
+        ckpt.load()
+        for n, batch in enumerate(ckpt.iterate(once.loader), start=1):
+            assert _ids(batch) == order[1 + n]
+            if n == 2:
+                ckpt.save(3)
+                break
+        ckpt.wait()
+    with CheckpointStore(url) as store:
+        saved = store.load(3)["processes"][0]["loaders"][0]
+    assert saved["consumed"] == 3 and saved["segment"]["first_batch"] == 1
+    twice = make_run()
+    with IncrementalCheckpointer(twice.acc, url) as ckpt:
+        ckpt.load()  # the same number of processes: the epoch goes on from its recorded rest
+        got = [_ids(batch) for batch in ckpt.iterate(twice.loader)]
+    assert got == order[4:]
+
+
+def test_an_epoch_that_cannot_be_cut_anew_is_refused_with_the_reason(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    run = make_run()
+    with IncrementalCheckpointer(run.acc, url) as ckpt:
+        for _ in ckpt.iterate(run.loader):
+            ckpt.save(1)
+            break
+        ckpt.wait()
+    _as_saved_by_two_processes(url)
+    other = make_run()
+    other.loader.batch_sampler.sampler = list(range(12))  # not a sampler whose order is known
+    with pytest.raises(ValueError, match=r"cannot be cut for 1: .*sampler is a list"):
+        IncrementalCheckpointer(other.acc, url).load()
 
 
 def test_unchanged_state_costs_almost_nothing(tmp_path: Path) -> None:

@@ -92,6 +92,17 @@ class Loaders:
             position = self.position(i)
             if saved.get("consumed") is None:
                 position.restore_boundary(saved)
+                accounts.append(
+                    _resize.account(
+                        old=old_world,
+                        new=acc.num_processes,
+                        where=f"DataLoader {i}, before epoch {saved['epoch']}",
+                        resumed=None,
+                        batch_size=0,
+                        data_note=f"epoch {saved['epoch']} starts whole, split over the "
+                        f"{acc.num_processes} process(es)",
+                    )
+                )
                 continue
             layout = _resize.layout(position.loader)
             rest = (

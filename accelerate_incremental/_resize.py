@@ -8,11 +8,11 @@ the first ``W*k`` base batches, whatever ``W`` is. The base order is a function 
 state at the epoch's start — the sampler's generator (Accelerate's synchronized generator, the
 main process's state) or, without one, the global torch state — which every position records
 (:mod:`~._position`). :func:`base_batches` draws that order again with torch's own
-``RandomSampler`` and ``DataLoader`` from the recorded states (over the indices: no data is loaded), and
-:func:`plan` hands this process its share of the rest, cut by Accelerate's own
-``BatchSamplerShard`` (so ``even_batches`` pads as Accelerate pads). A resumed epoch keeps its rest
-(``rest``, a tensor of sample indices) and a :class:`~lightning_incremental.runtime.data_order.
-Segment`, so that a second interruption in it resumes from them.
+``RandomSampler`` and ``DataLoader`` from the recorded states (over the indices: no data is
+loaded), and :func:`plan` hands this process its share of the rest, cut by Accelerate's own
+``BatchSamplerShard`` (so ``even_batches`` pads as Accelerate pads). A resumed epoch keeps its
+rest (``rest``, a tensor of sample indices) and a :class:`~lightning_incremental.runtime.
+data_order.Segment`, so that a second interruption in it resumes from them.
 """
 
 from __future__ import annotations

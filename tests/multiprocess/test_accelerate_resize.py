@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "jobs" / "accelerate_resize_job.py"
-SAMPLES, KILL_AT = 96, 6  # 12 batches of 4 per process and epoch on 2 processes
+SAMPLES, KILL_AT = 96, 6  # 12 batches of 4 per process and epoch on 2 processes, 24 on 1
 
 
 def _free_port() -> int:
@@ -64,14 +64,48 @@ def rows(out: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Killed runs (2 processes at step 6, mid-epoch 0; 1 process at step 6; 2 processes at step
+    12, the end of epoch 0), and their stores resumed on other numbers of processes."""
     work = tmp_path_factory.mktemp("accelerate_resize")
-    run(2, work / "killed" / "store", work / "killed", str(KILL_AT))
     logs = {}
-    for processes in (1, 3):
-        name = f"2to{processes}"
-        shutil.copytree(work / "killed" / "store", work / name / "store")
+    for killed, processes, at in (("killed", 2, KILL_AT), ("one", 1, KILL_AT), ("end", 2, 12)):
+        run(processes, work / killed / "store", work / killed, str(at))
+    for name, source, processes in (
+        ("2to1", "killed", 1), ("2to3", "killed", 3), ("1to2", "one", 2), ("2to1end", "end", 1)
+    ):  # fmt: skip
+        shutil.copytree(work / source / "store", work / name / "store")
         logs[name] = run(processes, work / name / "store", work / name)
     return {"work": work, **logs}
+
+
+def _exactly_once(trained: Counter[int]) -> None:
+    never = sorted(set(range(SAMPLES)) - set(trained))
+    twice = sorted(i for i, c in trained.items() if c > 1)
+    assert not never and not twice, f"never trained: {never}; more than once: {twice}"
+
+
+def test_one_process_resumed_on_two_trains_the_epoch_exactly_once(runs: dict[str, Any]) -> None:
+    work = runs["work"]
+    trained = Counter(
+        i for r in rows(work / "one") if r["epoch"] == 0 and r["step"] < KILL_AT for i in r["ids"]
+    )
+    trained.update(i for r in rows(work / "1to2") if r["epoch"] == 0 for i in r["ids"])
+    _exactly_once(trained)
+    assert "24 of the epoch's 96 samples were trained; the other 72" in runs["1to2"]
+    assert "(36 per process, batches of 4)" in runs["1to2"]
+
+
+def test_at_an_epoch_end_the_next_epoch_starts_whole_on_the_other_number(
+    runs: dict[str, Any],
+) -> None:
+    work = runs["work"]
+    assert not [r for r in rows(work / "2to1end") if r["epoch"] == 0]
+    _exactly_once(Counter(i for r in rows(work / "2to1end") if r["epoch"] == 1 for i in r["ids"]))
+    text = runs["2to1end"]
+    assert (
+        "resuming on 1 process(es) a checkpoint saved by 2 (DataLoader 0, before epoch 1)" in text
+    )
+    assert "epoch 1 starts whole" in text
 
 
 @pytest.mark.parametrize(("processes", "per_process"), [(1, 48), (3, 16)])
@@ -86,9 +120,7 @@ def test_two_processes_resumed_on_one_or_three_train_the_epoch_exactly_once(
     resumed = [row for row in rows(work / name) if row["epoch"] == 0]
     for row in resumed:
         trained.update(row["ids"])
-    never = sorted(set(range(SAMPLES)) - set(trained))
-    twice = sorted(i for i, c in trained.items() if c > 1)
-    assert not never and not twice, f"never trained: {never}; more than once: {twice}"
+    _exactly_once(trained)
     for rank in range(processes):  # what the account says runs is what ran
         assert sum(len(r["ids"]) for r in resumed if r["rank"] == rank) == per_process
     next_epoch = Counter(i for row in rows(work / name) if row["epoch"] == 1 for i in row["ids"])

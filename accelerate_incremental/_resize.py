@@ -58,8 +58,10 @@ class Layout:
 
 def layout(loader: Any) -> Layout | str:
     """The base batch sampler of a prepared DataLoader, or why its epoch cannot be cut anew."""
-    from accelerate.data_loader import BatchSamplerShard
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher
 
+    if isinstance(loader, DataLoaderDispatcher):  # slices each batch of the main process's
+        return "the DataLoader dispatches batches from the main process (dispatch_batches=True)"
     if isinstance(getattr(loader, "dataset", None), IterableDataset):
         return "the DataLoader reads an IterableDataset"
     sampler = getattr(loader, "batch_sampler", None)

@@ -604,6 +604,23 @@ def test_a_resumed_epoch_interrupted_again_goes_on_from_its_rest(tmp_path: Path)
     assert got == order[4:]
 
 
+def test_a_dispatching_loader_is_not_cut_anew(tmp_path: Path) -> None:
+    """``dispatch_batches=True``: the main process reads each batch and slices it across the
+    processes, another layout than whole batches in turn; refused, not cut wrongly."""
+    from accelerate import DataLoaderConfiguration
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    from accelerate_incremental import _resize
+
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    data = TensorDataset(torch.arange(48, dtype=torch.float32).reshape(12, 4), torch.randn(12, 1))
+    loader = acc.prepare(DataLoader(data, batch_size=2, shuffle=True))
+    assert isinstance(loader, DataLoaderDispatcher)
+    assert _resize.layout(loader) == (
+        "the DataLoader dispatches batches from the main process (dispatch_batches=True)"
+    )
+
+
 def test_an_epoch_that_cannot_be_cut_anew_is_refused_with_the_reason(tmp_path: Path) -> None:
     url = str(tmp_path / "s")
     run = make_run()

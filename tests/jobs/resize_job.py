@@ -31,10 +31,9 @@ if __package__ in (None, ""):  # run as a script: make the packages importable
 from lightning_incremental import IncrementalCheckpoint
 from lightning_incremental.core import CheckpointStore
 
-# torchrun's restart count: an elastic job's restarted workers log apart from the first ones
-INCARNATION = (
-    "" if "--elastic" not in sys.argv else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-)
+# an elastic job's workers log apart per world size (torchrun's restart count does not change
+# when a node joins)
+INCARNATION = "" if "--elastic" not in sys.argv else os.environ.get("WORLD_SIZE", "1")
 
 
 class Ids(Dataset):
@@ -124,7 +123,7 @@ def main() -> None:
     parser.add_argument("--sequential", action="store_true", help="no shuffling")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds to sleep per batch")
     parser.add_argument(
-        "--elastic", action="store_true", help="log per torchrun restart (ids<restart>_rank<r>)"
+        "--elastic", action="store_true", help="log per world size (ids<world>_rank<r>), DDP alone"
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -144,7 +143,8 @@ def main() -> None:
         accelerator="cpu",
         devices=local,
         num_nodes=world // local,
-        strategy="ddp" if world > 1 else "auto",
+        # elastic: DDP even alone, so that a DistributedSampler orders the data at every size
+        strategy="ddp" if world > 1 or args.elastic else "auto",
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

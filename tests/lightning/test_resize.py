@@ -223,6 +223,74 @@ def _accepting(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _elastic_command(store: Path, out: Path, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=resize",
+        "--rdzv-conf=last_call_timeout=2,join_timeout=120", "--max-restarts=2",
+        "--monitor-interval=0.1", str(JOB), "--dir", str(store), "--out", str(out),
+        "--elastic", "--pause", "0.3", "--max-epochs", "2",
+    ]  # fmt: skip
+
+
+def _start_agent(command: list[str], log: Path, *, hosts: bool) -> subprocess.Popen[bytes]:
+    """One torchrun agent (a node); ``hosts``: wait until it hosts the rendezvous."""
+    # the workers' store apart from the rendezvous's: two agents on one host re-rendezvous
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    with log.open("w") as sink:
+        node = subprocess.Popen(
+            command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
+            start_new_session=True,
+        )  # fmt: skip
+    port = int(command[6].rpartition(":")[2])
+    deadline = time.monotonic() + 60
+    while hosts and not _accepting(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return node
+
+
+def _kill_all(node: subprocess.Popen[bytes]) -> None:
+    """The agent and every process below it (torchrun starts its workers in sessions of their
+    own, so killing the agent's group would leave them)."""
+    for pid in [node.pid, *_descendants(node.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    node.wait()
+
+
+def _wait_for_step(out: Path, world: int, step: int, store: Path, *nodes: Any) -> None:
+    """Until rank 0 of the ``world``-rank incarnation started the batch after ``step + 1`` and
+    ``step`` has committed."""
+    from lightning_incremental.core import CheckpointStore
+
+    first = out / f"ids{world}_rank0.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert all(node.poll() is None for node in nodes), "an agent ended early"
+        if first.exists() and len(first.read_text().splitlines()) >= step + 3:
+            break
+        time.sleep(0.02)
+    while time.monotonic() < deadline and step not in CheckpointStore(store).steps():
+        time.sleep(0.02)
+    assert step in CheckpointStore(store).steps(), f"step {step} never committed"
+
+
+def _epoch_zero(out: Path, before: str, after: str, committed: int) -> Counter[int]:
+    trained: Counter[int] = Counter()
+    for row in rows(out, before):
+        if row["epoch"] == 0 and row["step"] < committed:
+            trained.update(row["ids"])
+    for row in rows(out, after):
+        if row["epoch"] == 0:
+            trained.update(row["ids"])
+    return trained
+
+
 def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_trains_the_epoch_once(
     tmp_path: Path,
 ) -> None:
@@ -230,67 +298,50 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_trains_the_epoch_onc
     committed, one agent and its worker are SIGKILLed (a lost node). The other agent restarts
     its worker alone (the rendezvous needs one node), which resumes on one rank: the interrupted
     epoch is trained exactly once, and the account says 2 -> 1."""
-    from lightning_incremental.core import CheckpointStore
-
-    store, out, port = tmp_path / "store", tmp_path / "out", _free_port()
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=resize",
-        "--rdzv-conf=last_call_timeout=2,join_timeout=120", "--max-restarts=2",
-        "--monitor-interval=0.1", str(JOB), "--dir", str(store), "--out", str(out),
-        "--elastic", "--pause", "0.3", "--max-epochs", "2",
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    logs = [(tmp_path / f"node{i}.log").open("w") for i in range(2)]
+    store, out = tmp_path / "store", tmp_path / "out"
+    command = _elastic_command(store, out, _free_port())
     nodes: list[subprocess.Popen[bytes]] = []
-    try:
-        for i in range(2):  # the first hosts the rendezvous: it is the node that survives
-            node = subprocess.Popen(
-                command,
-                env=env,
-                stdout=logs[i],
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-                start_new_session=True,
-            )
-            nodes.append(node)
-            deadline = time.monotonic() + 60
-            while i == 0 and not _accepting(port) and time.monotonic() < deadline:
-                time.sleep(0.1)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:  # step 8 started (two batches after step 6's save)
-            assert nodes[0].poll() is None and nodes[1].poll() is None
-            first = out / "ids0_rank0.jsonl"
-            if first.exists() and len(first.read_text().splitlines()) >= 9:
-                break
-            time.sleep(0.02)
-        while time.monotonic() < deadline and 6 not in CheckpointStore(store).steps():
-            time.sleep(0.02)
-        assert 6 in CheckpointStore(store).steps(), "step 6 never committed"
-        for pid in [nodes[1].pid, *_descendants(nodes[1].pid)]:  # the lost node: all of it
-            os.kill(pid, signal.SIGKILL)  # (torchrun starts its workers in sessions of their own)
+    try:  # the first hosts the rendezvous: it is the node that survives
+        nodes.append(_start_agent(command, tmp_path / "node0.log", hosts=True))
+        nodes.append(_start_agent(command, tmp_path / "node1.log", hosts=False))
+        _wait_for_step(out, 2, 6, store, *nodes)
+        _kill_all(nodes[1])  # the lost node
         rc = nodes[0].wait(timeout=300)
     finally:
         for node in nodes:
-            for pid in [node.pid, *_descendants(node.pid)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            node.wait()
-        for log in logs:
-            log.close()
+            _kill_all(node)
     log = (tmp_path / "node0.log").read_text()
     assert rc == 0, log[-6000:]
-    result = json.loads((out / "result_rank0.json").read_text())
-    committed = result["resumed_from"]
+    committed = json.loads((out / "result_rank0.json").read_text())["resumed_from"]
     assert committed is not None and committed >= 6
-    assert {r["rank"] for r in rows(out, "0")} == {0, 1}  # the first incarnation: two ranks
+    assert {r["rank"] for r in rows(out, "2")} == {0, 1}  # the first incarnation: two ranks
     assert {r["rank"] for r in rows(out, "1")} == {0}  # the restarted one: alone
-    trained: Counter[int] = Counter()
-    for row in rows(out, "0"):
-        if row["epoch"] == 0 and row["step"] < committed:
-            trained.update(row["ids"])
-    for row in rows(out, "1"):
-        if row["epoch"] == 0:
-            trained.update(row["ids"])
-    assert_exactly_once(trained)
+    assert_exactly_once(_epoch_zero(out, "2", "1", committed))
     assert "resuming on 1 rank(s) a checkpoint saved by 2" in account(log)
+
+
+def test_an_elastic_job_that_gains_a_node_goes_on_with_both_and_trains_the_epoch_once(
+    tmp_path: Path,
+) -> None:
+    """One agent trains alone (``--nnodes=1:2`` needs one node); after step 6 a second joins.
+    The first agent stops its worker (SIGTERM: the preemption path commits that step) and the
+    job restarts on two ranks, which resume it: the interrupted epoch is trained exactly once."""
+    store, out = tmp_path / "store", tmp_path / "out"
+    command = _elastic_command(store, out, _free_port())
+    nodes: list[subprocess.Popen[bytes]] = []
+    try:
+        nodes.append(_start_agent(command, tmp_path / "node0.log", hosts=True))
+        _wait_for_step(out, 1, 6, store, *nodes)
+        nodes.append(_start_agent(command, tmp_path / "node1.log", hosts=False))
+        rcs = [node.wait(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            _kill_all(node)
+    logs = [(tmp_path / f"node{i}.log").read_text() for i in range(2)]
+    assert rcs == [0, 0], "\n".join(log[-4000:] for log in logs)
+    committed = json.loads((out / "result_rank0.json").read_text())["resumed_from"]
+    assert committed is not None and committed >= 6
+    assert {r["rank"] for r in rows(out, "1")} == {0}
+    assert {r["rank"] for r in rows(out, "2")} == {0, 1}
+    assert_exactly_once(_epoch_zero(out, "1", "2", committed))
+    assert "resuming on 2 rank(s) a checkpoint saved by 1" in account("".join(logs))

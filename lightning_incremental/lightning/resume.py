@@ -222,20 +222,14 @@ def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Res
     if plan.mode == dp.LIGHTNING:  # stateful loaders: Lightning restored their position
         _rng.restore(rng)
         if resized:
-            note = (
+            old = int(saved["world_size"])
+            _warn_resized(
+                trainer,
+                old,
+                f"epoch {epoch}",
                 "the training dataloaders are stateful and restore their own position; whether "
-                f"it fits {trainer.world_size} rank(s) depends on them"
-            )
-            rank_zero_warn(
-                resize.account(
-                    old=int(saved["world_size"]),
-                    new=trainer.world_size,
-                    where=f"epoch {epoch}",
-                    resumed=None,
-                    batch_size=0,
-                    data_note=note,
-                    steps_note=resize.rescale_max_steps(trainer, int(saved["world_size"])),
-                )
+                f"it fits {trainer.world_size} rank(s) depends on them",
+                steps_note=resize.rescale_max_steps(trainer, old),
             )
         return Restored(None, False, False)
     if state["boundary"]:
@@ -286,17 +280,8 @@ def _restore_resized(trainer: pl.Trainer, old: int, state: dict[str, Any]) -> Re
         _rng.restore(state["rng"])
         dp.set_generator_states(loaders, state["generators"])
         _compat.start_next_epoch(trainer)
-        rank_zero_warn(
-            resize.account(
-                old=old,
-                new=new,
-                where=f"at the end of epoch {epoch - 1}",
-                resumed=None,
-                batch_size=0,
-                data_note=f"epoch {epoch} starts whole, split over the {new} rank(s)",
-                steps_note=steps_note,
-            )
-        )
+        note = f"epoch {epoch} starts whole, split over the {new} rank(s)"
+        _warn_resized(trainer, old, f"at the end of epoch {epoch - 1}", note, steps_note=steps_note)
         return Restored(None, False, False)
     record, batches = state["epoch_start"], int(state["batches"])
     described = (record or {}).get("data_order") or {
@@ -316,31 +301,36 @@ def _restore_resized(trainer: pl.Trainer, old: int, state: dict[str, Any]) -> Re
             "SequentialSampler in one process) order the data, or save at epoch ends only "
             "(every_n_epochs)"
         )
-        rank_zero_warn(
-            resize.account(
-                old=old,
-                new=new,
-                where=where,
-                resumed=None,
-                batch_size=0,
-                data_note=note,
-                steps_note=steps_note,
-            )
-        )
+        _warn_resized(trainer, old, where, note, steps_note=steps_note)
         return Restored(None, False, True)
     remapped, described, resumed = result
+    batch_size = int(described["batch_size"])
+    _warn_resized(trainer, old, where, "", steps_note, resumed=resumed, batch_size=batch_size)
+    return Restored(dict(record, data_order=described), True, True, remapped)
+
+
+def _warn_resized(
+    trainer: pl.Trainer,
+    old: int,
+    where: str,
+    note: str,
+    steps_note: str | None,
+    *,
+    resumed: Any = None,
+    batch_size: int = 0,
+) -> None:
+    """Rank 0 warns with the one account of a resume on another number of ranks."""
     rank_zero_warn(
         resize.account(
             old=old,
-            new=new,
+            new=trainer.world_size,
             where=where,
             resumed=resumed,
-            batch_size=int(described["batch_size"]),
-            data_note="",
+            batch_size=batch_size,
+            data_note=note,
             steps_note=steps_note,
         )
     )
-    return Restored(dict(record, data_order=described), True, True, remapped)
 
 
 def _report(trainer: pl.Trainer, notes: list[str], plan: dp.Plan, batches: int) -> None:

@@ -176,6 +176,11 @@ class LoaderPosition:
         """The consumed batches a restored, interrupted epoch continues after; None if none."""
         return None if self._resume is None else self._resume.consumed
 
+    def pending_cut(self) -> bool:
+        """Whether the restored epoch continues on a share of its rest (see :meth:`restore_cut`)
+        rather than after its consumed batches."""
+        return self._resume is not None and self._resume.batches is not None
+
     def skip_next(self, batches: int) -> None:
         """Start the next epoch after its first ``batches`` batches (the script's own skip,
         ``accelerator.skip_first_batches``), still tracking the position within it."""

@@ -133,12 +133,18 @@ def take_over(target: Target) -> None:
         pending = position.pending()
         if pending is None:
             position.skip_next(num_batches)
-        elif pending != num_batches:
+        elif pending != num_batches or position.pending_cut():
+            goes_on = (
+                "with this process's share of the samples it had left (cut anew for "
+                f"{acc.num_processes} processes, see the resume's account)"
+                if position.pending_cut()
+                else f"after batch {pending}"
+            )
             warnings.warn(
                 f"skip_first_batches(dataloader, {num_batches}) right after load_state(): the "
                 f"restored checkpoint stood {pending} batches into this epoch of prepared "
-                f"DataLoader {index}, so the epoch continues after batch {pending}, consistent "
-                "with the restored weights; check how the script counts the batches to skip",
+                f"DataLoader {index}, so the epoch continues {goes_on}, consistent with the "
+                "restored weights; check how the script counts the batches to skip",
                 UserWarning,
                 stacklevel=2,
             )

@@ -575,6 +575,31 @@ def test_a_checkpoint_of_two_processes_resumes_on_one_with_the_rest_of_the_epoch
     assert flat == list(range(12))  # every sample of the epoch exactly once
 
 
+def test_a_scripts_own_skip_after_a_resized_load_is_told_what_happens(tmp_path: Path) -> None:
+    """Under the takeover, a script that resumes by hand (``load_state`` then
+    ``skip_first_batches(loader, its own count)``) is told that the epoch goes on with this
+    process's share of its rest, and it does."""
+    url = str(tmp_path / "s")
+    run = make_run()
+    order = []
+    with IncrementalCheckpointer(run.acc, url) as ckpt:
+        for batch in ckpt.iterate(run.loader):
+            order.append(_ids(batch))
+            if len(order) == 1:
+                ckpt.save(1)
+    _as_saved_by_two_processes(url)
+    resumed = make_run()
+    with IncrementalCheckpointer(resumed.acc, url) as ckpt:
+        ckpt.take_over()
+        with pytest.warns(UserWarning, match="a checkpoint saved by 2"):
+            resumed.acc.load_state()
+        with pytest.warns(UserWarning, match="share of the samples it had left"):
+            loader = resumed.acc.skip_first_batches(resumed.loader, 1)
+        got = [_ids(batch) for batch in loader]
+        ckpt.release()
+    assert got == order[2:]
+
+
 def test_a_resumed_epoch_interrupted_again_goes_on_from_its_rest(tmp_path: Path) -> None:
     url = str(tmp_path / "s")
     run = make_run()

@@ -91,6 +91,7 @@ def test_one_process_resumed_on_two_trains_the_epoch_exactly_once(runs: dict[str
     )
     trained.update(i for r in rows(work / "1to2") if r["epoch"] == 0 for i in r["ids"])
     _exactly_once(trained)
+    assert_same_state(work / "one", work / "1to2", 2, KILL_AT)
     assert "24 of the epoch's 96 samples were trained; the other 72" in runs["1to2"]
     assert "(36 per process, batches of 4)" in runs["1to2"]
 
@@ -99,6 +100,7 @@ def test_at_an_epoch_end_the_next_epoch_starts_whole_on_the_other_number(
     runs: dict[str, Any],
 ) -> None:
     work = runs["work"]
+    assert_same_state(work / "end", work / "2to1end", 1, 12)
     assert not [r for r in rows(work / "2to1end") if r["epoch"] == 0]
     _exactly_once(Counter(i for r in rows(work / "2to1end") if r["epoch"] == 1 for i in r["ids"]))
     text = runs["2to1end"]
@@ -130,10 +132,15 @@ def test_two_processes_resumed_on_one_or_three_train_the_epoch_exactly_once(
     assert "48 of the epoch's 96 samples were trained; the other 48" in text
     assert f"({per_process} per process, batches of 4), each trained once" in text
 
-    expected = torch.load(work / "killed" / "at_kill.pt", weights_only=False)
+    assert_same_state(work / "killed", work / name, processes, KILL_AT)
+
+
+def assert_same_state(killed: Path, resumed: Path, processes: int, step: int) -> None:
+    """Every resumed process starts from exactly what the killed run committed."""
+    expected = torch.load(killed / "at_kill.pt", weights_only=False)
     for rank in range(processes):
-        got = torch.load(work / name / f"at_start_rank{rank}.pt", weights_only=False)
-        assert got["step"] == expected["step"] == KILL_AT
+        got = torch.load(resumed / f"at_start_rank{rank}.pt", weights_only=False)
+        assert got["step"] == expected["step"] == step
         for key, tensor in expected["weights"].items():
             assert torch.equal(got["weights"][key], tensor), key
         for index, values in expected["optimizer"]["state"].items():

@@ -186,6 +186,15 @@ SCENARIOS = {
         [3],  # step 3 is batch 6 of epoch 0
     ),
     "on-exception": ({}, {}, {"every_n_epochs": 0, "save_on_exception": True}, [10], [10]),
+    # a resumed epoch interrupted again (8 batches an epoch: steps 3 and 5 are both in epoch 0)
+    "twice-in-one-epoch": ({}, {}, {"every_n_train_steps": 2}, [3, 5], [2, 4]),
+    "twice-in-one-epoch-global-rng": (
+        {"shuffle": "global"},
+        {},
+        {"every_n_train_steps": 2},
+        [11, 13],
+        [10, 12],
+    ),
     "max-steps-epoch-boundary": (
         {},
         {"max_steps": 20, "max_epochs": -1},

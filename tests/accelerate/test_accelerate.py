@@ -550,13 +550,10 @@ def _ids(batch: Any) -> list[int]:
     return [int(v) // 4 for v in batch[0][:, 0]]  # sample i holds 4i, ... (make_run)
 
 
-@pytest.mark.parametrize("generator", [True, False], ids=["seeded-generator", "global-rng"])
-def test_a_checkpoint_of_two_processes_resumes_on_one_with_the_rest_of_the_epoch(
-    tmp_path: Path, generator: bool
-) -> None:
-    """Saved after 1 batch per process by 2 processes, the epoch had trained its first 2
-    batches; resumed on 1 process it trains exactly the rest of that epoch's order, once."""
-    url = str(tmp_path / "s")
+def _epoch_saved_after_one_batch_by_two(url: str, *, generator: bool = True) -> list[list[int]]:
+    """Train one epoch of :func:`make_run`, saving after its first batch, and present that
+    checkpoint as two processes' (see :func:`_as_saved_by_two_processes`); returns the epoch's
+    batches (sample ids) in order."""
     run = make_run(generator=generator)
     order = []
     with IncrementalCheckpointer(run.acc, url) as ckpt:
@@ -565,6 +562,17 @@ def test_a_checkpoint_of_two_processes_resumes_on_one_with_the_rest_of_the_epoch
             if len(order) == 1:
                 ckpt.save(1)
     _as_saved_by_two_processes(url)
+    return order
+
+
+@pytest.mark.parametrize("generator", [True, False], ids=["seeded-generator", "global-rng"])
+def test_a_checkpoint_of_two_processes_resumes_on_one_with_the_rest_of_the_epoch(
+    tmp_path: Path, generator: bool
+) -> None:
+    """Saved after 1 batch per process by 2 processes, the epoch had trained its first 2
+    batches; resumed on 1 process it trains exactly the rest of that epoch's order, once."""
+    url = str(tmp_path / "s")
+    order = _epoch_saved_after_one_batch_by_two(url, generator=generator)
     resumed = make_run(generator=generator)
     with IncrementalCheckpointer(resumed.acc, url) as ckpt:
         with pytest.warns(UserWarning, match="resuming on 1 process.es. a checkpoint saved by 2"):
@@ -580,14 +588,7 @@ def test_a_scripts_own_skip_after_a_resized_load_is_told_what_happens(tmp_path: 
     ``skip_first_batches(loader, its own count)``) is told that the epoch goes on with this
     process's share of its rest, and it does."""
     url = str(tmp_path / "s")
-    run = make_run()
-    order = []
-    with IncrementalCheckpointer(run.acc, url) as ckpt:
-        for batch in ckpt.iterate(run.loader):
-            order.append(_ids(batch))
-            if len(order) == 1:
-                ckpt.save(1)
-    _as_saved_by_two_processes(url)
+    order = _epoch_saved_after_one_batch_by_two(url)
     resumed = make_run()
     with IncrementalCheckpointer(resumed.acc, url) as ckpt:
         ckpt.take_over()
@@ -602,14 +603,7 @@ def test_a_scripts_own_skip_after_a_resized_load_is_told_what_happens(tmp_path: 
 
 def test_a_resumed_epoch_interrupted_again_goes_on_from_its_rest(tmp_path: Path) -> None:
     url = str(tmp_path / "s")
-    run = make_run()
-    order = []
-    with IncrementalCheckpointer(run.acc, url) as ckpt:
-        for batch in ckpt.iterate(run.loader):
-            order.append(_ids(batch))
-            if len(order) == 1:
-                ckpt.save(1)
-    _as_saved_by_two_processes(url)
+    order = _epoch_saved_after_one_batch_by_two(url)
     once = make_run()
     with IncrementalCheckpointer(once.acc, url) as ckpt, pytest.warns(UserWarning):
         ckpt.load()

@@ -24,6 +24,7 @@ from torch.utils.data import (
     DataLoader,
     DistributedSampler,
     IterableDataset,
+    RandomSampler,
     Sampler,
     SequentialSampler,
 )
@@ -103,7 +104,7 @@ def describe(loaders: list[Any], world: int) -> dict[str, Any]:
         order = order_of.EpochOrder(order_of.SEQUENTIAL, len(sampler.data_source))
     else:
         why = f"its sampler is a {type(sampler).__name__}"
-        if type(sampler).__name__ == "RandomSampler":
+        if type(sampler) is RandomSampler:
             why += " (drawn from the random state of one process)"
         return {UNMAPPED: f"the order of the training data cannot be computed again: {why}"}
     return {

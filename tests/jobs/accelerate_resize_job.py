@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # run as a script: make the packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import accelerate_incremental
+from tests.jobs.accelerate_job import Counter
 
 EPOCHS, EVERY, SAMPLES, BATCH = 2, 3, 96, 4
 
@@ -42,17 +43,6 @@ class Ids(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         return self.x[i], self.y[i], i
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step = state["step"]
 
 
 def state(accelerator: Accelerator, model: Any, optimizer: Any, step: int) -> dict[str, Any]:

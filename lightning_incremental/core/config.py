@@ -10,6 +10,7 @@ from typing import Any
 from lightning_incremental.core import codecs
 from lightning_incremental.core.codecs.optimizer_state import POLICIES
 from lightning_incremental.core.errors import ConfigError
+from lightning_incremental.core.workers import BACKGROUND_NICE
 
 MiB = 1 << 20
 MAX_CHUNK_SIZE = 1 << 30  # manifests naming larger chunks are rejected (manifest.py)
@@ -58,7 +59,15 @@ class StoreConfig:
         workers: threads that encode and compress in the background, and decode on restore
             (zstd and numpy release the GIL). Packs are written by two threads of their own, so
             that a write blocked in fsync leaves no core idle; with ``workers=1`` the one worker
-            writes them too (one background thread, every storage call in order). Default 2.
+            writes them too (one background thread, every storage call in order). Default None:
+            the cores training leaves free (:func:`~lightning_incremental.core.workers.free_cores`:
+            the cores this process may use less ``torch.get_num_threads()``, or less one under
+            CUDA), at least 1 and at most 4, with the two writers.
+        background_nice: how far below the training's the scheduling priority of the store's
+            background threads (saving, encoding, writing) is, 0..19, on Linux (elsewhere they
+            run at the normal priority). Under contention training keeps the cores and a save
+            runs in the gaps: a save takes longer to become durable, training loses less. 0:
+            the same priority as training. Default 10.
         pack_size: encoded chunks are appended to pack objects of about this size, so a save of
             thousands of small tensors writes a few objects, not thousands. Packs are written while
             later chunks are still being encoded: smaller packs overlap more and hold less in
@@ -109,7 +118,8 @@ class StoreConfig:
     xor_base_from_storage: bool = True
     keep_last: int | None = None
     max_in_flight: int = 1
-    workers: int = 2
+    workers: int | None = None
+    background_nice: int = BACKGROUND_NICE
     pack_size: int = 16 * MiB
     fsync: bool = True
     allow_pickle: bool = False
@@ -144,7 +154,11 @@ class StoreConfig:
         if self.keep_last is not None:
             _int("keep_last", self.keep_last, minimum=1)
         _int("max_in_flight", self.max_in_flight, minimum=1)
-        _int("workers", self.workers, minimum=1)
+        if self.workers is not None:
+            _int("workers", self.workers, minimum=1)
+        _int("background_nice", self.background_nice, minimum=0)
+        if self.background_nice > 19:
+            raise ConfigError(f"background_nice must be in 0..19, got {self.background_nice}")
         _int("pack_size", self.pack_size, minimum=1)
         _bool("xor_base_from_storage", self.xor_base_from_storage)
         _bool("fsync", self.fsync)

@@ -23,7 +23,7 @@ from lightning_incremental.core.maintain.retention import Collector, KeepLast, M
 from lightning_incremental.core.save.queue import SaveQueue
 from lightning_incremental.core.save.saver import Saver
 from lightning_incremental.core.storage import Storage
-from lightning_incremental.core.workers import WorkerPool
+from lightning_incremental.core.workers import WorkerPool, free_cores
 
 log = logging.getLogger("lightning_incremental")
 
@@ -83,15 +83,19 @@ def assemble(
             config.optimizer_state,
         )
     lock = threading.RLock()
-    # Threads exist only while there is work (they end after a short idle time).
-    pool = WorkerPool(config.workers, "li-worker")
+    # Threads exist only while there is work (they end after a short idle time), at a lower
+    # priority than training's (workers.py: background work yields to training).
+    nice = config.background_nice
+    automatic = config.workers is None
+    workers = free_cores() if config.workers is None else config.workers
+    pool = WorkerPool(workers, "li-worker", nice=nice)
     # Pack writes on threads of their own: a write blocks in fsync, and on a worker it would
     # leave a core idle that could encode meanwhile. Two, so that one pack's copy into the page
     # cache overlaps another's fsync (one writer fell behind two encoders on large states).
-    # With one worker, the worker writes too: one background thread does all of a save's
-    # work, in order (the least CPU a store takes, and storage calls in a fixed order).
-    writer = WorkerPool(2, "li-writer") if config.workers > 1 else pool
-    queue = SaveQueue(config.max_in_flight)
+    # With ``workers=1`` asked for, the worker writes too: one background thread does all of a
+    # save's work, in order (the least CPU a store takes, and storage calls in a fixed order).
+    writer = WorkerPool(2, "li-writer", nice=nice) if automatic or workers > 1 else pool
+    queue = SaveQueue(config.max_in_flight, nice=nice)
     generation = fencing.Generation(storage, config.generation)
     # A function of the storage, not a bound method: no reference cycle.
     fence = fencing.Fencing(storage, functools.partial(read_manifest, storage))

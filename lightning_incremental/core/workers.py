@@ -10,10 +10,25 @@ delays the interpreter's exit; work still queued or running at exit is waited fo
 exit hook (the store's, which closes every open store), not by the threads' being non-daemon.
 Each thread can also be stopped on its own (``thread.stop()``: it ends once no work is queued),
 as test harnesses that end the daemon threads a test left behind expect.
+
+Background work yields to training. What a user pays for checkpointing is lost training
+throughput, and a thread of ours that takes a core from an OpenMP team costs more than its own
+time (a parallel region waits for its slowest thread). So:
+
+- a pool's threads run at a lower OS priority (``nice``: on Linux, ``setpriority`` of the thread
+  alone, relative to the main thread's; elsewhere the process's priority cannot be lowered for
+  one thread, and they run at the normal priority). Under contention the scheduler gives the
+  training threads the cores; our work runs in the gaps and on the cores training leaves free.
+- :func:`free_cores` sizes the pools to the cores training leaves free.
+- the work on these threads is numpy, zstd, xxhash and file I/O, never a torch operator: a
+  torch operator run on a thread of ours would start an OpenMP team of its own, as wide as the
+  training's.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -24,6 +39,47 @@ T = TypeVar("T")
 
 #: Seconds a worker thread waits for more work before it ends.
 DEFAULT_IDLE_S = 1.0
+#: How far below training's our background threads' priority is by default (``nice``).
+BACKGROUND_NICE = 10
+#: The most encoding threads an automatic pool size gives.
+MAX_AUTO_WORKERS = 4
+
+
+def lower_priority(nice: int) -> bool:
+    """Lower the calling thread's scheduling priority by ``nice`` (0..19) relative to the main
+    thread's; True when it was applied (Linux, where ``setpriority`` of a thread id acts on that
+    thread alone). Raising a priority needs privileges and is never tried."""
+    if nice <= 0 or not sys.platform.startswith("linux") or not hasattr(os, "setpriority"):
+        return False
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())  # the main thread's niceness
+        target = min(19, base + nice)
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) >= target:
+            return True
+        os.setpriority(os.PRIO_PROCESS, tid, target)
+    except OSError:  # a sandbox that forbids it: run at the normal priority
+        return False
+    return True
+
+
+def free_cores(training_threads: int | None = None) -> int:
+    """How many encoding threads a store starts: the cores this process may run on that the
+    training's own threads leave free, at least 1 and at most :data:`MAX_AUTO_WORKERS`.
+
+    ``training_threads``: default ``torch.get_num_threads()`` (the intra-op threads CPU training
+    keeps busy), or 1 when CUDA is in use (one Python thread feeds the device; its intra-op
+    threads idle)."""
+    if training_threads is None:
+        import torch
+
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        training_threads = 1 if cuda else torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_WORKERS, cores - training_threads))
 
 
 class WorkerPool(Executor):
@@ -33,12 +89,16 @@ class WorkerPool(Executor):
         max_workers: the most threads running at once (>= 1).
         name: thread name prefix (threads are ``<name>_<n>``, as ``ThreadPoolExecutor``'s).
         idle_s: seconds a thread waits for work before it ends.
+        nice: how much lower than the main thread's the threads' scheduling priority is
+            (:func:`lower_priority`; 0: the same).
 
     Raises:
         ValueError: ``max_workers`` < 1 or ``idle_s`` <= 0.
     """
 
-    def __init__(self, max_workers: int, name: str, *, idle_s: float = DEFAULT_IDLE_S) -> None:
+    def __init__(
+        self, max_workers: int, name: str, *, idle_s: float = DEFAULT_IDLE_S, nice: int = 0
+    ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         if idle_s <= 0:
@@ -46,6 +106,7 @@ class WorkerPool(Executor):
         self.max_workers = max_workers
         self.name = name
         self.idle_s = idle_s
+        self.nice = nice
         self._cv = threading.Condition()
         self._queue: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
         self._queue = deque()
@@ -106,6 +167,7 @@ class WorkerPool(Executor):
     def _work(self) -> None:
         me = threading.current_thread()
         assert isinstance(me, _Worker)
+        lower_priority(self.nice)
         while True:
             with self._cv:
                 while not self._queue:

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 
 from lightning_incremental.core.save import inflight
 from lightning_incremental.core.save.at_exit import drain_at_exit
-from lightning_incremental.core.workers import WorkerPool
+from lightning_incremental.core.workers import BACKGROUND_NICE, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class BackgroundJobs:
 
         with self._lock:
             if self._executor is None:
-                self._executor = WorkerPool(1, "li-checkpoint-io")
+                self._executor = WorkerPool(1, "li-checkpoint-io", nice=BACKGROUND_NICE)
             # drained at exit before the stores it opened so far (newest registration first)
             drain_at_exit(self, _finish_jobs)
             # finished jobs stay only while their error is undelivered

@@ -371,7 +371,7 @@ def encode(
                 else:
                     done = pool.submit(_encode_task, *args)
                 window.append((done, task))
-                drain(2 * config.workers)
+                drain(2 * getattr(pool, "max_workers", 2))
             out.tensors.append(
                 TensorEntry(
                     path=leaf.key,

@@ -96,8 +96,8 @@ class SaveHandle:
 class SaveQueue:
     """Runs saves one at a time on a background thread, at most ``max_in_flight`` pending."""
 
-    def __init__(self, max_in_flight: int, name: str = "li-save") -> None:
-        self._worker = WorkerPool(1, name)
+    def __init__(self, max_in_flight: int, name: str = "li-save", *, nice: int = 0) -> None:
+        self._worker = WorkerPool(1, name, nice=nice)
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._lock = threading.Lock()
         self._handles: list[SaveHandle] = []

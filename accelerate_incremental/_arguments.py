@@ -10,6 +10,7 @@ from typing import Any
 
 from accelerate_incremental import _sharded
 from lightning_incremental.core import StepError, StepTypeError, StoreConfig
+from lightning_incremental.runtime.cadence import CadenceConfig
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from lightning_incremental.runtime.options import RecoveryOptions
 from lightning_incremental.runtime.preemption import PreemptionConfig
@@ -76,6 +77,8 @@ def check_arguments(
     replica_check: Any = "warn",
     recovery: Any = None,
     preemption: Any = True,
+    max_overhead: Any = None,
+    expected_mtbf: Any = None,
     **options: Any,
 ) -> RecoveryOptions:
     """Validate :class:`IncrementalCheckpointer`'s arguments without an accelerator or a store
@@ -86,8 +89,8 @@ def check_arguments(
         TypeError: an argument of the wrong type (``preemption``: a bool or a
             ``PreemptionConfig``).
         ValueError: a bad ``every_n_steps``, ``max_consecutive_failures`` or ``replica_check``.
-        ConfigError: an invalid store option or watchdog timing, or ``recovery`` given together
-            with one of the arguments it holds.
+        ConfigError: an invalid store option, watchdog timing, ``max_overhead`` or
+            ``expected_mtbf``, or ``recovery`` given together with one of the arguments it holds.
     """
     if not isinstance(dirpath, str):
         raise TypeError(f"dirpath must be a str (a directory or URL), got {type(dirpath).__name__}")
@@ -109,6 +112,10 @@ def check_arguments(
         max_consecutive_failures=max_consecutive_failures,
     )
     PreemptionConfig.of(preemption)
+    if max_overhead is not None or expected_mtbf is not None:
+        CadenceConfig(
+            max_overhead=max_overhead, expected_mtbf=expected_mtbf, min_interval=every_n_steps or 1
+        )
     StoreConfig().replace(keep_last=keep_last, **options)
     return recovery
 

@@ -44,6 +44,8 @@ _KEYS = {
     "max_consecutive_failures",
     "replica_check",
     "optimizer_state",
+    "max_overhead",
+    "expected_mtbf",
 }
 _NOT_PATHS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
 

@@ -6,9 +6,11 @@ registered with ``register_for_checkpointing``, the step counters and every proc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from accelerate_incremental import _compat, _sharded
+from lightning_incremental.runtime import replica_policy
 
 FORMAT = "accelerate_incremental/1"
 
@@ -102,3 +104,19 @@ def restore(
         obj.load_state_dict(obj_state)
     acc.step = int(state["counters"]["step"])
     acc.project_configuration.iteration = int(state["counters"]["iteration"])
+
+
+def check_replicas(
+    acc: Any, sharded: bool, mode: str, collect: Callable[..., None]
+) -> replica_policy.Verdict:
+    """Compare the processes' weights and optimizer state (every process at once; ``collect``
+    with ``block=True`` finishes the main process's saves first); see
+    :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
+    if sharded:  # every process holds other shards, by design
+        return replica_policy.Verdict(None)
+    return replica_policy.check_before_save(
+        lambda: replicated(acc),
+        mode,
+        finish_saves=lambda: collect(block=True),
+        barrier=acc.wait_for_everyone,
+    )

@@ -10,18 +10,29 @@ process; under FSDP every process writes its own shards of the models and optimi
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from accelerate_incremental import _compat, _layout, _load_arguments, _sharded, _state, _takeover
+from accelerate_incremental import (
+    _compat,
+    _layout,
+    _load_arguments,
+    _pace,
+    _progress,
+    _sharded,
+    _state,
+    _takeover,
+)
 from accelerate_incremental._arguments import check_accelerator, check_arguments, check_step
 from accelerate_incremental._loaders import Loaders
 from accelerate_incremental._preemption import PreemptionPoint
 from lightning_incremental.core import CheckpointNotFoundError, CheckpointStore, SaveHandle
 from lightning_incremental.core.commit import fencing
-from lightning_incremental.runtime import collectives, replica_policy, rng
+from lightning_incremental.runtime import collectives, rng
 from lightning_incremental.runtime.backpressure import wait_for_room
+from lightning_incremental.runtime.cadence import Cadence
 from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
@@ -79,6 +90,10 @@ class IncrementalCheckpointer:
             :mod:`lightning_incremental.core.codecs.optimizer_state`). Weights stay lossless.
         preemption: a ``PreemptionConfig``, True (its defaults) or False: at SIGTERM every
             process commits the step of the next batch boundary, exits 143 (:mod:`~._preemption`).
+        max_overhead, expected_mtbf: :meth:`maybe_save` adapts its interval to the measured cost
+            of a save: the fraction of training time checkpointing may cost (``0.02``) and/or the
+            mean time between failures in seconds (Young/Daly); ``every_n_steps`` is then the
+            shortest interval (see :mod:`~._pace`). Logged; :attr:`cadence` has the choices.
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
@@ -119,6 +134,8 @@ class IncrementalCheckpointer:
         recovery: RecoveryOptions | None = None,
         optimizer_state: str = "exact",
         preemption: PreemptionConfig | bool = True,
+        max_overhead: float | None = None,
+        expected_mtbf: float | None = None,
         **options: Any,
     ) -> None:
         check_accelerator(accelerator)
@@ -136,6 +153,8 @@ class IncrementalCheckpointer:
             recovery=recovery,
             optimizer_state=optimizer_state,
             preemption=preemption,
+            max_overhead=max_overhead,
+            expected_mtbf=expected_mtbf,
             **options,
         )
         self.replica_check = self.recovery.replica_check
@@ -143,6 +162,7 @@ class IncrementalCheckpointer:
             keep_last = accelerator.project_configuration.total_limit
         self.accelerator = accelerator
         self.every_n_steps = every_n_steps
+        self._pace = _pace.Pace.of(max_overhead, expected_mtbf, every_n_steps, accelerator)
         # FSDP: every process saves its own shards through a store it opens (a collective)
         self.sharded = _sharded.is_sharded(accelerator)
         self.store = CheckpointStore(
@@ -176,22 +196,10 @@ class IncrementalCheckpointer:
         if dog is not None:
             # Progress is every optimizer step, whatever loop the script runs (its own, or
             # through iterate()); a checkpointer dropped without close() stops its watchdog.
-            self._watch_optimizers()
-            dropped = weakref.finalize(self, stop_dropped, dog)
+            _progress.watch_optimizers(self.accelerator, self._watchdog, self._watched, self._hooks)
+            dropped = weakref.finalize(self, _progress.stop_dropped, dog)
             dropped.atexit = False  # at exit the watchdog says it finished (Watchdog.start)
         self._preemption = PreemptionPoint(accelerator, preemption)  # handles the signals now
-
-    def _watch_optimizers(self) -> None:
-        """Count every prepared optimizer's step as progress for the watchdog (whatever loop the
-        script runs); optimizers prepared later are added by :meth:`follow`."""
-        dog = self._watchdog
-        if dog is None:
-            return
-        for opt in _compat.optimizers(self.accelerator):
-            if id(opt) not in self._watched:
-                self._watched.add(id(opt))
-                inner = getattr(opt, "optimizer", opt)
-                self._hooks.append(inner.register_step_post_hook(lambda *_: dog.progress()))
 
     def _claim_generation(self) -> int:
         """A new fencing generation, claimed by the main process, known to every process.
@@ -242,7 +250,10 @@ class IncrementalCheckpointer:
         self._preemption.seen(step)
         if self._watchdog is not None:
             self._watchdog.progress(step)
-        if self.every_n_steps is None or step <= 0 or step % self.every_n_steps:
+        if self._pace is not None:
+            if not self._pace.due(step, self._handles):
+                return None
+        elif self.every_n_steps is None or step <= 0 or step % self.every_n_steps:
             return None
         ended = self._loaders.at_epoch_end()
         if ended:
@@ -277,6 +288,7 @@ class IncrementalCheckpointer:
         weights: list[dict[str, Any]] | None = None,  # the models' state dicts, after the hooks
     ) -> SaveHandle | None:
         check_step(step)
+        started = time.monotonic()
         self._deferred = None  # a due save not taken yet: this one holds newer state
         self._preemption.saved = step
         if self._watchdog is not None:
@@ -286,7 +298,7 @@ class IncrementalCheckpointer:
         _layout.check_loaders(acc)
         local = {"rng": rng.capture(), "loaders": self._loaders.states()}
         self._settle(block=False)  # earlier failed saves: warned about, or raised, everywhere
-        verdict = self._check_replicas()
+        verdict = _state.check_replicas(acc, self.sharded, self.replica_check, self._collect)
         if verdict.skip_save:
             return None
         if verdict.audit():
@@ -305,24 +317,9 @@ class IncrementalCheckpointer:
         )
         if handle is not None:
             self._handles.append(handle)
+        if self._pace is not None:
+            self._pace.saved(step, started)
         return handle
-
-    def _check_replicas(self) -> replica_policy.Verdict:
-        """Compare the processes' weights and optimizer state (every process at once); see
-        :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
-        acc = self.accelerator
-        if self.sharded:  # every process holds other shards, by design
-            return replica_policy.Verdict(None)
-
-        def state() -> dict[str, Any]:
-            return _state.replicated(acc)
-
-        def finish_saves() -> None:
-            self._collect(block=True)
-
-        return replica_policy.check_before_save(
-            state, self.replica_check, finish_saves=finish_saves, barrier=acc.wait_for_everyone
-        )
 
     def _settle(self, *, block: bool, everywhere: bool = True) -> None:
         """Collect the main process's finished saves (all of them with ``block``) and apply the
@@ -412,6 +409,8 @@ class IncrementalCheckpointer:
         mine = self._loaders.restore_saved(state["processes"])  # first: it may refuse
         _state.restore(acc, state, models, is_sharded=self.sharded)
         rng.restore(mine["rng"])
+        if self._pace is not None:
+            self._pace.cadence.resumed(step)
         return step
 
     # ------------------------------------------------------------------ takeover
@@ -443,7 +442,7 @@ class IncrementalCheckpointer:
         """Track the DataLoaders (and watch the optimizers) prepared since :meth:`take_over`;
         the launch flag calls it after every ``accelerator.prepare``."""
         _takeover.follow(self._target())
-        self._watch_optimizers()
+        _progress.watch_optimizers(self.accelerator, self._watchdog, self._watched, self._hooks)
 
     def release(self) -> None:
         """Undo :meth:`take_over`: the accelerator's own methods and loaders' iteration again."""
@@ -497,6 +496,11 @@ class IncrementalCheckpointer:
         """On any process: save at the next batch boundary and exit 143, as on SIGTERM."""
         self._preemption.request(reason)
 
+    @property
+    def cadence(self) -> Cadence | None:
+        """The adaptive interval of :meth:`maybe_save` (``max_overhead``/``expected_mtbf``)."""
+        return self._pace.cadence if self._pace is not None else None
+
     def steps(self) -> list[int]:
         """Committed checkpoint steps, oldest first."""
         return self.store.steps()
@@ -520,6 +524,8 @@ class IncrementalCheckpointer:
             if finished:
                 self._save_deferred()
             self._settle(block=True, everywhere=False)
+            if self._pace is not None and self.accelerator.is_main_process:
+                _pace.log_report(self._pace)
         finally:
             self.store.close()
 
@@ -531,10 +537,3 @@ class IncrementalCheckpointer:
 
     def __repr__(self) -> str:
         return f"IncrementalCheckpointer({self.store.url!r}, every_n_steps={self.every_n_steps})"
-
-
-def stop_dropped(dog: Watchdog) -> None:
-    """Stop the watchdog of a checkpointer dropped without ``close()``, without joining its
-    threads: a finalizer may run on a thread that holds a lock they need to end (logging's, the
-    store client's). They see the stop within a heartbeat interval and end alone."""
-    dog.stop(timeout=0, finished=False)

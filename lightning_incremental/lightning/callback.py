@@ -35,6 +35,7 @@ from lightning_incremental.lightning.resume import KEY, ResumeHook, ResumeSource
 from lightning_incremental.lightning.save_points import SaveNow, SavePoints
 from lightning_incremental.lightning.saver import Saver
 from lightning_incremental.lightning.schedule import Schedule
+from lightning_incremental.runtime.cadence import Cadence
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from lightning_incremental.runtime.options import RecoveryOptions
 from lightning_incremental.runtime.preemption import PreemptionConfig
@@ -74,6 +75,10 @@ class IncrementalCheckpoint(Copies, Checkpoint):
             each optimizer step; rank 0's clock decides).
         every_n_epochs: save at the end of every this many epochs. When none of the three is
             given, ``every_n_epochs=1``; ``0`` disables a schedule. At most one may be active.
+        max_overhead, expected_mtbf: adapt a step interval to the measured cost of a save: the
+            fraction of training time checkpointing may cost (``0.02``), and/or the job's mean
+            time between failures in seconds for Young/Daly's optimum interval; then
+            ``every_n_train_steps`` is the shortest interval. Logged; see :attr:`cadence`.
         save_on_exception: save when ``fit`` fails, if the state is consistent (not in the middle
             of a training step or of validation) and training is not distributed.
         save_on_train_end: save when training ends, unless that step is already saved.
@@ -143,6 +148,8 @@ class IncrementalCheckpoint(Copies, Checkpoint):
         every_n_train_steps: int | None = None,
         train_time_interval: timedelta | None = None,
         every_n_epochs: int | None = None,
+        max_overhead: float | None = None,
+        expected_mtbf: float | None = None,
         save_on_exception: bool = True,
         save_on_train_end: bool = True,
         resume: bool = True,
@@ -165,7 +172,9 @@ class IncrementalCheckpoint(Copies, Checkpoint):
         super().__init__()
         self.preemption = PreemptionConfig.of(preemption)
         self.dirpath = fit_checks.dirpath(dirpath)
-        self.schedule = Schedule.from_args(every_n_train_steps, every_n_epochs, train_time_interval)
+        self.schedule = Schedule.from_args(
+            every_n_train_steps, every_n_epochs, train_time_interval, max_overhead, expected_mtbf
+        )
         fit_checks.flags(
             save_on_exception=save_on_exception,
             save_on_train_end=save_on_train_end,
@@ -230,6 +239,11 @@ class IncrementalCheckpoint(Copies, Checkpoint):
     @property
     def train_time_interval(self) -> timedelta | None:
         return self.schedule.train_time_interval
+
+    @property
+    def cadence(self) -> Cadence | None:
+        """This ``fit``'s adaptive interval (``max_overhead``/``expected_mtbf``): its choices."""
+        return self._fit.points.cadence
 
     @property
     def url(self) -> str | None:
@@ -355,7 +369,7 @@ class IncrementalCheckpoint(Copies, Checkpoint):
         fit = self._fit
         if fit.disabled:
             return
-        fit.points.train_started(time.monotonic())
+        fit.points.train_started(time.monotonic(), self._last_saved_step)
         fit.preemption.start()
         step = trainer.global_step
         newest = fit.newest
@@ -398,9 +412,8 @@ class IncrementalCheckpoint(Copies, Checkpoint):
         self._collect()
         if fit.preemption.at_batch_end(trainer, self._preempt_save):
             return
-        decision = fit.points.after_batch(
-            trainer.global_step, self._last_saved_step, time.monotonic(), TrainerLoop(trainer)
-        )
+        loop, now = TrainerLoop(trainer, fit.saver), time.monotonic()
+        decision = fit.points.after_batch(trainer.global_step, self._last_saved_step, now, loop)
         if decision is not None:
             self._save(trainer, decision)
 
@@ -469,22 +482,7 @@ class IncrementalCheckpoint(Copies, Checkpoint):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        fit = self._fit
-        try:
-            preempted = fit.preemption.handles(exception)
-            decision = None if preempted else fit.exception_decision(trainer, self._last_saved_step)
-            if decision is not None:
-                self._save(trainer, decision)
-            saver = fit.saver
-            if saver is not None:
-                saver.collect(block=True)
-                saver.log_failures()
-            if preempted:
-                fit.preemption.exit_with_code(exception)
-        except Exception:  # the training error propagates; this one must be seen too
-            log.exception("IncrementalCheckpoint: saving after %r failed", exception)
-        finally:
-            self._fit.shutdown(raise_errors=False, finished=False)
+        self._fit.at_exception(trainer, exception, self._last_saved_step, self._save)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -497,7 +495,7 @@ class IncrementalCheckpoint(Copies, Checkpoint):
         """Save now, on every rank at once (see :meth:`Saver.save`)."""
         fit = self._fit
         assert fit.saver is not None
-        step, previous = trainer.global_step, self._last_saved_step
+        step, previous, started = trainer.global_step, self._last_saved_step, time.monotonic()
         fit.points.save_started()
         self._last_saved_step = step  # before the dump: the checkpoint records it
         try:
@@ -519,7 +517,7 @@ class IncrementalCheckpoint(Copies, Checkpoint):
             self._last_saved_step = previous
             fit.points.save_raised()  # no second attempt from on_exception
             raise
-        fit.points.saved(time.monotonic())
+        fit.points.saved(time.monotonic(), step, started)
 
     def _collect(self) -> None:
         for result in self._fit.saver.collect(block=False) if self._fit.saver else []:

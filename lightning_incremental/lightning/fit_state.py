@@ -6,6 +6,7 @@ save due at an epoch's end); :func:`open_fit_store` opens the store at a fit's s
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -32,6 +33,8 @@ from lightning_incremental.lightning.saver import Saver
 from lightning_incremental.runtime import replica_policy
 from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.watchdog import Watchdog
+
+log = logging.getLogger("lightning_incremental.lightning.callback")
 
 _LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
@@ -151,6 +154,31 @@ class FitState:
             return None
         return decision
 
+    def at_exception(
+        self,
+        trainer: pl.Trainer,
+        exception: BaseException,
+        last_saved: int | None,
+        save: Callable[[pl.Trainer, SaveNow], None],
+    ) -> None:
+        """``on_exception``: save if the state is consistent (``save``), wait for the saves in
+        flight, exit for a preemption; then shut this fit down. An error of ours is logged: the
+        training error propagates."""
+        try:
+            preempted = self.preemption.handles(exception)
+            decision = None if preempted else self.exception_decision(trainer, last_saved)
+            if decision is not None:
+                save(trainer, decision)
+            if self.saver is not None:
+                self.saver.collect(block=True)
+                self.saver.log_failures()
+            if preempted:
+                self.preemption.exit_with_code(exception)
+        except Exception:
+            log.exception("IncrementalCheckpoint: saving after %r failed", exception)
+        finally:
+            self.shutdown(raise_errors=False, finished=False)
+
     def reader(
         self, open_store: Callable[[], CheckpointStore]
     ) -> Callable[[], AbstractContextManager[CheckpointStore]]:
@@ -200,14 +228,21 @@ class FitState:
 
 
 class TrainerLoop:
-    """:class:`~.save_points.Loop` over a Trainer."""
+    """:class:`~.save_points.Loop` over a Trainer (and this fit's saver)."""
 
-    def __init__(self, trainer: pl.Trainer) -> None:
+    def __init__(self, trainer: pl.Trainer, saver: Saver | None = None) -> None:
         self.trainer = trainer
+        self.saver = saver
 
     def time_due(self, due_here: bool) -> bool:
-        agreed: bool = self.trainer.strategy.broadcast(due_here, src=0)  # rank 0's clock decides
+        return self.agree(due_here)  # rank 0's clock decides
+
+    def agree(self, due_here: bool) -> bool:
+        agreed: bool = self.trainer.strategy.broadcast(due_here, src=0)
         return agreed
+
+    def save_in_flight(self) -> bool:
+        return self.saver is not None and self.saver.in_flight()
 
     def max_steps_reached(self) -> bool:
         return _compat.max_steps_reached(self.trainer)

@@ -22,10 +22,13 @@ collective: rank 0's clock decides for every rank).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
 from lightning_incremental.lightning.schedule import Schedule
+from lightning_incremental.runtime.cadence import Cadence
 
 VALIDATION = "validation"  # after the validation that follows this batch
 EPOCH_END = "epoch_end"  # at this epoch's end
@@ -66,6 +69,14 @@ class Loop(Protocol):
         clock says so)."""
         ...
 
+    def agree(self, due_here: bool) -> bool:
+        """Rank 0's ``due_here``, on every rank."""
+        ...
+
+    def save_in_flight(self) -> bool:
+        """A save's background work is still running (on this rank)."""
+        ...
+
     def max_steps_reached(self) -> bool:
         """Training ends after this step (``max_steps``)."""
         ...
@@ -96,10 +107,16 @@ class SavePoints:
     last_time: float = 0.0  # when the last save was taken (or training started)
     saving: bool = False  # a save is in progress
     failed: bool = False  # a save raised: the exception is our own
+    cadence: Cadence | None = field(default=None, init=False)  # the adaptive interval, if any
 
-    def train_started(self, now: float) -> None:
+    def __post_init__(self) -> None:
+        self.cadence = self.schedule.cadence()
+
+    def train_started(self, now: float, last_saved: int | None = None) -> None:
         self.started = True
         self.last_time = now
+        if self.cadence is not None and last_saved is not None:
+            self.cadence.resumed(last_saved)
 
     def epoch_started(self) -> None:
         self.epoch_open = True
@@ -115,7 +132,16 @@ class SavePoints:
         if step == self.step_at_batch_start:
             return None  # no optimizer step in this batch (gradient accumulation)
         reason = self.due
-        if self.schedule.step_due(step):
+        cadence = self.cadence
+        if cadence is not None:
+            before = cadence.interval if cadence.choices else None
+            cadence.step_ended(step, now, in_flight=loop.save_in_flight())
+            if cadence.choices and cadence.interval != before:  # rank 0's choice is agreed
+                choice = cadence.choices[-1].describe(cadence.config)
+                rank_zero_info(f"IncrementalCheckpoint: {choice}")
+            if loop.agree(cadence.due(step)):
+                reason = "step"
+        elif self.schedule.step_due(step):
             reason = "step"
         elif self.schedule.train_time_interval is not None and loop.time_due(
             self.schedule.time_due(now - self.last_time)
@@ -139,6 +165,8 @@ class SavePoints:
         self, step: int, last_saved: int | None, *, sanity_checking: bool
     ) -> SaveNow | None:
         """After a validation: the save deferred to it, if any."""
+        if self.cadence is not None:
+            self.cadence.interrupted()
         if sanity_checking or not self.started:
             return None
         if self.due is None or self.due_at != VALIDATION:
@@ -152,6 +180,8 @@ class SavePoints:
         finished the epoch (after this hook it still steps ``ReduceLROnPlateau`` schedulers and
         completes the epoch; a checkpoint taken now would resume into that bookkeeping)."""
         self.epoch_open = False
+        if self.cadence is not None:
+            self.cadence.interrupted()
         reason = self.due
         if self.schedule.epoch_due(epoch):
             reason = "epoch"
@@ -172,6 +202,13 @@ class SavePoints:
 
     def at_train_end(self, step: int, last_saved: int | None) -> SaveNow | None:
         """When training ends: a save still due, or the final one (``save_on_train_end``)."""
+        achieved = self.cadence.achieved() if self.cadence is not None else None
+        if self.cadence is not None and achieved is not None:
+            rank_zero_info(
+                f"IncrementalCheckpoint: checkpointing cost {achieved:.2%} of training time "
+                f"({self.cadence.config.describe()}; intervals chosen: "
+                f"{[c.interval for c in self.cadence.choices]})"
+            )
         if (self.save_on_train_end or self.due) and step not in (0, last_saved):
             return SaveNow(self.due or "train_end", boundary=not self.epoch_open)
         return None
@@ -213,11 +250,15 @@ class SavePoints:
     def save_started(self) -> None:
         self.saving = True
 
-    def saved(self, now: float) -> None:
-        """A save was taken (or skipped on purpose: the next one is the next scheduled one)."""
+    def saved(self, now: float, step: int | None = None, started: float | None = None) -> None:
+        """A save was taken (or skipped on purpose: the next one is the next scheduled one);
+        ``step`` and ``started`` (when it began, on the clock of ``now``): it was taken."""
         self.saving = False
         self.last_time = now
         self.due = self.due_at = None
+        cadence = self.cadence
+        if cadence is not None and step is not None and started is not None:
+            cadence.saved(step, now - started)
 
     def save_raised(self) -> None:
         """A save raised: no second attempt on the exception it causes."""

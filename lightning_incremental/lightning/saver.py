@@ -155,6 +155,10 @@ class Saver:
             optimizer_state=lambda optimizer: _sharded.optimizer_state(trainer, optimizer),
         )
 
+    def in_flight(self) -> bool:
+        """A save of this process is still running in the background."""
+        return any(not handle.done() for handle, _ in self._pending)
+
     def collect(self, *, block: bool) -> list[SaveResult]:
         """Report the saves that finished (all of them with ``block``); keep their errors."""
         handles = [h for h, _ in self._pending]

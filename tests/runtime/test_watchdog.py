@@ -308,7 +308,7 @@ def test_a_dropped_checkpointer_stops_its_watchdog_without_waiting_for_it(tcp_st
     """The finalizer of a checkpointer dropped without close() runs on whatever thread the
     garbage collector does; that thread may hold a lock a watchdog thread waits for (here: the
     lock its store client takes). Stopping must not join the watchdog's threads there."""
-    from accelerate_incremental.checkpointer import stop_dropped
+    from accelerate_incremental._progress import stop_dropped
 
     held = threading.Lock()
     waiting = threading.Event()

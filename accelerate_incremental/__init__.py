@@ -11,12 +11,23 @@ Accelerate: it is imported when a checkpointer is created for an accelerator).
   resume mid-epoch exactly.
 * :func:`enable` — the same for one accelerator, from the script (with the
   ``ACCELERATE_INCREMENTAL`` environment variable, or a ``dirpath``).
+* :func:`enable_trainer` — a Hugging Face ``Trainer``'s ``checkpoint-N`` saves and resumes
+  through the engine, at its own cadence (the launch flag does it for every Trainer); importing
+  this package never imports ``transformers``.
 """
 
 from __future__ import annotations
 
 from accelerate_incremental._flag import ENV_CONFIG, ENV_DIR, enable
+from accelerate_incremental._trainer_enable import enable_trainer
 from accelerate_incremental.checkpointer import IncrementalCheckpointer
 from lightning_incremental._version import __version__
 
-__all__ = ["ENV_CONFIG", "ENV_DIR", "IncrementalCheckpointer", "__version__", "enable"]
+__all__ = [
+    "ENV_CONFIG",
+    "ENV_DIR",
+    "IncrementalCheckpointer",
+    "__version__",
+    "enable",
+    "enable_trainer",
+]

@@ -12,7 +12,11 @@ Accelerate's ``-m/--module`` makes every process it starts run ``python -m accel
    the incremental store and its prepared DataLoaders' own iteration is tracked, so a mid-epoch
    resume is exact in a plain ``for batch in loader`` — and later ``prepare`` calls add their
    DataLoaders and optimizers.
-3. The script runs as ``__main__``, as ``python train.py [script args]`` would run it:
+3. A Hugging Face ``Trainer`` the script creates gets its checkpoints routed through the store
+   at its own cadence (:func:`accelerate_incremental.enable_trainer`), or a start-up warning
+   saying why not; its accelerator is left to it. ``transformers`` is never imported for this:
+   the Trainer class is hooked when the script itself imports ``transformers.trainer``.
+4. The script runs as ``__main__``, as ``python train.py [script args]`` would run it:
    ``sys.argv``, ``__file__``, ``sys.path[0]`` (the script's directory), exit status,
    exceptions and signals are the script's own.
 
@@ -30,7 +34,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from accelerate_incremental import _compat, _takeover
+from accelerate_incremental import _compat, _takeover, _trainer, _trainer_enable
 from accelerate_incremental._arguments import check_arguments
 from accelerate_incremental._flag import (
     ENV_CONFIG,
@@ -124,6 +128,7 @@ def install(config: dict[str, Any]) -> None:
     keyword arguments of :class:`~accelerate_incremental.IncrementalCheckpointer`)."""
     from accelerate import Accelerator
 
+    _trainer_enable.install(config)
     current = Accelerator.prepare
     if hasattr(current, _MARK):
         setattr(current, _MARK, dict(config))
@@ -141,7 +146,11 @@ def install(config: dict[str, Any]) -> None:
 
 def attach(accelerator: Any, config: dict[str, Any]) -> IncrementalCheckpointer | None:
     """Enable ``accelerator`` once it holds a prepared model; afterwards, follow what later
-    ``prepare`` calls add. Returns its checkpointer (None while no model is prepared)."""
+    ``prepare`` calls add. Returns its checkpointer (None while no model is prepared, and for
+    a Trainer's accelerator: the Trainer saves, loads and skips batches its own way, see
+    :mod:`accelerate_incremental._trainer`)."""
+    if _trainer.owned_by_trainer(accelerator):
+        return None
     existing: IncrementalCheckpointer | None = _takeover.installed(accelerator)
     if existing is not None:
         existing.follow()

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accelerate_incremental
-from accelerate_incremental import _launch, _tracking
+from accelerate_incremental import _hf_compat, _launch, _tracking
 from lightning_incremental.core import CheckpointStore
 from tests.accelerate_results import assert_identical
 from tests.multiprocess.test_accelerate_launch import _free_port, _why
@@ -35,6 +35,9 @@ def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(accelerate_incremental.ENV_DIR, raising=False)
     monkeypatch.delenv(accelerate_incremental.ENV_CONFIG, raising=False)
     monkeypatch.setattr(Accelerator, "prepare", Accelerator.prepare)  # undoes install()
+    # ... and its Trainer hook: the import hook, and what a hooked Trainer.__init__ runs
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(_hf_compat, "_AFTER_INIT", [])
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

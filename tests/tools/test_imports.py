@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,16 @@ def test_public_surface() -> None:
     assert set(lightning_incremental._LAZY) <= set(lightning_incremental.__all__)
     with pytest.raises(AttributeError, match="no attribute"):
         lightning_incremental.DoesNotExist  # noqa: B018
+
+
+def test_transformers_is_imported_only_by_a_script_that_uses_the_trainer(tmp_path: Path) -> None:
+    """Neither importing the Accelerate adapter nor running the launch module for a script
+    without a Trainer imports ``transformers``."""
+    assert "transformers" not in _loaded_after_import("accelerate_incremental")
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nprint('transformers' in sys.modules)\n")
+    cmd = [sys.executable, "-m", "accelerate_incremental", "--dirpath", str(tmp_path / "s")]
+    out = subprocess.run(
+        [*cmd, str(script)], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,430 @@
+"""``TrainerCheckpointer``: a Hugging Face ``Trainer``'s checkpoints through the incremental store.
+
+The Trainer keeps its loop, its cadence (``save_strategy``, ``save_steps``), its data skipping on
+resume and its ``checkpoint-N`` folders; only what those folders would hold changes. At each of
+the Trainer's saves (``Trainer._save_checkpoint``, hooked through
+:mod:`accelerate_incremental._hf_compat`):
+
+1. The Trainer runs its own ``_save_checkpoint`` with its four writers replaced: the folder gets
+   a marker (:mod:`~._trainer_markers`) instead of the weights, optimizer, scheduler, scaler and
+   random states; the Trainer still picks the best checkpoint, updates its stateful callbacks,
+   writes ``trainer_state.json`` and rotates ``save_total_limit`` folders.
+2. Every process's random state is gathered; the main process snapshots the model (unwrapped
+   state dict), the optimizer, the scheduler, the scaler, the Trainer state and the random
+   states, and the store encodes and commits them in the background while training goes on.
+
+The store is the source of truth. A marker is written before its save commits; a resume checks
+that its step committed (auto-resume only ever picks committed steps). Store data is deleted
+only when ``save_total_limit`` is set, for the steps whose folders the Trainer's rotation removed,
+and only while no save is in flight (the engine never deletes an object a kept checkpoint needs).
+
+Resuming from a marker folder restores everything from the store, bit-exact and verified, at
+the points where the Trainer restores its own files: the weights together with the optimizer
+(after ``accelerator.prepare``), the random state where the Trainer restores it (after the batches
+of a mid-epoch resume were skipped). A folder the Trainer wrote itself still loads its way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from accelerate_incremental import _hf_compat
+from accelerate_incremental import _trainer_markers as markers
+from lightning_incremental.core import CheckpointStore, SaveHandle
+from lightning_incremental.core.commit import fencing
+from lightning_incremental.runtime import collectives, rng
+from lightning_incremental.runtime.coordinate import coordinated
+from lightning_incremental.runtime.failures import (
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    FailurePolicy,
+    share_report,
+)
+
+log = logging.getLogger("lightning_incremental")
+FORMAT = "accelerate_incremental.trainer/1"
+_OWNED: weakref.WeakSet[Any] = weakref.WeakSet()  # accelerators a Trainer created
+
+
+def own_accelerator(accelerator: Any) -> None:
+    """Record ``accelerator`` as a Trainer's: the launch flag's generic takeover leaves it alone
+    (the Trainer skips batches and saves its own way)."""
+    _OWNED.add(accelerator)
+
+
+def owned_by_trainer(accelerator: Any) -> bool:
+    """Whether a Trainer seen by the integration created ``accelerator``."""
+    return accelerator in _OWNED
+
+
+def announce(trainer: Any, message: str) -> None:
+    """Log ``message`` once per job (on the main process), where a default logging set-up shows
+    it."""
+    if trainer.is_world_process_zero():
+        log.warning("accelerate_incremental: %s", message)
+
+
+class TrainerCheckpointer:
+    """Routes one ``transformers.Trainer``'s checkpoints through an incremental store; created
+    by :func:`accelerate_incremental.enable_trainer` (or the launch flag) on every process.
+
+    Args:
+        trainer: the Trainer, after its ``__init__``.
+        dirpath: the store: a local directory or any fsspec URL.
+        auto_resume: ``train()`` without ``resume_from_checkpoint`` resumes from the newest
+            committed checkpoint of the store (``resume_from_checkpoint=False``: start afresh).
+        storage_options, optimizer_state, max_consecutive_failures, **options: as for
+            :class:`~accelerate_incremental.IncrementalCheckpointer`.
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        dirpath: str,
+        *,
+        auto_resume: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        optimizer_state: str = "exact",
+        max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        **options: Any,
+    ) -> None:
+        self.trainer = trainer
+        self.auto_resume = auto_resume
+        self._open = lambda: CheckpointStore(
+            dirpath, storage_options=storage_options, optimizer_state=optimizer_state, **options
+        )
+        self.store = self._open()
+        self.url = str(self.store.url)
+        self._failures = FailurePolicy("Trainer checkpoints", self.url, max_consecutive_failures)
+        self._handles: list[SaveHandle] = []  # the main process's saves not collected yet
+        self._processes: list[Any] | None = None  # the random states of the resumed checkpoint
+        self._newest_step: int | None = None  # the newest step in the store (main process)
+        self.generation: int | None = None
+        if fencing.should_claim(trainer.args.world_size):
+            self.generation = coordinated(
+                lambda: self.store.claim_generation(fencing.restart_count()),
+                what=f"claim a fencing generation in {self.url}",
+                is_coordinator=trainer.is_world_process_zero(),
+            )
+        own_accelerator(trainer.accelerator)
+        hooks: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+            "train": self._train,
+            "_save_checkpoint": self._save_checkpoint,
+            "_load_from_checkpoint": self._load_from_checkpoint,
+            "_load_optimizer_and_scheduler": self._load_optimizer_and_scheduler,
+            "_load_scaler": self._load_scaler,
+            "_load_rng_state": self._load_rng_state,
+            "_load_best_model": self._load_best_model,
+        }
+        for name, make in hooks.items():
+            _hf_compat.hook(trainer, name, make)
+
+    # ------------------------------------------------------------------ train
+
+    def _train(self, own: Callable[..., Any]) -> Callable[..., Any]:
+        def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+            own_accelerator(self.trainer.accelerator)
+            result = own(self.resume_point(resume_from_checkpoint), *args, **kwargs)
+            self.wait()
+            return result
+
+        return train
+
+    def resume_point(self, asked: Any) -> Any:
+        """What ``train`` resumes from, given the user's ``resume_from_checkpoint``: ``False``
+        nothing; ``None`` the newest committed checkpoint when ``auto_resume`` (else nothing);
+        ``True`` the Trainer's last ``checkpoint-N``, or the newest committed one when that
+        folder's save never committed; a path, itself."""
+        if asked is False:
+            return None
+        if asked is None and not self.auto_resume:
+            return None
+        if asked is not None and asked is not True:
+            return asked
+        main = self.trainer.is_world_process_zero()
+        chosen = coordinated(
+            lambda: self._newest(asked is True),
+            what=f"choose the checkpoint to resume from in {self.url}",
+            is_coordinator=main,
+        )
+        if chosen is None:
+            return asked
+        announce(
+            self.trainer,
+            f"resuming the Trainer from {chosen} (step {markers.read(chosen).step} of "  # type: ignore[union-attr]
+            f"{self.url}, its newest committed checkpoint); pass "
+            "train(resume_from_checkpoint=False) to start afresh",
+        )
+        return chosen
+
+    def _newest(self, last_folder: bool) -> str | None:
+        """On the main process: the folder of the newest committed checkpoint (rewritten from
+        the store when its folder is gone); with ``last_folder``, the Trainer's last folder
+        instead when it is not a marker or its step committed. None: nothing to resume."""
+        run_dir = _hf_compat.run_dir(self.trainer)
+        committed = self.store.steps()
+        if last_folder and os.path.isdir(run_dir):
+            last = _hf_compat.last_checkpoint(run_dir)
+            marker = markers.read(last) if last is not None else None
+            if last is not None and (marker is None or marker.step in committed):
+                return last
+            if last is not None:
+                log.warning(
+                    "accelerate_incremental: %s records step %s, whose save never committed to "
+                    "%s (the run stopped first); resuming from the newest committed one instead",
+                    last,
+                    marker.step if marker else None,
+                    self.url,
+                )
+        if not committed:
+            return None
+        step = committed[-1]
+        folder = markers.folder_of(run_dir, _hf_compat.checkpoint_prefix(), step)
+        found = markers.read(folder)
+        if found is None or found.store != self.url or found.step != step:
+            saved = self.store.load(step, keys="trainer_state")["trainer_state"]
+            markers.write(folder, self.url, step)
+            with open(os.path.join(folder, _hf_compat.state_file()), "w", encoding="utf-8") as fh:
+                fh.write(saved)
+        return folder
+
+    # ------------------------------------------------------------------ saving
+
+    def _save_checkpoint(self, own: Callable[..., Any]) -> Callable[..., Any]:
+        trainer = self.trainer
+        warned: list[bool] = []
+
+        def _save_checkpoint(model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
+            if trial is not None:  # a hyper-parameter search trial: the Trainer's own folders
+                if not warned:
+                    warned.append(True)
+                    announce(trainer, "hyper-parameter search trials save full checkpoints")
+                return own(model, trial, *args, **kwargs)
+            step = trainer.state.global_step
+            real_save_model = trainer.save_model
+
+            def save_model(output_dir: Any = None, _internal_call: bool = False) -> None:
+                if not _internal_call:
+                    real_save_model(output_dir, _internal_call)
+                    return
+                if trainer.args.push_to_hub:  # the upload needs the weights as files
+                    real_save_model(output_dir, _internal_call)
+                if trainer.args.should_save:
+                    markers.write(output_dir, self.url, step)
+
+            def nothing(output_dir: Any) -> None:
+                os.makedirs(output_dir, exist_ok=True)
+
+            writers = dict.fromkeys(_hf_compat.WRITERS, nothing)
+            writers["save_model"] = save_model
+            with _hf_compat.writers_replaced(trainer, writers):
+                own(model, trial, *args, **kwargs)
+            folder = markers.folder_of(
+                _hf_compat.run_dir(trainer), _hf_compat.checkpoint_prefix(), step
+            )
+            self.save(step, folder)
+
+        return _save_checkpoint
+
+    def save(self, step: int, folder: str) -> SaveHandle | None:
+        """Save the Trainer's whole training state as checkpoint ``step``, with the
+        ``trainer_state.json`` the Trainer just wrote to ``folder`` (every process calls it: the
+        random states are gathered). Returns the main process's save handle."""
+        trainer = self.trainer
+        processes = collectives.gather(rng.capture())
+        self._settle(block=False)
+        if not trainer.is_world_process_zero():
+            return None
+        if not self._handles:
+            self._sweep()
+        self._replace_newer(step)
+        scaler = trainer.accelerator.scaler
+        scheduler = trainer.lr_scheduler
+        with open(os.path.join(folder, _hf_compat.state_file()), encoding="utf-8") as fh:
+            trainer_state = fh.read()
+        state = {
+            "format": FORMAT,
+            "model": trainer.accelerator.unwrap_model(trainer.model).state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "trainer_state": trainer_state,
+            "processes": processes,
+        }
+        metadata = {"global_step": step, "epoch": trainer.state.epoch}
+        handle = self._failures.start(
+            lambda: self.store.save(state, step, metadata=metadata, world_size=len(processes)),
+            lambda: self._failures.collect(self._handles, block=False),
+        )
+        if handle is not None:
+            self._handles.append(handle)
+            self._newest_step = step
+        return handle
+
+    def _replace_newer(self, step: int) -> None:
+        """A run resumed from an older checkpoint saves steps the store already holds: as the
+        Trainer overwrites those ``checkpoint-N`` folders, the store's checkpoints from ``step``
+        on are deleted first (steps only increase in a store), with a warning."""
+        if self._newest_step is None:
+            self._newest_step = max(self.store.steps(), default=-1)
+        if step > self._newest_step:
+            return
+        newer = [s for s in self.store.steps() if s >= step]
+        log.warning(
+            "accelerate_incremental: saving step %s of a run resumed from an older checkpoint: "
+            "deleting the store's checkpoints %s of the abandoned run from %s first, as the "
+            "Trainer overwrites their folders",
+            step,
+            newer,
+            self.url,
+        )
+        for old in reversed(newer):
+            self.store.delete(old)
+        # the store remembers the steps it saw as saved: a fresh one starts from what is left
+        self.store.close()
+        self.store = self._open()
+
+    def _settle(self, *, block: bool) -> None:
+        """Collect finished saves (all with ``block``); warn about failed ones, or raise at
+        ``max_consecutive_failures`` (every process alike: a collective)."""
+        report = None
+        if self.trainer.is_world_process_zero():
+            self._failures.collect(self._handles, block=block)
+            report = self._failures.report()
+        self._failures.apply(share_report(report))
+
+    def _sweep(self) -> None:
+        """With ``save_total_limit``: delete the store's checkpoints whose folders the Trainer's
+        rotation removed (main process, no save in flight)."""
+        if not self.trainer.args.save_total_limit:
+            return
+        kept = markers.steps_with_folders(_hf_compat.run_dir(self.trainer), self.url)
+        for step in self.store.steps():
+            if step not in kept:
+                self.store.delete(step)
+
+    def wait(self) -> None:
+        """Wait for every save to commit (failed ones warned about), then apply the retention;
+        every process calls it."""
+        self._settle(block=True)
+        if self.trainer.is_world_process_zero():
+            self.store.wait()
+            self._sweep()
+
+    # ------------------------------------------------------------------ loading
+
+    def marker(self, folder: Any) -> markers.Marker | None:
+        """The marker of ``folder`` (None: a folder the Trainer wrote itself).
+
+        Raises:
+            ValueError: the marker names another store, or a step that never committed.
+        """
+        found = markers.read(folder) if isinstance(folder, (str, os.PathLike)) else None
+        if found is None:
+            return None
+        if found.store != self.url:
+            raise ValueError(
+                f"{folder} is a checkpoint of the store {found.store}, but this Trainer saves to "
+                f"{self.url}: run with --dirpath {found.store} to resume from it"
+            )
+        committed = self.store.steps()
+        if found.step not in committed:
+            raise ValueError(
+                f"{folder} records step {found.step}, whose save never committed to {self.url} "
+                f"(the run stopped first); committed steps: {committed}. Resume from one of "
+                "those folders, or with resume_from_checkpoint=True (the newest committed)"
+            )
+        return found
+
+    def _load_from_checkpoint(self, own: Callable[..., Any]) -> Callable[..., Any]:
+        def _load_from_checkpoint(path: Any, model: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if self.marker(path) is None:
+                return own(path, model, *args, **kwargs)
+            return None  # restored after accelerator.prepare, with the optimizer
+
+        return _load_from_checkpoint
+
+    def _load_optimizer_and_scheduler(self, own: Callable[..., Any]) -> Callable[..., Any]:
+        def _load_optimizer_and_scheduler(path: Any, *args: Any, **kwargs: Any) -> Any:
+            found = self.marker(path)
+            if found is None:
+                return own(path, *args, **kwargs)
+            self.restore(found.step)
+            return None
+
+        return _load_optimizer_and_scheduler
+
+    def restore(self, step: int) -> None:
+        """Restore the weights, optimizer, scheduler and scaler of checkpoint ``step`` (this
+        process reads them itself); keep its random states for :meth:`_load_rng_state`."""
+        trainer = self.trainer
+        state = self.store.load(step, map_location="cpu")
+        if state.get("format") != FORMAT:
+            raise ValueError(
+                f"step {step} of {self.url} is not a Trainer checkpoint (format "
+                f"{state.get('format')!r}); was the store written by another integration?"
+            )
+        trainer.accelerator.unwrap_model(trainer.model).load_state_dict(state["model"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        if trainer.lr_scheduler is not None and state["scheduler"] is not None:
+            trainer.lr_scheduler.load_state_dict(state["scheduler"])
+        scaler = trainer.accelerator.scaler
+        if scaler is not None and state["scaler"] is not None:
+            scaler.load_state_dict(state["scaler"])
+        self._processes = state["processes"]
+        announce(trainer, f"restored step {step} from {self.url} (verified)")
+
+    def _load_scaler(self, own: Callable[..., Any]) -> Callable[..., Any]:
+        def _load_scaler(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.marker(path) is None:
+                return own(path, *args, **kwargs)
+            return None  # restored with the optimizer
+
+        return _load_scaler
+
+    def _load_rng_state(self, own: Callable[..., Any]) -> Callable[..., Any]:
+        def _load_rng_state(path: Any, *args: Any, **kwargs: Any) -> Any:
+            found = self.marker(path)
+            if found is None:
+                return own(path, *args, **kwargs)
+            processes = self._processes
+            if processes is None:
+                processes = self.store.load(found.step, keys="processes")["processes"]
+            world = self.trainer.args.world_size
+            if len(processes) != world:
+                warnings.warn(
+                    f"{path} was saved by {len(processes)} processes, this run has {world}: "
+                    "the random states are not restored, so the resume is not bit-exact",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return None
+            rng.restore(processes[self.trainer.args.process_index])
+            return None
+
+        return _load_rng_state
+
+    def _load_best_model(self, own: Callable[..., Any]) -> Callable[..., Any]:
+        def _load_best_model(*args: Any, **kwargs: Any) -> Any:
+            trainer = self.trainer
+            self._settle(block=True)  # the best checkpoint's save must have committed
+            if trainer.is_world_process_zero():
+                self.store.wait()
+            collectives.barrier()
+            found = self.marker(trainer.state.best_model_checkpoint)
+            if found is None:
+                return own(*args, **kwargs)
+            state = self.store.load(found.step, map_location="cpu", keys="model")
+            trainer.accelerator.unwrap_model(trainer.model).load_state_dict(state["model"])
+            announce(trainer, f"loaded the best model (step {found.step}) from {self.url}")
+            return None
+
+        return _load_best_model
+
+    def close(self) -> None:
+        """Wait for pending saves and release the store."""
+        self.store.close()

@@ -219,3 +219,41 @@ def test_sharded_and_codec_profile_benchmarks_run(tmp_path: Path) -> None:
         "--repeats", "1", "--markdown", str(profile), timeout=600,
     )  # fmt: skip
     assert "single-thread MB/s" in profile.read_text()
+
+
+@pytest.mark.slow
+def test_goodput_benchmark_counts_saves_and_reports_overheads(tmp_path: Path) -> None:
+    import math
+
+    _bench(
+        "benchmarks.goodput", "--quick", "--systems", "none,callback,modelcheckpoint",
+        "--intervals", "5", "--regimes", "free", "--workloads", "lightning",
+        "--out", str(tmp_path), timeout=240,
+    )  # fmt: skip
+    doc = json.loads((tmp_path / "goodput.json").read_text())
+    assert {"cpu_count", "torch", "git_commit"} <= set(doc["machine"])
+    assert doc["settings"]["intervals"] == {"free": [5]}
+    runs = doc["runs"]
+    assert sorted(r["system"] for r in runs) == ["callback", "modelcheckpoint", "none"]
+    for run in runs:
+        assert "error" not in run, run
+        assert (run["workload"], run["regime"], run["interval"]) == ("lightning", "free", 5)
+        assert run["torch_threads"] == 1  # a core left free
+        total = run["warmup"] + run["steps"]
+        due = [s for s in range(1, total + 1) if s % 5 == 0]
+        if run["system"] == "none":
+            assert run["saves_total"] == 0 and run["restore_s"] is None
+            continue
+        # every save due was made, at its step, none more (no extra save at the end)
+        assert run["saved_steps"] == due, run
+        assert run["saves"] == sum(1 for s in due if s > run["warmup"]) > 0
+        assert run["bytes_on_disk"] > 0 and run["restore_s"] > 0
+    (cell,) = doc["summary"]["cells"]
+    for system in ("callback", "modelcheckpoint"):
+        figures = cell["systems"][system]
+        assert math.isfinite(figures["overhead"]) and math.isfinite(figures["lost_work_s"])
+    goals = doc["summary"]["goals"]
+    assert len(goals) == 3 and all(g["met"] is None for g in goals)  # no such cell ran
+    text = (tmp_path / "goodput.md").read_text()
+    assert "| callback |" in text and "| modelcheckpoint |" in text and "## Goals" in text
+    assert "a core free, every 5" in text

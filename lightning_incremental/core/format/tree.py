@@ -24,7 +24,7 @@ import pickle
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -146,6 +146,7 @@ class Flat:
     pickled: list[str]
     slots: int
     sharded: dict[int, ShardedInfo]
+    ready: list[Any] = field(default_factory=list)  # CUDA events: the leaves' copies landed
 
 
 def unflatten(skeleton: Any, tensors: list[Any], *, allow_pickle: bool = False) -> Any:

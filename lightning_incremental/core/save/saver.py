@@ -31,7 +31,7 @@ from lightning_incremental.core.format.tree import Flat, Leaf
 from lightning_incremental.core.results import SaveResult
 from lightning_incremental.core.save import inflight
 from lightning_incremental.core.save.queue import SaveHandle, SaveQueue
-from lightning_incremental.core.save.snapshot import flatten_state
+from lightning_incremental.core.save.snapshot import flatten_state, wait_ready
 from lightning_incremental.core.storage import Storage
 
 log = logging.getLogger("lightning_incremental")
@@ -116,6 +116,7 @@ class Saver:
         snapshot_s = time.perf_counter() - started
 
         def run() -> SaveResult:
+            wait_ready(flat)  # the device copies, on the side stream (snapshot.py)
             if self.distributed or flat.sharded:
                 return self._run_sharded(step, flat, audit, started, snapshot_s, waited)
             return self._run_local(

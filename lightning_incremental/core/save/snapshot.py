@@ -2,6 +2,15 @@
 copied to host memory (recycled buffers, pinned for CUDA tensors), so that training
 may go on while the copy is encoded and written.
 
+CUDA tensors are copied on a side stream of their device (:class:`_DeviceCopies`): the copies
+start after the work training queued before ``save`` (the side stream waits for the current
+one), training's later work waits for them on the device (the current stream waits for the side
+stream: an optimizer step queued next cannot overwrite a tensor before its copy), and the host
+does not wait at all — ``save`` returns once the copies are queued, and the save's background
+work waits for their event before it reads the host buffers (``Flat.ready``). The source tensors
+are marked used on the side stream, so the caching allocator does not reuse the memory of one
+the caller frees meanwhile.
+
 ``flatten`` returns a JSON-serialisable skeleton that refers to tensors by index; values the
 skeleton cannot express are an error naming their key path, unless pickling was allowed. In a
 distributed save (``rank`` given) every process walks the same state and numbers the same slots;
@@ -67,7 +76,7 @@ class _Flattener:
         self.sharded: dict[int, ShardedInfo] = {}
         self.aliases: dict[tuple[Any, ...], int] = {}
         self.pickled: list[str] = []
-        self.cuda = False
+        self.cuda = _DeviceCopies()
 
     def node(self, value: Any, path: tuple[Any, ...]) -> Any:
         kind = type(value)
@@ -190,8 +199,10 @@ class _Flattener:
             data = self.pool.take(src.shape, src.dtype, pin=pin)
         else:
             data = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-        data.copy_(src, non_blocking=on_cuda)
-        self.cuda = self.cuda or on_cuda
+        if on_cuda:
+            self.cuda.copy(data, src)
+        else:
+            data.copy_(src)
         return data
 
     def snapshot(self, t: torch.Tensor, where: str, slot: int) -> Leaf:
@@ -291,6 +302,7 @@ def flatten(
         UnsupportedValueError: a value the skeleton cannot express, naming its key path.
     """
     flat = flatten_state(state, allow_pickle=allow_pickle, pool=pool)
+    wait_ready(flat)
     return flat.skeleton, flat.leaves, flat.pickled
 
 
@@ -313,7 +325,57 @@ def flatten_state(
         UnsupportedValueError: a value the skeleton cannot express, naming its key path.
     """
     flattener = _Flattener(allow_pickle, pool, rank)
-    skeleton = flattener.node(state, ())
-    if flattener.cuda:
-        torch.cuda.synchronize()
-    return Flat(skeleton, flattener.leaves, flattener.pickled, flattener.slots, flattener.sharded)
+    try:
+        skeleton = flattener.node(state, ())
+    finally:
+        ready = flattener.cuda.finish()  # also when the walk failed: no copy left unordered
+    flat = Flat(skeleton, flattener.leaves, flattener.pickled, flattener.slots, flattener.sharded)
+    flat.ready = ready
+    return flat
+
+
+class _DeviceCopies:
+    """Device-to-host copies on one side stream per CUDA device (see the module
+    documentation)."""
+
+    def __init__(self) -> None:
+        self.streams: dict[torch.device, Any] = {}
+
+    def copy(self, data: torch.Tensor, src: torch.Tensor) -> None:
+        device = src.device
+        stream = self.streams.get(device)
+        if stream is None:
+            stream = _side_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the state training queued
+            self.streams[device] = stream
+        with torch.cuda.stream(stream):
+            data.copy_(src, non_blocking=True)
+        src.record_stream(stream)
+
+    def finish(self) -> list[Any]:
+        """Order training's later work after the copies; the events that mark them done."""
+        events = []
+        for device, stream in self.streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        self.streams = {}
+        return events
+
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """The snapshot's side stream on ``device`` (one per device and process, created once)."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def wait_ready(flat: Flat) -> None:
+    """Wait until the snapshot's device copies landed in its host buffers."""
+    for event in flat.ready:
+        event.synchronize()

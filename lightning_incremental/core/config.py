@@ -13,6 +13,7 @@ from lightning_incremental.core.errors import ConfigError
 from lightning_incremental.core.workers import BACKGROUND_NICE
 
 MiB = 1 << 20
+EFFORTS = ("auto", "full", "fast")
 MAX_CHUNK_SIZE = 1 << 30  # manifests naming larger chunks are rejected (manifest.py)
 
 
@@ -68,6 +69,13 @@ class StoreConfig:
             run at the normal priority). Under contention training keeps the cores and a save
             runs in the gaps: a save takes longer to become durable, training loses less. 0:
             the same priority as training. Default 10.
+        codec_effort: how much CPU a save spends to write fewer bytes. ``"full"``: every
+            changed chunk raced over the codecs (predicted deltas, byte planes, zstd). ``"fast"``:
+            changed chunks stored as they are (codec ``s``: no CPU beyond the copy; unchanged
+            chunks are still referenced, not written). ``"auto"`` (default): full, except after
+            a save whose background thread waited for a CPU longer than it ran (training keeps
+            every core busy, and the codec's CPU would come out of training): then fast, until a
+            save finds a core free again. Opt-in lossy codecs (``optimizer_state``) always apply.
         pack_size: encoded chunks are appended to pack objects of about this size, so a save of
             thousands of small tensors writes a few objects, not thousands. Packs are written while
             later chunks are still being encoded: smaller packs overlap more and hold less in
@@ -120,6 +128,7 @@ class StoreConfig:
     max_in_flight: int = 1
     workers: int | None = None
     background_nice: int = BACKGROUND_NICE
+    codec_effort: str = "auto"
     pack_size: int = 16 * MiB
     fsync: bool = True
     allow_pickle: bool = False
@@ -157,6 +166,10 @@ class StoreConfig:
         if self.workers is not None:
             _int("workers", self.workers, minimum=1)
         _int("background_nice", self.background_nice, minimum=0)
+        if self.codec_effort not in EFFORTS:
+            raise ConfigError(
+                f"codec_effort must be one of {', '.join(EFFORTS)}, got {self.codec_effort!r}"
+            )
         if self.background_nice > 19:
             raise ConfigError(f"background_nice must be in 0..19, got {self.background_nice}")
         _int("pack_size", self.pack_size, minimum=1)

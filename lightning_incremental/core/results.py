@@ -23,6 +23,8 @@ class SaveResult:
         chunks_total / chunks_reused / chunks_delta / chunks_full: chunks in the state; of them,
             referenced from earlier checkpoints, written as XOR deltas, written standalone.
         objects_written: pack objects written (the manifest not included).
+        effort: ``"full"``, or ``"fast"`` when changed chunks were stored as they are (the
+            store's ``codec_effort``).
         warnings: what went wrong after the commit (retention), each a sentence; the
             checkpoint is committed regardless.
     """
@@ -42,6 +44,7 @@ class SaveResult:
     chunks_full: int
     objects_written: int
     warnings: tuple[str, ...] = ()
+    effort: str = "full"
 
     @property
     def ratio(self) -> float:

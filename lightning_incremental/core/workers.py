@@ -63,6 +63,19 @@ def lower_priority(nice: int) -> bool:
     return True
 
 
+def cpu_times() -> tuple[float, float] | None:
+    """The calling thread's seconds on a CPU and seconds runnable but waiting for one (Linux's
+    ``/proc/thread-self/schedstat``), or None where the kernel does not say. The second is the
+    cost of contention: a thread that waits longer than it runs shares its cores with busier
+    work (training, at a higher priority)."""
+    try:
+        with open("/proc/thread-self/schedstat", encoding="ascii") as fh:
+            run_ns, wait_ns = fh.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
+
 def free_cores(training_threads: int | None = None) -> int:
     """How many encoding threads a store starts: the cores this process may run on that the
     training's own threads leave free, at least 1 and at most :data:`MAX_AUTO_WORKERS`.

@@ -471,6 +471,7 @@ def test_every_step_of_a_random_history_restores_exactly(data: st.DataObject) ->
         "xor_base_memory": data.draw(st.sampled_from([None, None, None, 0, 3000]), label="xor mem"),
         "workers": data.draw(st.sampled_from([1, 2]), label="workers"),
         "max_in_flight": data.draw(st.sampled_from([1, 2]), label="in flight"),
+        "codec_effort": data.draw(st.sampled_from(["auto", "auto", "fast"]), label="effort"),
         "fsync": False,
     }
     n_steps = data.draw(st.integers(2, 8), label="steps")

@@ -28,12 +28,14 @@ from lightning_incremental.core.chunks.lossy import (
     reusable,
 )
 from lightning_incremental.core.chunks.packs import PackWriter
-from lightning_incremental.core.codecs import Codec, Hint, chunk_hash
+from lightning_incremental.core.codecs import STORED, Codec, Hint, chunk_hash
+from lightning_incremental.core.codecs.stored import stored
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.errors import CorruptCheckpointError
 from lightning_incremental.core.format.records import ChunkRecipe, Manifest, TensorEntry, closure
 from lightning_incremental.core.format.tree import Leaf
 from lightning_incremental.core.storage import Storage
+from lightning_incremental.core.workers import cpu_times
 
 log = logging.getLogger("lightning_incremental")
 
@@ -53,6 +55,9 @@ class Encoded:
     chunks_reused: int = 0
     chunks_delta: int = 0
     chunks_full: int = 0
+    fast: bool = False  # changed chunks stored as they are (codec_effort)
+    cpu_run_s: float = 0.0  # the encoding thread's time on a CPU during encode
+    cpu_wait_s: float = 0.0  # ... and runnable but waiting for one (see workers.cpu_times)
 
 
 @dataclass
@@ -88,9 +93,11 @@ class _Payload:
 INLINE_MAX = 64 << 10
 
 
-def _encode_task(task: _Task, level: int, max_chain_ratio: float) -> _Payload:
+def _encode_task(task: _Task, level: int, max_chain_ratio: float, fast: bool = False) -> _Payload:
     start = time.perf_counter()
     raw = task.raw
+    if fast and task.lossy is None:
+        return _Payload(STORED, stored(raw), None, 0.0)
     if task.lossy is not None:
         blob = task.lossy.encode(raw, None, width=task.width, level=level)
         if blob is not None:
@@ -227,12 +234,14 @@ def encode(
     writer: Executor | None = None,
     avoid: set[str] | frozenset[str] = frozenset(),
     hints: Hints | None = None,
+    fast: bool = False,
 ) -> Encoded:
     """Encode and write the data of one checkpoint; returns its manifest tables once every object
     it wrote is durable. Writes nothing visible: the caller commits the manifest. Chunks are
     encoded on ``pool``, packs written on ``writer`` (default: ``pool``). Chunks whose chain
     touches an object in ``avoid`` (found damaged) are neither reused nor delta bases. ``hints``:
     the store's memory of how each place was coded (read, and updated when this save is done).
+    ``fast``: changed chunks are stored as they are (codec ``s``), lossy ones excepted.
 
     A chunk coded lossily is keyed by :func:`lossy_key`, apart from a lossless chunk of the same
     bytes; one its lossy codec declines is stored exactly, under its raw hash."""
@@ -244,7 +253,8 @@ def encode(
             for digest, recipe in whole.items()
             if not any(whole[link].pack in avoid for link in closure(digest, whole))
         }
-    out = Encoded(tensors=[], chunks={}, packs={})
+    out = Encoded(tensors=[], chunks={}, packs={}, fast=fast)
+    times = cpu_times()
     pack = PackWriter(
         storage, writer or pool, config.pack_size, out, sum(leaf.nbytes for leaf in leaves)
     )
@@ -364,8 +374,8 @@ def encode(
                         task.place = (leaf.key, index)
                         task.hint = hints.get(task.place) if hints is not None else None
                 scheduled.add(digest)
-                args = (task, config.compression_level, config.max_chain_ratio)
-                if piece.size < INLINE_MAX and task.fetch is None:
+                args = (task, config.compression_level, config.max_chain_ratio, fast)
+                if (piece.size < INLINE_MAX and task.fetch is None) or (fast and lossy is None):
                     done: Future[_Payload] = Future()
                     done.set_result(_encode_task(*args))
                 else:
@@ -388,6 +398,9 @@ def encode(
             )
         drain(0)
         pack.finish()
+        after = cpu_times()
+        if times is not None and after is not None:
+            out.cpu_run_s, out.cpu_wait_s = after[0] - times[0], after[1] - times[1]
     except BaseException:
         for fut, _ in window:
             fut.cancel()
@@ -418,6 +431,7 @@ def encode(
             writer=writer,
             avoid=avoid,
             hints=hints,
+            fast=fast,
         )
     if hints is not None:
         hints.update(made, {leaf.key for leaf in leaves})

@@ -2,7 +2,7 @@
 (byte planes; byte-grouped zstd for earlier checkpoints), the opt-in lossy codecs for optimizer
 state, and the choice between them. Importing this package registers the built-ins."""
 
-from lightning_incremental.core.codecs import lossy, planes, zstd
+from lightning_incremental.core.codecs import lossy, planes, stored, zstd
 from lightning_incremental.core.codecs.bytes import (
     HASH_LEN,
     chunk_hash,
@@ -31,6 +31,7 @@ LOG8 = lossy.LOG8
 BF16 = lossy.BF16
 LOG8_DELTA = lossy.LOG8_DELTA
 BF16_DELTA = lossy.BF16_DELTA
+STORED = stored.STORED
 
 __all__ = [
     "BF16",
@@ -42,6 +43,7 @@ __all__ = [
     "PLANES",
     "PLANES_DELTA",
     "STANDALONE",
+    "STORED",
     "XOR",
     "Codec",
     "Hint",

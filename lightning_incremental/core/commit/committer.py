@@ -166,8 +166,34 @@ class Committer:
         self.writer = writer if writer is not None else pool
         self.fencing, self.lease, self.history, self.base = fencing, lease, history, base
         self.hints = Hints()  # how each place was coded last: the next save skips the race
+        self.contended = False  # codec_effort="auto": the last save waited for a CPU (encode.py)
 
     # ------------------------------------------------------------------ phase 1
+
+    def _fast(self) -> bool:
+        effort = self.config.codec_effort
+        return effort == "fast" or (effort == "auto" and self.contended)
+
+    def _observe(self, enc: Encoded) -> None:
+        """``codec_effort="auto"``: whether the encoding thread of this save waited for a CPU
+        longer than it ran (measured over enough time to mean it), for the next save."""
+        if self.config.codec_effort != "auto" or enc.cpu_run_s + enc.cpu_wait_s < 0.01:
+            return
+        contended = enc.cpu_wait_s > enc.cpu_run_s
+        if contended != self.contended:
+            log.info(
+                "store %s: the save's background thread %s a CPU (%.0f ms waiting, %.0f ms "
+                "running): %s",
+                self.storage.url,
+                "waited longer for" if contended else "no longer waits for",
+                1e3 * enc.cpu_wait_s,
+                1e3 * enc.cpu_run_s,
+                "changed chunks are stored as they are (codec_effort='auto'), more bytes and "
+                "less CPU, until a core is free again"
+                if contended
+                else "changed chunks are encoded in full again",
+            )
+        self.contended = contended
 
     def write_part(
         self, step: int, leaves: list[Leaf], *, parent: Parent | None = None, full: bool = False
@@ -198,7 +224,9 @@ class Committer:
                 writer=self.writer,
                 avoid=avoid,
                 hints=self.hints,
+                fast=self._fast(),
             )
+            self._observe(enc)
             adopted = {p: enc.packs[p] for p in set(enc.packs) - enc.written}
             vanished = sorted(p for p in adopted if not self.storage.exists(p))
             if vanished and explicit:
@@ -457,4 +485,5 @@ def save_result(
         chunks_full=stats["chunks_full"],
         objects_written=sum(1 for p in committed.manifest.packs if p not in before),
         warnings=committed.warnings,
+        effort="fast" if any(f.fast for f in figures) else "full",
     )

@@ -278,4 +278,5 @@ def rank_result(
         chunks_full=enc.chunks_full,
         objects_written=len(part.written),
         warnings=committed.warnings if committed is not None else (),
+        effort="fast" if enc.fast else "full",
     )

@@ -79,7 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, help="jobs per figure, best taken (default 2/1)")
     parser.add_argument("--steps", type=int, help="timed steps of every job (default: per cell)")
-    parser.add_argument("--warmup", type=int, help=f"untimed steps first (default {WARMUP})")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        help=f"untimed steps first (default: {WARMUP}, and one save first at every 1 and 10 steps)",
+    )
     parser.add_argument("--mtbf-hours", type=float, default=4.0, help="for Young/Daly (4 h)")
     parser.add_argument("--work-dir", help="where jobs write checkpoints (default: the temp dir)")
     parser.add_argument(
@@ -111,9 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for name in args.systems or []:
             if name not in known:
                 parser.error(f"unknown system {name!r}: {', '.join(sorted(known))}")
-        if args.warmup is None:
-            args.warmup = WARMUP
-        if args.warmup < 1 or (args.steps is not None and args.steps < 1):
+        bad_warmup = args.warmup is not None and args.warmup < 1
+        if bad_warmup or (args.steps is not None and args.steps < 1):
             parser.error("--warmup and --steps must be positive")
     return args
 
@@ -137,6 +140,17 @@ def systems_of(args: argparse.Namespace, workload: str) -> tuple[list[str], dict
     if chosen and "none" not in chosen:
         chosen.insert(0, "none")  # the baseline every overhead is measured against
     return chosen, skipped
+
+
+def warmup_for(args: argparse.Namespace, interval: int | None) -> int:
+    """Untimed steps before the clock starts: ``--warmup``, else enough for one save first where
+    saves are frequent (every 1 or 10 steps), so that the timed saves are steady-state ones (an
+    incremental store's first save is a full one, with no delta base yet), else ``WARMUP``."""
+    if args.warmup is not None:
+        return int(args.warmup)
+    if interval is not None and interval <= 10:
+        return interval + WARMUP
+    return WARMUP
 
 
 def repeats_of(args: argparse.Namespace, workload: str, regime: str, interval: int | None) -> int:
@@ -181,7 +195,7 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, dict
                         "regime": regime,
                         "interval": interval,
                         "steps": steps_for(args, regime, interval),
-                        "warmup": args.warmup,
+                        "warmup": warmup_for(args, interval),
                         "quick": bool(args.quick),
                         "repeat": repeat,
                         "device": args.device,
@@ -256,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
             for r in args.regimes
             for i in [*args.intervals[r], None]
         },
-        "warmup": args.warmup,
+        "warmup": args.warmup if args.warmup is not None else "per cell",
         "mtbf_hours": args.mtbf_hours,
         "work_dir": str(work),
         "skipped": skipped,

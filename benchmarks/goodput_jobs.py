@@ -41,7 +41,7 @@ LIGHTNING_SYSTEMS = (
 ACCELERATE_SYSTEMS = ("none", "incremental", "save_state", "dcp_async")
 WORKLOADS = {"lightning": LIGHTNING_SYSTEMS, "accelerate": ACCELERATE_SYSTEMS}
 ADAPTIVE = {"callback_budget"}  # choose their own interval: run once per regime
-UNYIELDING = {"background_nice": 0, "workers": 2}  # store options of the old background threads
+UNYIELDING = {"background_nice": 0, "workers": 2, "codec_effort": "full"}  # earlier versions
 BUDGET = 0.02  # callback_budget: max_overhead
 
 

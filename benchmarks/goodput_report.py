@@ -219,8 +219,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{settings['loadavg_start'][0]:.2f}, at the end {settings['loadavg_end'][0]:.2f}; "
         f"the run took {settings['elapsed_s'] / 60:.1f} min.",
         "",
-        f"Model {settings['model']}; {settings['warmup']} untimed warm-up steps, then the timed "
-        f"steps; each figure is the best of its jobs ({_repeats(settings['repeats'])}). "
+        f"Model {settings['model']}; untimed warm-up steps ({_warmup(settings['warmup'])}), then "
+        f"the timed steps; each figure is the best of its jobs ({_repeats(settings['repeats'])}). "
         "Timed: from after the warm-up, nothing in flight, to the end of "
         "training with every checkpoint durable. Overhead = (T_system - T_none) / T_none in the "
         "same cell. Regimes: *all cores* trains with torch's default threads, *a core free* "
@@ -290,3 +290,9 @@ def markdown(doc: dict[str, Any]) -> str:
         met = {True: "met", False: "**not met**", None: "not measured"}[goal["met"]]
         lines.append(f"| {goal['name']} | {goal['measured']} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def _warmup(warmup: object) -> str:
+    if isinstance(warmup, int):
+        return str(warmup)
+    return "2, and one save first where saves come every 1 or 10 steps: interval + 2"

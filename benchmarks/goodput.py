@@ -16,7 +16,7 @@ outside its timed window (interpreter and imports, model, warm-up, restore, clea
 saves at every step, 2 more untimed saves); a training step takes ~0.33 s on both cores and
 ~0.55 s on one thread; a save adds ~0.5-1.5 s (saves at every step queue behind each other:
 those jobs run at the pace of the saves). Timed steps: 5 at every step (5 saves), 20 at every
-10 (2 saves), 50 at every 50 (1 save), 50 for ``callback_budget``. The every-50 column runs on
+10 (2 saves), 50 at every 50 (1 save), 150 for ``callback_budget``. The every-50 column runs on
 all cores only: with a core free it would add ~4 min (13 jobs of 50 one-thread steps) for the
 column that says least (one save per job, an overhead about the size of the noise);
 ``--intervals 1,10,50`` runs it in every regime. The Lightning cells the goals read (all cores
@@ -50,7 +50,7 @@ QUICK_INTERVALS = (10,)  # --quick: one interval, so that it stays within ~3 min
 # timed steps per (regime, interval); an interval not listed gets 2 intervals' worth
 STEPS_FULL = {("all", 1): 5, ("all", 10): 20, ("all", 50): 50}
 STEPS_FULL |= {("free", 1): 5, ("free", 10): 20, ("free", 50): 50}
-ADAPTIVE_STEPS = 50  # callback_budget's jobs (room for it to choose an interval)
+ADAPTIVE_STEPS = 150  # the budgeted callback: long enough for its measured interval to show
 # without --repeats, the Lightning cells the goals read run twice, every other cell once
 GOAL_CELLS = {("all", 10), ("free", 1), ("free", 10)}
 WARMUP = 2

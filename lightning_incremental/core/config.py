@@ -72,10 +72,13 @@ class StoreConfig:
         codec_effort: how much CPU a save spends to write fewer bytes. ``"full"``: every
             changed chunk raced over the codecs (predicted deltas, byte planes, zstd). ``"fast"``:
             changed chunks stored as they are (codec ``s``: no CPU beyond the copy; unchanged
-            chunks are still referenced, not written). ``"auto"`` (default): full, except after
-            a save whose background thread waited for a CPU longer than it ran (training keeps
-            every core busy, and the codec's CPU would come out of training): then fast, until a
-            save finds a core free again. Opt-in lossy codecs (``optimizer_state``) always apply.
+            chunks are still referenced, not written). ``"auto"`` (default): full, except while
+            the last save's background thread waited for a CPU longer than it ran (training
+            keeps every core busy, and the codec's CPU would come out of training's), or a save
+            coded in full took most of the time between two saves (saves would queue up and
+            training wait for them): then fast, until that is no longer so
+            (:mod:`~lightning_incremental.core.commit.effort`). Opt-in lossy codecs
+            (``optimizer_state``) always apply.
         pack_size: encoded chunks are appended to pack objects of about this size, so a save of
             thousands of small tensors writes a few objects, not thousands. Packs are written while
             later chunks are still being encoded: smaller packs overlap more and hold less in

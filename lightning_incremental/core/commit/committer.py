@@ -27,6 +27,7 @@ from typing import Any
 from lightning_incremental.core.chunks.delta_base import DeltaBase, Parent
 from lightning_incremental.core.chunks.encode import Encoded, Hints, encode
 from lightning_incremental.core.chunks.packs import damaged_objects
+from lightning_incremental.core.commit.effort import Effort
 from lightning_incremental.core.commit.fencing import Fencing
 from lightning_incremental.core.commit.history import History
 from lightning_incremental.core.commit.lease import Lease
@@ -166,34 +167,9 @@ class Committer:
         self.writer = writer if writer is not None else pool
         self.fencing, self.lease, self.history, self.base = fencing, lease, history, base
         self.hints = Hints()  # how each place was coded last: the next save skips the race
-        self.contended = False  # codec_effort="auto": the last save waited for a CPU (encode.py)
+        self.effort = Effort(config.codec_effort)  # when changed chunks are stored as they are
 
     # ------------------------------------------------------------------ phase 1
-
-    def _fast(self) -> bool:
-        effort = self.config.codec_effort
-        return effort == "fast" or (effort == "auto" and self.contended)
-
-    def _observe(self, enc: Encoded) -> None:
-        """``codec_effort="auto"``: whether the encoding thread of this save waited for a CPU
-        longer than it ran (measured over enough time to mean it), for the next save."""
-        if self.config.codec_effort != "auto" or enc.cpu_run_s + enc.cpu_wait_s < 0.01:
-            return
-        contended = enc.cpu_wait_s > enc.cpu_run_s
-        if contended != self.contended:
-            log.info(
-                "store %s: the save's background thread %s a CPU (%.0f ms waiting, %.0f ms "
-                "running): %s",
-                self.storage.url,
-                "waited longer for" if contended else "no longer waits for",
-                1e3 * enc.cpu_wait_s,
-                1e3 * enc.cpu_run_s,
-                "changed chunks are stored as they are (codec_effort='auto'), more bytes and "
-                "less CPU, until a core is free again"
-                if contended
-                else "changed chunks are encoded in full again",
-            )
-        self.contended = contended
 
     def write_part(
         self, step: int, leaves: list[Leaf], *, parent: Parent | None = None, full: bool = False
@@ -213,6 +189,8 @@ class Committer:
         full = full or parent is None or parent.manifest.since_base + 1 >= self.config.base_every
         avoid: set[str] = set()
         reloaded = False
+        fast = self.effort.fast()
+        started = time.perf_counter()
         while True:
             enc = encode(
                 leaves,
@@ -224,9 +202,8 @@ class Committer:
                 writer=self.writer,
                 avoid=avoid,
                 hints=self.hints,
-                fast=self._fast(),
+                fast=fast,
             )
-            self._observe(enc)
             adopted = {p: enc.packs[p] for p in set(enc.packs) - enc.written}
             vanished = sorted(p for p in adopted if not self.storage.exists(p))
             if vanished and explicit:
@@ -268,6 +245,14 @@ class Committer:
             damaged = damaged_objects(self.storage, unknown)
             if not damaged:
                 self.history.trust(unknown)
+                said = self.effort.observe(
+                    fast=fast,
+                    seconds=time.perf_counter() - started,
+                    cpu_run_s=enc.cpu_run_s,
+                    cpu_wait_s=enc.cpu_wait_s,
+                )
+                if said is not None:
+                    log.info("store %s: %s", self.storage.url, said)
                 return Part(
                     step=step,
                     parent=parent.step if parent else None,

@@ -96,6 +96,7 @@ class Saver:
             self.initialise()
             self.history.check_step(step)
             self.history.last_step = step
+        self.committer.effort.started(busy=bool(self.queue.pending()))
         reserved = False
         try:
             self.queue.reserve()

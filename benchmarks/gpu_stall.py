@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks.model import FULL, QUICK, RandomTokens, TinyLM, train_step
+from benchmarks.state import tensor_bytes
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -43,10 +44,7 @@ def measure(quick: bool, saves: int, work: Path) -> dict[str, Any]:
 
     for _ in range(3):
         step()
-    state_bytes = sum(
-        t.numel() * t.element_size()
-        for t in [*model.state_dict().values(), *_tensors(optimizer.state_dict())]
-    )
+    state_bytes = tensor_bytes(_state(model, optimizer))
     figures: dict[str, Any] = {"state_mb": state_bytes / 1e6, "step_s": step()}
 
     def run(name: str, save: Any, finish: Any = None) -> None:
@@ -86,16 +84,6 @@ def measure(quick: bool, saves: int, work: Path) -> dict[str, Any]:
     except Exception as exc:  # DCP without a process group differs across torch versions
         figures["dcp_async"] = {"error": f"{type(exc).__name__}: {exc}"}
     return figures
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from accelerate_incremental import checkpointer as checkpointer_module
 from lightning_incremental.core import ConfigError
 from lightning_incremental.runtime.cadence import WARMUP
 from tests.accelerate.test_accelerate import make_run
+from tests.fake_clock import Clock
 
 
 @pytest.fixture(autouse=True)
@@ -25,18 +26,6 @@ def _fresh_state() -> Iterator[None]:
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-class Clock:
-    """One second per reading: a step (one ``maybe_save``) takes 1 s, a save (read at its start
-    and its end) stalls training 1 s, and so the step after a save is 1 s longer."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 @pytest.fixture

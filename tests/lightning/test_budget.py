@@ -18,21 +18,10 @@ from lightning_incremental.core import CheckpointStore, ConfigError
 from lightning_incremental.lightning import callback as callback_module
 from lightning_incremental.lightning.saver import Saver
 from lightning_incremental.runtime.cadence import WARMUP
+from tests.fake_clock import Clock
 from tests.jobs.lightning_job import fit, weights
 
 TRAINER = {"max_steps": 40, "max_epochs": -1, "limit_val_batches": 0, "val_check_interval": None}
-
-
-class Clock:
-    """The callback's clock: one second per reading, so every step "takes" 1 s and a save
-    (read at its start and its end) stalls training 1 s."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 @pytest.fixture

@@ -73,10 +73,10 @@ class StoreConfig:
             changed chunk raced over the codecs (predicted deltas, byte planes, zstd). ``"fast"``:
             changed chunks stored as they are (codec ``s``: no CPU beyond the copy; unchanged
             chunks are still referenced, not written). ``"auto"`` (default): full, except while
-            the last save's background thread waited for a CPU longer than it ran (training
-            keeps every core busy, and the codec's CPU would come out of training's), or a save
-            coded in full took most of the time between two saves (saves would queue up and
-            training wait for them): then fast, until that is no longer so
+            the last save's background thread waited for a CPU several times as long as it ran
+            (training holds every core, and the codec's CPU would come out of training's), or
+            while saves are asked for before a save coded in full has ended (they would queue
+            up and training wait for them): then fast, until that is no longer so
             (:mod:`~lightning_incremental.core.commit.effort`). Opt-in lossy codecs
             (``optimizer_state``) always apply.
         pack_size: encoded chunks are appended to pack objects of about this size, so a save of

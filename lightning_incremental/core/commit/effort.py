@@ -3,10 +3,12 @@ codec CPU) instead of coding them in full.
 
 Two signals, each measured by the saves themselves:
 
-- **contended**: the save's encoding thread waited for a CPU longer than it ran
-  (:func:`~lightning_incremental.core.workers.cpu_times`; measured when it ran at least
-  ``MIN_RUN_S``): training keeps every core busy, and the codec's CPU would come out of
-  training's. Measured at every save, fast ones too: it clears once a core is free again.
+- **contended**: the save's encoding thread waited for a CPU more than ``CONTENDED`` times as
+  long as it ran (:func:`~lightning_incremental.core.workers.cpu_times`; measured when it ran
+  at least ``MIN_RUN_S``): training keeps every core busy, and the codec's CPU would come out of
+  training's. (Our own threads sharing one free core make it wait about as long as it runs;
+  training's threads, at a higher priority, about ten times as long.) Measured at every save,
+  fast ones too: it clears once a core is free again.
 - **behind**: a save was asked for while the one before it, coded in full (and taking at least
   ``MIN_BEHIND_S``), was still running: at this rate saves queue up and training waits for
   them (back-pressure), however free the cores are. While behind, every ``PROBE_EVERY``-th
@@ -20,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIN_RUN_S = 0.02  # a save shorter than this on a CPU says nothing about contention
+CONTENDED = 3.0  # waiting this many times as long as running: the cores are training's
 MIN_BEHIND_S = 0.05  # a save coded in full in less than this is not what holds training up
 PROBE_EVERY = 8  # while behind, every this-many-th save is coded in full to measure again
 
@@ -58,7 +61,7 @@ class Effort:
             return None
         before = self.fast()
         if cpu_run_s >= MIN_RUN_S:
-            self.contended = cpu_wait_s > cpu_run_s
+            self.contended = cpu_wait_s > CONTENDED * cpu_run_s
         self._last_fast = fast
         if fast:
             self._fast_in_a_row += 1
@@ -70,7 +73,7 @@ class Effort:
             return None
         if self.contended:
             return (
-                f"the save's background thread waited longer for a CPU than it ran "
+                f"the save's background thread waited for a CPU far longer than it ran "
                 f"({1e3 * cpu_wait_s:.0f} ms waiting, {1e3 * cpu_run_s:.0f} ms running): changed "
                 "chunks are stored as they are (more bytes, less CPU) for now"
             )

@@ -73,8 +73,8 @@ class StoreConfig:
             changed chunk raced over the codecs (predicted deltas, byte planes, zstd). ``"fast"``:
             changed chunks stored as they are (codec ``s``: no CPU beyond the copy; unchanged
             chunks are still referenced, not written). ``"auto"`` (default): full, except while
-            the last save's background thread waited for a CPU several times as long as it ran
-            (training holds every core, and the codec's CPU would come out of training's), or
+            the last save's background thread waited longer for a CPU than it ran (training
+            holds every core, and the codec's CPU would come out of training's), or
             while saves are asked for before a save coded in full has ended (they would queue
             up and training wait for them): then fast, until that is no longer so
             (:mod:`~lightning_incremental.core.commit.effort`). Opt-in lossy codecs

@@ -27,7 +27,19 @@ from accelerate_incremental._flag import settings
 from accelerate_incremental._trainer import TrainerCheckpointer
 
 log = logging.getLogger("lightning_incremental")
-_ENABLED: weakref.WeakKeyDictionary[Any, TrainerCheckpointer] = weakref.WeakKeyDictionary()
+# Each enabled Trainer's checkpointer, by a weak reference: a checkpointer refers to its Trainer,
+# and a strong value would keep its key (and the model, optimizer and store) alive for good. The
+# Trainer's own hooks refer to the checkpointer, which so lives exactly as long as the Trainer.
+_ENABLED: weakref.WeakKeyDictionary[Any, weakref.ref[TrainerCheckpointer]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _enabled(trainer: Any) -> TrainerCheckpointer | None:
+    found = _ENABLED.get(trainer)
+    return found() if found is not None else None
+
+
 # The flag's settings the Trainer's own arguments replace: ignored for a Trainer, with a warning.
 _TRAINER_OWNS = {
     "keep_last": "save_total_limit",
@@ -122,7 +134,7 @@ def enable_trainer(
             arguments for a Trainer already enabled.
         ConfigError: a bad flag value or store option.
     """
-    existing = _ENABLED.get(trainer)
+    existing = _enabled(trainer)
     if existing is not None:
         if dirpath is not None or kwargs:
             raise ValueError(
@@ -150,7 +162,7 @@ def enable_trainer(
 def _start(trainer: Any, config: dict[str, Any]) -> TrainerCheckpointer:
     kept, ignored = _split(config)
     checkpointer = TrainerCheckpointer(trainer, **kept)
-    _ENABLED[trainer] = checkpointer
+    _ENABLED[trainer] = weakref.ref(checkpointer)
     for note in notes(trainer, ignored):
         _trainer.announce(trainer, note)
         warnings.warn(f"accelerate_incremental: {note}", UserWarning, stacklevel=3)
@@ -168,8 +180,9 @@ def from_flag(trainer: Any, config: dict[str, Any]) -> TrainerCheckpointer | Non
     with ``config``, or warn why it cannot be and leave it writing its own checkpoints. Either
     way the flag's generic accelerator takeover leaves the Trainer's accelerator alone."""
     _trainer.own_accelerator(trainer.accelerator)
-    if trainer in _ENABLED:
-        return _ENABLED[trainer]
+    existing = _enabled(trainer)
+    if existing is not None:
+        return existing
     refused = refusals(trainer)
     if refused:
         message = (

@@ -4,6 +4,7 @@ threads left running (tests/lightning) must not see these."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,16 +17,16 @@ pytest.importorskip("transformers")
 def _close_trainer_checkpointers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     from accelerate_incremental import _trainer
 
-    made: list[Any] = []
+    made: list[weakref.ref[Any]] = []  # weak: a test may check that a dropped Trainer goes
     original = _trainer.TrainerCheckpointer.__init__
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        made.append(self)
+        made.append(weakref.ref(self))
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(_trainer.TrainerCheckpointer, "__init__", init)
     yield
-    for checkpointer in made:
-        store = getattr(checkpointer, "store", None)
+    for ref in made:
+        store = getattr(ref(), "store", None)
         if store is not None:
             store.close()

@@ -126,3 +126,19 @@ def test_start_up_notes(tmp_path: Path) -> None:
     assert "save_only_model=True: the store keeps the whole training state" in text
     assert "keep_last is ignored for a Trainer: its save_total_limit rules" in text
     assert "replica_check is not used for a Trainer" in text
+
+
+def test_a_dropped_trainer_is_collected_with_its_store(tmp_path: Path) -> None:
+    """The registry of enabled Trainers holds neither the Trainer nor its checkpointer: a
+    process that creates Trainer after Trainer (a search over hyper-parameters) keeps none."""
+    import gc
+    import weakref
+
+    trainer = tiny_trainer(tmp_path / "out")
+    checkpointer = enable_trainer(trainer, str(tmp_path / "store"))
+    assert checkpointer is not None
+    dropped = weakref.ref(trainer)
+    store = weakref.ref(checkpointer.store)
+    del trainer, checkpointer
+    gc.collect()
+    assert dropped() is None and store() is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -108,6 +109,14 @@ def main() -> None:
         }
         torch.save(result, options.out)
     print("JOB DONE", flush=True)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # As the other multi-process jobs: every save committed (train() waited for them), so
+        # end here, past gloo's teardown at interpreter exit, which can abort a process that
+        # finished ("terminate called without an active exception") whatever the script did.
+        torch.distributed.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ import errno as errnos
 import os
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_incremental.core.errors import StorageError
 from lightning_incremental.core.storage import Storage, translate_errors
@@ -212,3 +215,28 @@ class FaultyStorage(Storage):
     def mtime(self, path: str) -> float | None:
         self._guard("mtime", path)
         return self.inner.mtime(path)
+
+
+@contextmanager
+def unreadable_directories(*directories: str, errno: int = errnos.EIO) -> Iterator[list[str]]:
+    """Make reading the listed (absolute) local directories fail with ``errno`` meanwhile, as a
+    failing disk or a stale NFS handle makes ``scandir`` fail: every backend over a local
+    filesystem (``os.walk``, fsspec's ``LocalFileSystem.ls``) hits the real call's error.
+    Running as root, permissions cannot make a directory unreadable; this can. Yields the list
+    of directories whose reading failed (in order)."""
+    real = os.scandir
+    broken = {os.path.normpath(d) for d in directories}
+    failed: list[str] = []
+
+    def scandir(path: Any = ".") -> Any:
+        where = os.path.normpath(os.fsdecode(path)) if isinstance(path, (str, bytes)) else None
+        if where in broken:
+            failed.append(where)
+            raise OSError(errno, os.strerror(errno), where)
+        return real(path)
+
+    os.scandir = scandir
+    try:
+        yield failed
+    finally:
+        os.scandir = real

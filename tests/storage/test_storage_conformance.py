@@ -10,12 +10,18 @@ Part 1 pins the Storage interface the engine relies on; part 2 runs whole-store 
 from __future__ import annotations
 
 import math
+import os
+import resource
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from errno import EMFILE, ESTALE
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from lightning_incremental.core import (
     CheckpointNotFoundError,
@@ -29,8 +35,12 @@ from lightning_incremental.core.storage import (
     open_storage,
     registered_schemes,
 )
+from lightning_incremental.core.storage.filesystem import FsspecStorage
+from lightning_incremental.core.storage.local import LocalStorage
+from lightning_incremental.core.storage.s3 import S3Storage
 from tests import storage_plugin
 from tests.conftest import STORE_BACKENDS, assert_state_equal, backend_url, small_store
+from tests.faulty import unreadable_directories
 
 # The schemes whose backends the suite opens (besides local paths and fsspec's memory://).
 SUITE_SCHEMES = {"s3": "s3", "plugin": storage_plugin.SCHEME}
@@ -350,3 +360,104 @@ def test_storage_instance_and_url_are_the_same_store(store_url: str) -> None:
     with small_store(store_url) as b:
         b.save(states[1], 1).wait()
         _assert_loads(b, dict(enumerate(states)))
+
+
+# ---------------------------------------------------------------------------- listing errors
+
+# A listing is complete or an error: an unreadable directory read as an empty one makes
+# retention see no checkpoints (and collect every object) and a fence vanish (and a fenced-off
+# writer's checkpoint appear). Each backend below hits a real error of its own: a local
+# directory whose reading fails (os.scandir, under os.walk or fsspec's LocalFileSystem), an S3
+# listing request refused. The memory:// and plugin backends cannot fail a listing.
+
+OBJECTS = ["packs/ab/1.pack", "packs/cd/2.pack", "manifests/0.json", "top.json"]
+
+
+@pytest.fixture(params=["local", "fsspec", "s3"])
+def breakable(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[Storage, Callable[[str], Any]]]:
+    """A storage holding OBJECTS, and ``fail(directory)``: a context in which every listing
+    that reads ``directory`` (it, or a directory above it) fails."""
+    if request.param == "s3":
+        endpoint = request.getfixturevalue("s3_endpoint")
+        faults = request.getfixturevalue("s3_faults")
+        bucket = request.getfixturevalue("s3_bucket")
+        options = endpoint.options(faulty=True)
+        storage: Storage = S3Storage.from_url(f"s3://{bucket}/store", options)
+
+        @contextmanager
+        def fail(directory: str) -> Iterator[None]:
+            parts = directory.split("/")
+            for depth in range(len(parts) + 1):  # one request lists a prefix and all below it
+                prefix = "/".join(["store", *parts[:depth]]) + "/"
+                faults.error(
+                    403, method="GET", query={"list-type": "2", "prefix": prefix}, times=None
+                )
+            try:
+                yield
+            finally:
+                faults.clear()
+
+    else:
+        root = str(tmp_path / "store")
+        if request.param == "local":
+            storage = LocalStorage(root)
+        else:  # fsspec's generic listing (a walk), as for sftp://, hdfs://, smb:// ...
+            storage = FsspecStorage(LocalFileSystem(), root, url=f"file://{root}")
+
+        def fail(directory: str) -> Any:
+            return unreadable_directories(os.path.join(root, *directory.split("/")), errno=ESTALE)
+
+    for name in OBJECTS:
+        storage.put(name, name.encode())
+    yield storage, fail
+
+
+@pytest.mark.parametrize("directory", ["packs", "packs/cd"])
+def test_a_listing_that_fails_raises(
+    breakable: tuple[Storage, Callable[[str], Any]], directory: str
+) -> None:
+    """The directory itself, or one below the listed one: an error naming what was listed."""
+    storage, fail = breakable
+    with fail(directory):
+        with pytest.raises(OSError, match=r"listing \S*packs"):
+            storage.list("packs")
+        with pytest.raises(OSError, match="listing"):
+            storage.list("")
+        assert storage.list("manifests") == ["manifests/0.json"]  # the others still list
+        assert storage.list("nothing-here") == []  # a missing directory is still empty
+    assert storage.list("packs") == OBJECTS[:2]
+
+
+def test_a_one_level_listing_that_fails_raises(
+    breakable: tuple[Storage, Callable[[str], Any]],
+) -> None:
+    storage, fail = breakable
+    with fail("manifests"):
+        with pytest.raises(OSError, match=r"listing \S*manifests"):
+            storage.listdir("manifests")
+        assert storage.listdir("nothing-here") == []
+    assert storage.listdir("manifests") == ["manifests/0.json"]
+
+
+def test_a_local_listing_out_of_file_descriptors_raises(tmp_path: Path) -> None:
+    """EMFILE, a real error: the process may open no more files while the store is listed."""
+    storage = LocalStorage(str(tmp_path / "store"))
+    for name in OBJECTS:
+        storage.put(name, name.encode())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.open(os.devnull, os.O_RDONLY)
+    os.close(lowest_free)
+    errors: list[OSError] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        for call in (lambda: storage.list("packs"), lambda: storage.listdir("manifests")):
+            try:
+                call()
+            except OSError as exc:
+                errors.append(exc)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(errors) == 2 and all(e.errno == EMFILE for e in errors), errors
+    assert "listing packs" in str(errors[0]) and "listing manifests" in str(errors[1])

@@ -54,7 +54,9 @@ class Storage(ABC):
 
     @abstractmethod
     def list(self, prefix: str) -> builtins.list[str]:
-        """Relative paths of every object under directory ``prefix`` (recursively)."""
+        """Relative paths of every object under directory ``prefix`` (recursively); none when it
+        does not exist. A listing that fails raises (an OSError, e.g. StorageError): it is never
+        returned incomplete, or empty."""
 
     def listdir(self, prefix: str) -> builtins.list[str]:
         """Relative paths of the objects directly in directory ``prefix``, not in its

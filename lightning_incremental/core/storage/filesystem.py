@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import fsspec
+from fsspec import AbstractFileSystem
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from lightning_incremental.core.errors import ConfigError
@@ -94,6 +96,8 @@ class FsspecStorage(Storage):
         self._made: set[str] = set()
         protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
         self._directories = not OBJECT_STORES.intersection(protocols)
+        # fsspec's generic find omits every error below the top directory: walked here instead
+        self._own_find = _overrides_find(fs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -122,14 +126,46 @@ class FsspecStorage(Storage):
             return bool(self.fs.exists(self._abs(path)))
 
     def list(self, prefix: str) -> builtins.list[str]:
+        """Every object under ``prefix``; a directory that does not exist holds none.
+
+        Raises:
+            StorageError: the listing failed (a directory could not be read).
+        """
         base = self._abs(prefix).rstrip("/")
-        with translate_errors(f"listing {prefix}", self._secrets):
+        with translate_errors(f"listing {prefix or 'the store'}", self._secrets):
             try:
-                found = self.fs.find(base)
+                found = self._find(base) if self._own_find else self._walk(base)
             except FileNotFoundError:
                 return []
         strip = self.fs._strip_protocol(self.root).rstrip("/") if self.root else ""
         return sorted(_relative(self.fs._strip_protocol(name), strip) for name in found)
+
+    def _find(self, base: str) -> builtins.list[str]:
+        """The filesystem's own recursive listing (one flat listing on object stores)."""
+        return list(self.fs.find(base))
+
+    def _walk(self, base: str) -> builtins.list[str]:
+        """Every file under ``base``, directory by directory. fsspec's generic ``find`` walks
+        with errors omitted (an unreadable directory reads as an empty one): this one raises
+        them; only a directory that does not exist (or vanished meanwhile) holds nothing."""
+        found: builtins.list[str] = []
+        pending = [base]
+        while pending:
+            directory = pending.pop()
+            try:
+                entries = self.fs.ls(directory, detail=True)
+            except FileNotFoundError:
+                if directory == base:
+                    raise
+                continue
+            for info in entries:
+                name = info["name"].rstrip("/")
+                if info.get("type") == "directory":
+                    if name != directory:
+                        pending.append(name)
+                elif name != directory:  # ls of a file names the file: not under it
+                    found.append(name)
+        return found
 
     def listdir(self, prefix: str) -> builtins.list[str]:
         base = prefix.strip("/")
@@ -165,6 +201,15 @@ class FsspecStorage(Storage):
             except (NotImplementedError, AttributeError):
                 return None
         return float(modified.timestamp())
+
+
+def _overrides_find(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` lists recursively its own way (object stores: one flat listing, whose
+    errors are raised) rather than by fsspec's generic walk, which omits them."""
+    cls = type(fs)
+    if isinstance(fs, AsyncFileSystem):
+        return cls._find is not AsyncFileSystem._find
+    return cls.find is not AbstractFileSystem.find
 
 
 def _relative(name: str, root: str) -> str:

@@ -122,10 +122,16 @@ class LocalStorage(Storage):
         return os.path.exists(self._abs(path))
 
     def list(self, prefix: str) -> list[str]:
+        """Every object under ``prefix``; a directory that does not exist holds none.
+
+        Raises:
+            StorageError: a directory could not be read (EIO, ESTALE, EACCES, EMFILE, ...):
+                a listing is complete or an error, never a guess.
+        """
         base = self._abs(prefix)
         out: list[str] = []
-        with translate_errors(f"listing {prefix} under {self.root}"):
-            for dirpath, _, files in os.walk(base):
+        with translate_errors(f"listing {prefix or 'the store'} under {self.root}"):
+            for dirpath, _, files in os.walk(base, onerror=_raise_unless_gone):
                 rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
                 prefix_dir = "" if rel_dir == "." else f"{rel_dir}/"
                 out.extend(f"{prefix_dir}{name}" for name in files)
@@ -134,18 +140,17 @@ class LocalStorage(Storage):
     def listdir(self, prefix: str) -> builtins.list[str]:
         base = prefix.strip("/")
         out: builtins.list[str] = []
-        with translate_errors(f"listing {prefix} under {self.root}"):
+        with translate_errors(f"listing {prefix or 'the store'} under {self.root}"):
             try:
-                entries = list(os.scandir(self._abs(base)))
+                with os.scandir(self._abs(base)) as scan:
+                    entries = list(scan)
             except (FileNotFoundError, NotADirectoryError):
                 return []
-        for entry in entries:
-            try:
-                if entry.is_dir():  # follows links, as os.walk does: a link to a file is one
-                    continue
-            except OSError:
-                continue
-            out.append(f"{base}/{entry.name}" if base else entry.name)
+            for entry in entries:
+                # follows links, as os.walk does: a link to a file is one; an entry whose type
+                # cannot be read is an error, not left out (the listing would be incomplete)
+                if not entry.is_dir():
+                    out.append(f"{base}/{entry.name}" if base else entry.name)
         return sorted(out)
 
     def delete(self, path: str) -> None:
@@ -174,6 +179,14 @@ def fsync_dir(directory: str) -> None:
         pass  # some filesystems cannot fsync a directory; the data files were fsynced
     finally:
         os.close(fd)
+
+
+def _raise_unless_gone(exc: OSError) -> None:
+    """``os.walk``'s error handler: a directory that does not exist (or vanished while it was
+    walked) holds no objects; any other error fails the listing (``os.walk`` would skip the
+    directory, and an unreadable directory would read as an empty one)."""
+    if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        raise exc
 
 
 def _silent_unlink(path: str) -> None:

@@ -1,7 +1,8 @@
 """The ``lightning-incremental`` command: list, inspect, verify, diff, export, compact and clean.
 
 Exit codes: 0 success; 1 a checkpoint failed verification (or is corrupt); 2 bad usage;
-3 no store, or no such checkpoint; 4 another checkpoint or storage error.
+3 no store, or no such checkpoint; 4 another checkpoint or storage error (``verify``: a checkpoint
+could not be read, which says nothing about its bytes).
 Output is rich tables on a terminal, plain text otherwise; ``--json`` prints one JSON document.
 Storage options (``--storage-option key=value``) are used to open the store and never printed.
 """
@@ -317,6 +318,7 @@ def _verify(store: CheckpointStore, args: argparse.Namespace, console: Console) 
             "chunks": r.chunks_checked,
             "bytes": r.bytes_checked,
             "errors": r.errors + [f"{o.path}: {o.error}" for o in r.objects if not o.ok],
+            "unreadable": r.unreadable,
             "lossy_tensors": r.lossy,
         }
         for r in reports
@@ -325,17 +327,27 @@ def _verify(store: CheckpointStore, args: argparse.Namespace, console: Console) 
     for name in ("step", "result", "objects", "chunks", "MB read", "lossy", "problems"):
         table.add_column(name, justify="right" if name != "problems" else "left")
     for r in doc:
+        problems = r["errors"][:5]
+        if r["unreadable"]:
+            problems.append(f"could not be read: {r['unreadable']}")
         table.add_row(
             str(r["step"]),
-            "[green]ok[/]" if r["ok"] else "[red]CORRUPT[/]",
+            "[red]CORRUPT[/]"
+            if r["errors"]
+            else "[yellow]UNREADABLE[/]"
+            if r["unreadable"]
+            else "[green]ok[/]",
             str(r["objects"]),
             str(r["chunks"]),
             _mb(r["bytes"]),
             f"[yellow]{len(r['lossy_tensors'])} tensors[/]" if r["lossy_tensors"] else "",
-            "\n".join(r["errors"][:5]),
+            "\n".join(problems),
         )
     _emit(console, args, {"url": store.url, "checkpoints": doc}, table)
-    return EXIT_OK if all(r["ok"] for r in doc) else EXIT_CORRUPT
+    if any(r["errors"] for r in doc):
+        return EXIT_CORRUPT
+    # A storage error is no finding about the checkpoints: not corrupt, try again.
+    return EXIT_ERROR if any(r["unreadable"] for r in doc) else EXIT_OK
 
 
 def _diff(store: CheckpointStore, args: argparse.Namespace, console: Console) -> int:

@@ -74,10 +74,19 @@ class VerifyReport:
     # Key paths of the tensors stored lossily (an opt-in codec): their chunks are checked against
     # the hash of their decoded bytes, and they do not restore bit-exact.
     lossy: list[str] = field(default_factory=list)
+    # Why the checkpoint could not be read (the storage's error: unreachable, refused, an I/O
+    # error), if it could not; that is no finding about its bytes: try again.
+    unreadable: str | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.errors and all(o.ok for o in self.objects)
+        """Read whole and found intact."""
+        return self.unreadable is None and not self.damaged
+
+    @property
+    def damaged(self) -> bool:
+        """Something read was found wrong (an object missing or corrupt, a chunk that fails)."""
+        return bool(self.errors) or not all(o.ok for o in self.objects)
 
 
 @dataclass

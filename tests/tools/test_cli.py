@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,43 @@ def test_verify_healthy_and_corrupt(store_dir: Path, capsys) -> None:
     assert any(pack in e for e in report["errors"])
     code, doc = run_json(capsys, "verify", str(store_dir), "20")
     assert code == 0
+
+
+def test_verify_says_a_checkpoint_could_not_be_read(
+    store_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading the manifest fails (an I/O error, as a flaky mount or network gives): that is not
+    corruption. The report says it could not be read, with the storage's error, and the exit
+    code is the storage error's; the checkpoint is not quarantined and loads once reads work."""
+    from lightning_incremental.core.storage import local
+
+    manifest = os.path.join(str(store_dir), *mf.manifest_path(30).split("/"))
+
+    def failing_open(file, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if os.fspath(file) == manifest:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), manifest)
+        return open(file, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(local, "open", failing_open, raising=False)
+        code, doc = run_json(capsys, "verify", str(store_dir))
+        assert code == 4
+        (report,) = doc["checkpoints"]
+        assert report["step"] == 30 and not report["ok"] and report["errors"] == []
+        assert "Input/output error" in report["unreadable"]
+        assert mf.manifest_path(30) in report["unreadable"]
+        assert main(["verify", str(store_dir)]) == 4
+        out = capsys.readouterr().out
+        assert "UNREADABLE" in out and "could not be read" in out and "CORRUPT" not in out
+        with CheckpointStore(str(store_dir)) as store:
+            result = store.verify()
+            assert result.unreadable and not result.damaged and not result.ok
+            patched.undo()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no fallback past a quarantined step
+                assert_state_equal(store.load(), lightning_like(30))
+    code, doc = run_json(capsys, "verify", str(store_dir))
+    assert code == 0 and doc["checkpoints"][0]["unreadable"] is None
 
 
 def test_diff(store_dir: Path, capsys) -> None:

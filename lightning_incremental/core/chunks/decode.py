@@ -36,8 +36,9 @@ class ObjectReader:
         self.storage, self.manifest, self.where = storage, manifest, where
         self.blobs: dict[str, memoryview] = {}
 
-    def plan(self, digests: set[str]) -> list[Read]:
-        """Coalesced reads covering the encoded bytes of ``digests``."""
+    def plan(self, digests: set[str], max_read: int = MAX_READ) -> list[Read]:
+        """Coalesced reads covering the encoded bytes of ``digests``, each at most
+        ``max_read`` bytes long unless one chunk's bytes are longer."""
         chunks = self.manifest.chunks
         by_pack: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
         for digest in digests:
@@ -49,7 +50,7 @@ class ObjectReader:
             start, end, members = ranges[0][0], ranges[0][0] + ranges[0][1], [ranges[0]]
             for item in ranges[1:]:
                 offset, length, _ = item
-                if offset - end <= COALESCE_GAP and offset + length - start <= MAX_READ:
+                if offset - end <= COALESCE_GAP and offset + length - start <= max_read:
                     end = max(end, offset + length)
                     members.append(item)
                 else:

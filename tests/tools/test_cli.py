@@ -161,6 +161,47 @@ def test_export_round_trips(store_dir: Path, tmp_path: Path, capsys, fmt: str) -
         assert_state_equal(torch.load(target, weights_only=True), expected)
 
 
+@pytest.mark.parametrize(
+    ("state", "paths"),
+    [
+        ({0: torch.ones(2), "0": torch.zeros(3)}, ("state[0]", "state['0']")),
+        (
+            {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}},
+            ("state['a.b']", "state['a']['b']"),
+        ),
+        ({"l": [torch.ones(1)], "l.0": torch.ones(1)}, ("state['l'][0]", "state['l.0']")),
+    ],
+)
+def test_export_safetensors_refuses_names_that_collide(
+    tmp_path: Path, capsys, state: dict, paths: tuple[str, str]
+) -> None:
+    """Two tensors whose dotted names are one: refused with both key paths, nothing written
+    (a safetensors file holds one tensor per name: one of them would be dropped)."""
+    with CheckpointStore(str(tmp_path / "s")) as store:
+        store.save(state, 1).wait()
+    target = tmp_path / "out.safetensors"
+    argv = ["export", str(tmp_path / "s"), "--to", str(target), "--format", "safetensors"]
+    assert main(argv) == 4
+    err = " ".join(capsys.readouterr().err.split())
+    assert all(path in err for path in paths), err
+    assert "--format torch" in err
+    assert not target.exists() and list(tmp_path.glob(".out.safetensors*")) == []
+    assert main([*argv[:-1], "torch"]) == 0  # torch.save keeps both
+
+
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")  # the second export
+def test_export_dcp_counts_only_what_it_wrote(tmp_path: Path, store_dir: Path, capsys) -> None:
+    out = tmp_path / "dcp"
+    out.mkdir()
+    (out / "unrelated.bin").write_bytes(b"x" * 1_000_000)
+    code, doc = run_json(capsys, "export", str(store_dir), "--format", "dcp", "--to", str(out))
+    assert code == 0
+    written = sum(f.stat().st_size for f in out.rglob("*") if f.name != "unrelated.bin")
+    assert 0 < doc["bytes"] == written
+    code, again = run_json(capsys, "export", str(store_dir), "--format", "dcp", "--to", str(out))
+    assert code == 0 and again["bytes"] == written  # the same files, written again
+
+
 def test_export_lightning_needs_a_lightning_checkpoint(tmp_path: Path, capsys) -> None:
     with CheckpointStore(str(tmp_path / "s")) as store:
         store.save({"w": torch.ones(2)}, 1).wait()

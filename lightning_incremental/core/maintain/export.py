@@ -5,7 +5,8 @@ Formats:
 - ``lightning``: the same file, for a state that is a Lightning checkpoint (``state_dict``
   present); ``Trainer.fit(ckpt_path=...)`` and ``Model.load_from_checkpoint`` accept it.
 - ``safetensors``: every tensor of the state, keyed by its dotted path (``state_dict.0.weight``);
-  plain values are not tensors and are left out (safetensors holds tensors only).
+  plain values are not tensors and are left out (safetensors holds tensors only). Two tensors
+  whose dotted paths are one (``{0: a, "0": b}``) are refused, never one dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from lightning_incremental.core.errors import ConfigError, UnsupportedValueError
+from lightning_incremental.core.format.tree import key_path
 
 FORMATS = ("torch", "lightning", "safetensors")
 
@@ -46,7 +48,8 @@ def export_state(state: dict[str, Any], to: str | os.PathLike[str], fmt: str) ->
 
     Raises:
         ConfigError: unknown format, or a ``lightning`` export of a non-Lightning state.
-        UnsupportedValueError: a tensor safetensors cannot hold, naming its key.
+        UnsupportedValueError: a tensor safetensors cannot hold, naming its key; two tensors
+            with one safetensors name, naming both.
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -61,20 +64,40 @@ def export_state(state: dict[str, Any], to: str | os.PathLike[str], fmt: str) ->
     if fmt in ("torch", "lightning"):
         torch.save(state, tmp)
     else:
-        _write_safetensors(dict(_tensors(state, "")), tmp)
+        _write_safetensors(_named_tensors(state), tmp)
     os.replace(tmp, path)
     return path.stat().st_size
 
 
-def _tensors(value: Any, prefix: str) -> Any:
+def _named_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of ``state`` by its dotted name.
+
+    Raises:
+        UnsupportedValueError: two tensors whose names are one (``{0: a, "0": b}``, or
+            ``{"a.b": x, "a": {"b": y}}``), naming both key paths.
+    """
+    named: dict[str, torch.Tensor] = {}
+    paths: dict[str, tuple[Any, ...]] = {}
+    for name, path, tensor in _tensors(state, "", ()):
+        if name in named:
+            raise UnsupportedValueError(
+                f"tensors {key_path(paths[name])} and {key_path(path)} both have the "
+                f"safetensors name {name!r} (names are the dotted key paths, and must differ): "
+                "rename a key, or use --format torch"
+            )
+        named[name], paths[name] = tensor, path
+    return named
+
+
+def _tensors(value: Any, prefix: str, path: tuple[Any, ...]) -> Any:
     if isinstance(value, torch.Tensor):
-        yield prefix, value
+        yield prefix, path, value
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from _tensors(item, f"{prefix}.{key}" if prefix else str(key))
+            yield from _tensors(item, f"{prefix}.{key}" if prefix else str(key), (*path, key))
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            yield from _tensors(item, f"{prefix}.{index}" if prefix else str(index))
+            yield from _tensors(item, f"{prefix}.{index}" if prefix else str(index), (*path, index))
 
 
 def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:

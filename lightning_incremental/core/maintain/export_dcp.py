@@ -132,7 +132,8 @@ def export_dcp(
     workers: int = 2,
 ) -> int:
     """Write checkpoint ``doc`` of ``storage`` as a DCP checkpoint in directory ``to`` (top-level
-    ``keys`` only, when given); returns the bytes written. Needs no process group.
+    ``keys`` only, when given); returns the bytes written (the files it wrote, not what ``to``
+    held before). Needs no process group.
 
     Raises:
         ConfigError: a key of ``keys`` the checkpoint lacks.
@@ -149,6 +150,7 @@ def export_dcp(
         )
     skeleton, wanted = prune(doc.tree, keys, where)
     out = Path(to)
+    before = _files(out)
     with ThreadPoolExecutor(workers, thread_name_prefix="li-export") as pool:
         values = [
             _leaf(storage, doc, entry, pool, where) if wanted is None or i in wanted else None
@@ -157,4 +159,19 @@ def export_dcp(
         state = unflatten(skeleton, values, allow_pickle=allow_pickle)
         writer = dcp.FileSystemWriter(out, thread_count=1, single_file_per_rank=True)
         dcp.save(state, storage_writer=writer, planner=_planner(), no_dist=True)
-    return sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    # What this export wrote: the files that are new or were rewritten, not what the directory
+    # held before (another checkpoint, or anything else).
+    return sum(st.st_size for name, st in _files(out).items() if _rewritten(before.get(name), st))
+
+
+def _files(directory: Path) -> dict[Path, os.stat_result]:
+    """Every file under ``directory`` (none when it does not exist), with its status."""
+    return {f: f.stat() for f in directory.rglob("*") if f.is_file()} if directory.is_dir() else {}
+
+
+def _rewritten(before: os.stat_result | None, after: os.stat_result) -> bool:
+    return before is None or (before.st_ino, before.st_mtime_ns, before.st_size) != (
+        after.st_ino,
+        after.st_mtime_ns,
+        after.st_size,
+    )

@@ -297,19 +297,104 @@ def test_a_second_independent_job_cannot_take_over_a_live_lease(
         assert fencing.generations(LocalStorage(local_url)) == [], "no fence written"
 
 
-def test_the_job_id_comes_from_the_launcher(monkeypatch) -> None:
-    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT"):
+LAUNCHER_VARIABLES = (
+    "TORCHELASTIC_RUN_ID",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+    "SLURM_STEPID",
+    "SLURM_RESTART_COUNT",
+)
+
+
+def launched(monkeypatch: pytest.MonkeyPatch, **variables: str) -> None:
+    """This process as the launcher would start it: exactly ``variables`` set."""
+    for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    assert owner.job_id() is None
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_the_job_id_comes_from_the_launcher(monkeypatch) -> None:
+    launched(monkeypatch)
+    assert owner.job_id() is None and owner.job_requeue() is None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # static multi-node torchrun
     assert owner.job_id() is None
     monkeypatch.setenv("MASTER_ADDR", "node0")
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert owner.job_id() == "torchrun:node0:29500"
-    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")  # the batch script: no step id
     assert owner.job_id() == "slurm:4711"
+    monkeypatch.setenv("SLURM_STEP_ID", "2")  # srun's job step 2
+    assert owner.job_id() == "slurm:4711.2"
+    assert owner.job_requeue() == ("slurm:4711", 0)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    assert owner.job_requeue() == ("slurm:4711", 3)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a")
-    assert owner.job_id() == "3f2a"
+    assert owner.job_id() == "3f2a.2"
+    monkeypatch.delenv("SLURM_STEP_ID")
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert owner.job_id() == "3f2a" and owner.job_requeue() is None
+
+
+def holder_record(url: str, sequence: int, **fields: object) -> None:
+    """The live lease record this code writes in this environment, as a process on another
+    host holds it (its pid cannot be checked here)."""
+    doc = json.loads(lease_mod._Held(LocalStorage(url), 60.0, time.time).body())
+    doc.update(host="another-host", pid=4242, boot=None, owner="other-owner", **fields)
+    plant(url, sequence, **doc)
+
+
+def test_a_second_step_of_one_slurm_allocation_cannot_take_over(
+    local_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Job steps of one allocation share SLURM_JOB_ID; each is a job of its own. A second step
+    writing the store of a live first one is refused, claiming a generation or not (taking the
+    lease would fence off the first step's commits)."""
+    seeded(local_url)
+    launched(monkeypatch, SLURM_JOB_ID="4711", SLURM_STEP_ID="0")
+    holder_record(local_url, 7)
+    for second in ({"SLURM_STEP_ID": "1"}, {"SLURM_STEP_ID": "1", "TORCHELASTIC_RUN_ID": "4711"}):
+        launched(monkeypatch, SLURM_JOB_ID="4711", **second)
+        with small_store(local_url) as store:
+            with pytest.raises(WriterLeaseError, match=r"job slurm:4711\.0\b"):
+                store.claim_generation(1)
+            with pytest.raises(WriterLeaseError, match="host another-host pid 4242"):
+                store.save({"w": torch.zeros(64)}, 2).wait()
+    launched(monkeypatch)  # the batch script of the allocation is another step as well
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    with small_store(local_url) as store:
+        with pytest.raises(WriterLeaseError, match="launcher id"):
+            store.claim_generation(1)
+    assert fencing.generations(LocalStorage(local_url)) == [], "no fence written"
+    assert max(records(local_url)) == 7, "the first step still holds the lease"
+
+
+@pytest.mark.parametrize("step", ["0", "3"])
+def test_a_requeued_slurm_job_takes_over_by_generation(
+    local_url: str, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """SLURM requeues a job under its job id after every process of it ended, numbering its steps
+    afresh: the requeued run takes the lease over from its previous run by generation, whether
+    its step has the same number or another; the previous run can never take it back."""
+    seeded(local_url)
+    launched(monkeypatch, SLURM_JOB_ID="4711", SLURM_STEP_ID="0")
+    holder_record(local_url, 7)
+    launched(monkeypatch, SLURM_JOB_ID="4711", SLURM_STEP_ID=step, SLURM_RESTART_COUNT="1")
+    with small_store(local_url) as store:
+        assert store.claim_generation(1) == 1
+        store.save({"w": torch.zeros(64)}, 2).wait()
+        newest = records(local_url)[max(records(local_url))]
+        assert newest["job"] == f"slurm:4711.{step}" and newest["requeue"] == ["slurm:4711", 1]
+        assert newest["pid"] == os.getpid() and newest["generation"] == 1
+        held = records(local_url)[max(records(local_url))]
+    held.update(host="another-host", pid=4242, owner="other-owner")  # still running, elsewhere
+    plant(local_url, max(records(local_url)) + 1, **held)
+    launched(monkeypatch, SLURM_JOB_ID="4711", SLURM_STEP_ID="0")  # the earlier run, awake
+    with small_store(local_url) as store:
+        with pytest.raises(WriterLeaseError, match="requeued SLURM job"):
+            store.claim_generation(2)
 
 
 def test_another_machine_of_the_same_host_name_is_not_this_one(local_url: str) -> None:

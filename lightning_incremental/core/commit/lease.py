@@ -5,7 +5,8 @@ claims a generation) first takes the store's lease: a small JSON record under ``
 written create-only, naming the holder::
 
     lease/<sequence:010d>.json  {"format", "owner", "host", "boot", "pidns", "pid", "job",
-                                 "generation", "acquired", "heartbeat", "ttl_s", "released"}
+                                 "requeue", "generation", "acquired", "heartbeat", "ttl_s",
+                                 "released"}
 
 The record with the highest sequence number is the lease. The holder renews ``heartbeat``
 (seconds since the epoch) every ``ttl_s / 4`` seconds from a daemon thread and checks, before
@@ -21,7 +22,11 @@ one wins), and only when the current record:
   generation, see :mod:`~lightning_incremental.core.commit.fencing`) takes over from its own
   previous incarnation at once. The job is known by the launcher's id (:func:`job_id`); a
   takeover by generation needs both ids known and equal, so a second, independent job is
-  refused however new a generation it claims.
+  refused however new a generation it claims. Under SLURM the id holds the job step: a second
+  step of one allocation is another job. A requeued SLURM job (``requeue``: its job id and
+  ``SLURM_RESTART_COUNT``, :func:`job_requeue`) takes over from an earlier run of itself,
+  whichever step that was: SLURM requeues a job only after every process of it ended; an
+  earlier run never takes over from a later one.
 
 Taking over a record that was not released reports a :class:`Takeover`: the new holder then
 claims a new fencing generation before its first commit (:meth:`.fencing.Generation.admit`),
@@ -59,6 +64,7 @@ from typing import Any
 from lightning_incremental.core.commit.owner import (
     boot_id,
     job_id,
+    job_requeue,
     pid_namespace,
     process_exists,
     same_machine,
@@ -73,6 +79,19 @@ LEASE_DIR = "lease"
 RELEASE_JOIN_S = 30.0  # how long a release waits for the heartbeat thread to end
 _NAME = re.compile(r"^(\d{10,})\.json$")
 _MAX_RECORD = 1 << 16
+
+
+def _run_of_this_job(held: Any) -> int | None:
+    """How the run of the holder's ``requeue`` record (:func:`job_requeue`) compares with this
+    one's when both are runs of one SLURM job: negative for an earlier run, 0 for this run,
+    positive for a later one (this process is then a stale run); None otherwise."""
+    mine = job_requeue()
+    if mine is None or not isinstance(held, list) or len(held) != 2:
+        return None
+    job, count = held
+    if job != mine[0] or isinstance(count, bool) or not isinstance(count, int):
+        return None
+    return count - mine[1]
 
 
 def lease_path(sequence: int) -> str:
@@ -170,6 +189,7 @@ class _Held:
             "boot": boot_id(),
             "pidns": pid_namespace(),
             "job": job_id(),
+            "requeue": job_requeue(),
             "generation": self.generation,
             "acquired": self.acquired,
             "heartbeat": self.clock(),
@@ -252,16 +272,18 @@ class _Held:
         theirs, mine = doc.get("job"), job_id()
         same_job = theirs is not None and mine is not None and theirs == mine
         held_generation = doc.get("generation")
+        run = _run_of_this_job(doc.get("requeue"))
         if (
-            same_job
+            ((same_job and (run is None or run <= 0)) or (run is not None and run < 0))
             and isinstance(held_generation, int)
             and (claiming or generation > held_generation)
         ):
             return
         unknown = (
             " A restarted job takes over by generation only when both jobs are known by the "
-            "same launcher id (torchrun's run id, SLURM_JOB_ID); this one is "
-            f"{mine or 'unknown'}, the holder's {theirs or 'unknown'}."
+            "same launcher id (torchrun's run id, the SLURM job and step ids) or it is a "
+            f"requeued SLURM job; this one is {mine or 'unknown'}, the holder's "
+            f"{theirs or 'unknown'}."
             if claiming or generation > 0
             else ""
         )

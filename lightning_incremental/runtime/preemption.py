@@ -3,12 +3,10 @@ the step, the checkpoint commits, the process exits — the notice is used, no s
 
 One mechanism for every adapter:
 
-1. :meth:`Preemption.install` puts a handler on the configured signals (default SIGTERM, plus
-   SLURM's requeue signal under SLURM). The handler only records the request — a signal handler
-   runs between two bytecodes of the main thread, where nothing else is safe — and then calls the
-   handler that was installed before it (a framework's, the user's), so nothing is taken away.
-   :meth:`Preemption.request` is the same request from code: a cloud provider's notice (see
-   :class:`MetadataPoller`), a maintenance event, the user's own handler.
+1. :meth:`Preemption.install` puts a handler on the configured signals (default SIGTERM and
+   SIGINT, plus SLURM's requeue signal under SLURM). :meth:`Preemption.request` is the same
+   request from code: a cloud provider's notice (see :class:`MetadataPoller`), a maintenance
+   event, the user's own handler.
 2. At the next step boundary every rank calls :meth:`Preemption.agree` with the adapter's
    all-reduce: one small collective (or none, alone) says whether *any* rank was asked, so all
    ranks stop at the same step — torchrun forwards SIGTERM to every worker, but not at the same
@@ -17,6 +15,23 @@ One mechanism for every adapter:
    calls :meth:`Preemption.finish`: under SLURM auto-requeue rank 0 requeues the job (after the
    commit, never before), and the process exits with :data:`EXIT_PREEMPTED` (143, what a process
    ended by SIGTERM reports: a scheduler reads a preempted job as preempted, not as a success).
+
+Signal handlers. A handler runs between two bytecodes of the main thread, which may be inside a
+collective, a save, or a lock of ours. Ours only appends the delivery to a list (no lock) and
+wakes a named daemon thread (one byte down a non-blocking pipe), which logs it and starts the
+grace's countdown; then it calls the handler installed before it, so nothing is taken away —
+but a framework's handler passes through the adapter first (``install(chain=...)``), which
+keeps what it records and drops what it would do in the handler: a collective (Lightning's
+SIGTERM notifier broadcasts under DDP), a checkpoint (Lightning's SLURM requeue handler), a
+thread (the Trainer's JIT checkpoint); the adapter does those at the step boundary. Python's
+``KeyboardInterrupt`` for SIGINT is the signal's default action, not chained.
+
+Signals delivered more than once — SLURM signals every process of a job step, the ``torchrun``
+agent forwards SIGTERM again, a wrapper once more — count once: every delivery is recorded and
+logged, the decision is made at the next step boundary by all ranks together, and the grace
+counts from the first delivery, so a later one never shortens it or changes the decision (who
+wants the process ended now sends SIGKILL). One that arrives during the agreement's all-reduce
+counts at the next boundary.
 
 A signal is never swallowed: when no step boundary comes within ``grace_s`` of it (a loop the
 adapter cannot see, a hang), the process ends with ``128 + signum``, as the signal would have.
@@ -29,7 +44,6 @@ is still time to fix it.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -37,22 +51,18 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
 from lightning_incremental.core.errors import ConfigError
+from lightning_incremental.runtime.preemption_notice import AWS_NOTICE, GCP_NOTICE, MetadataPoller
 
 log = logging.getLogger("lightning_incremental")
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a process ended by SIGTERM reports
 DEFAULT_GRACE_S = 25.0  # inside torchrun's and Kubernetes' 30 s between SIGTERM and SIGKILL
-
-AWS_NOTICE = "http://169.254.169.254/latest/meta-data/spot/instance-action"
-GCP_NOTICE = "http://metadata.google.internal/computeMetadata/v1/instance/preempted"
 
 Handler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -82,8 +92,9 @@ class PreemptionConfig:
 
     Attributes:
         enabled: handle preemption at all; False leaves every signal as it was.
-        signals: the signals that ask for a last checkpoint (names or numbers); None: SIGTERM,
-            plus SLURM's requeue signal under SLURM.
+        signals: the signals that ask for a last checkpoint (names or numbers); None: SIGTERM
+            and SIGINT (which ``torchrun``'s agent forwards as it receives them), plus SLURM's
+            requeue signal under SLURM.
         grace_s: seconds the launcher leaves between the notice and SIGKILL; a run whose saves
             are expected to take longer is warned at its first save.
         exit_code: what the process exits with once the last checkpoint committed.
@@ -127,7 +138,7 @@ class PreemptionConfig:
     def signal_numbers(self, environ: Mapping[str, str] | None = None) -> list[int]:
         if self.signals is not None:
             return sorted({_signal_number(s) for s in self.signals})
-        found = {int(signal.SIGTERM)}
+        found = {int(signal.SIGTERM), int(signal.SIGINT)}
         slurm = slurm_requeue_signal(environ)
         if slurm is not None:
             found.add(slurm)
@@ -143,6 +154,46 @@ class Request:
     signum: int | None = None
 
 
+class _Watcher:
+    """The named daemon thread that does, outside the signal handler, what a delivery calls for:
+    it logs it and starts the grace's countdown. The handler wakes it by writing one byte to a
+    non-blocking pipe — no lock, no allocation of a thread, nothing that can wait."""
+
+    def __init__(self, noticed: Callable[[], None]) -> None:
+        self._noticed = noticed
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="li-preemption", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        """From the signal handler: a write that never blocks (a full pipe is awake already)."""
+        try:
+            os.write(self._write, b"\0")
+        except OSError:  # full (BlockingIOError) or closed: nothing to add
+            pass
+
+    def _run(self) -> None:
+        while True:
+            try:
+                os.read(self._read, 512)
+            except OSError:
+                return
+            if self._stopping:
+                return
+            self._noticed()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.wake()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        if not self._thread.is_alive():
+            os.close(self._read)
+        os.close(self._write)
+
+
 @dataclass
 class Preemption:
     """This process's preemption state: the request, the agreement, the exit.
@@ -154,9 +205,15 @@ class Preemption:
 
     config: PreemptionConfig = field(default_factory=PreemptionConfig)
     clock: Callable[[], float] = time.monotonic
-    request_: Request | None = None
     agreed: bool = False
+    _request: Request | None = None  # the first request from code (under _lock)
+    # (signum, monotonic time) of every delivery, appended by the handler only (an append is
+    # atomic: the handler takes no lock, the main thread it interrupts may hold any)
+    _deliveries: list[tuple[int, float]] = field(default_factory=list)
+    _noticed: int = 0  # deliveries the watcher has logged
     _previous: dict[int, Handler] = field(default_factory=dict)
+    _chained: dict[int, Handler] = field(default_factory=dict)
+    _watcher: _Watcher | None = None
     _saves: list[float] = field(default_factory=list)
     _warned: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -164,9 +221,15 @@ class Preemption:
 
     # ---------------------------------------------------------------- the request
 
-    def install(self) -> Preemption:
+    def install(self, chain: Callable[[int, Handler], Handler] | None = None) -> Preemption:
         """Handle the configured signals (main thread only: elsewhere it logs and does
-        nothing, and :meth:`request` remains). Idempotent."""
+        nothing, and :meth:`request` remains). Idempotent.
+
+        ``chain(signum, handler)``: what the handler calls in place of ``handler``, the one
+        installed before it (None: that handler itself). An adapter passes its framework's
+        handler through it, so that the chained call does no collective and no blocking call
+        (see the module's notes on handlers).
+        """
         if not self.config.enabled or self._previous:
             return self
         if threading.current_thread() is not threading.main_thread():
@@ -175,32 +238,81 @@ class Preemption:
                 "the main thread (call preemption.request() from your own handler instead)"
             )
             return self
+        self._watcher = _Watcher(self._notice)
         for signum in self.config.signal_numbers():
-            self._previous[signum] = signal.getsignal(signum)
+            previous = signal.getsignal(signum)
+            self._previous[signum] = previous
+            self._chained[signum] = chain(signum, previous) if chain is not None else previous
             signal.signal(signum, self._on_signal)
         return self
 
     def uninstall(self) -> None:
         """Put back the handlers that were there before :meth:`install`."""
         previous, self._previous = self._previous, {}
-        self._disarm()
+        self._chained = {}
+        self._stop_threads()
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, handler in previous.items():
             if signal.getsignal(signum) == self._on_signal:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
+    def stay_until_exit(self) -> list[int]:
+        """The last checkpoint committed and the process is on its way out with the configured
+        code: from now on the handled signals are ignored, so that one delivered late (the
+        agent forwarding again, SLURM signalling every process) does not end the process first
+        and turn its exit into a death by signal — SIGKILL still ends it. The handlers from
+        before :meth:`install` are not put back. Returns the signals now ignored."""
+        signums = list(self._previous)
+        self._previous, self._chained = {}, {}
+        self._stop_threads()
+        if threading.current_thread() is threading.main_thread():
+            for signum in signums:
+                signal.signal(signum, signal.SIG_IGN)
+        return signums
+
+    def _stop_threads(self) -> None:
+        self._disarm()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.stop()
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.request(f"signal {signal.Signals(signum).name}", signum=signum)
-        if self._fallback is None and not self.agreed:
+        # A signal handler runs between two bytecodes of the main thread, which may be inside a
+        # collective, a save or a lock of ours: record, wake the watcher, chain — nothing that
+        # takes a lock, waits, or talks to another process.
+        self._deliveries.append((signum, self.clock()))
+        watcher = self._watcher
+        if watcher is not None:
+            watcher.wake()
+        chained = self._chained.get(signum)
+        if callable(chained) and chained is not signal.default_int_handler:
+            chained(signum, frame)  # a framework's (made safe by the adapter) or the user's
+
+    def _notice(self) -> None:
+        """On the watcher thread: log the new deliveries; at the first, start the grace."""
+        deliveries = list(self._deliveries)
+        for index in range(self._noticed, len(deliveries)):
+            name = signal.Signals(deliveries[index][0]).name
+            if index == 0 and self._request is None:
+                self._log_request(f"signal {name}")
+            else:
+                log.warning(
+                    "preemption: %s received (delivery %d); the decision stands and its grace "
+                    "still counts from the first request",
+                    name,
+                    index + 1,
+                )
+        self._noticed = len(deliveries)
+        if deliveries and self._fallback is None and not self.agreed:
             # Never swallow the signal: when no step boundary comes within the grace (a loop
             # the adapter cannot see, a hang), the signal's own action ends the process.
-            self._fallback = threading.Timer(self.config.grace_s, self._default_action, (signum,))
+            signum, at = deliveries[0]
+            left = max(0.0, self.config.grace_s - (self.clock() - at))
+            self._fallback = threading.Timer(left, self._default_action, (signum,))
+            self._fallback.name = "li-preemption-grace"
             self._fallback.daemon = True
             self._fallback.start()
-        previous = self._previous.get(signum)
-        if callable(previous):  # a framework's or the user's handler: it runs too
-            previous(signum, frame)
 
     def _default_action(self, signum: int) -> None:
         if self.agreed:
@@ -220,28 +332,50 @@ class Preemption:
         if timer is not None:
             timer.cancel()
 
+    def _log_request(self, reason: str) -> None:
+        log.warning(
+            "preemption requested (%s): taking a last checkpoint at the next step boundary, "
+            "then exiting with code %d",
+            reason,
+            self.config.exit_code,
+        )
+
     def request(self, reason: str, *, signum: int | None = None) -> None:
         """Ask for a last checkpoint at the next step boundary (thread-safe, idempotent: the
-        first request's time is the deadline's start)."""
+        first request's time is the deadline's start). Not for a signal handler: a handler
+        installed by :meth:`install` records a delivery without any lock."""
         with self._lock:
-            if self.request_ is None:
-                self.request_ = Request(reason, self.clock(), signum)
-                log.warning(
-                    "preemption requested (%s): taking a last checkpoint at the next step "
-                    "boundary, then exiting with code %d",
-                    reason,
-                    self.config.exit_code,
-                )
+            if self._request is None:
+                self._request = Request(reason, self.clock(), signum)
+                if not self._deliveries:
+                    self._log_request(reason)
+
+    @property
+    def request_(self) -> Request | None:
+        """The first request: the earlier of the first signal and the first call of
+        :meth:`request` (None: none yet)."""
+        deliveries, asked = self._deliveries, self._request
+        if deliveries:
+            signum, at = deliveries[0]
+            if asked is None or at <= asked.at:
+                return Request(f"signal {signal.Signals(signum).name}", at, signum)
+        return asked
 
     @property
     def requested(self) -> bool:
         """Whether this process was asked (not whether the ranks agreed)."""
-        return self.request_ is not None
+        return bool(self._deliveries) or self._request is not None
+
+    @property
+    def deliveries(self) -> int:
+        """How many handled signals this process received."""
+        return len(self._deliveries)
 
     def agree(self, any_rank: Callable[[bool], bool] | None = None) -> bool:
         """At a step boundary, on every rank: whether any rank was asked. ``any_rank`` is the
         adapter's all-reduce of a flag (max); None alone. Once true it stays true (and a signal
-        no longer ends the process by itself after ``grace_s``: the checkpoint is being taken)."""
+        no longer ends the process by itself after ``grace_s``: the checkpoint is being taken);
+        a signal that arrives during the all-reduce counts at the next boundary."""
         if not self.agreed:
             mine = self.requested
             self.agreed = any_rank(mine) if any_rank is not None else mine
@@ -252,10 +386,11 @@ class Preemption:
     # ---------------------------------------------------------------- the deadline
 
     def remaining(self) -> float | None:
-        """Seconds left of the grace since the request, or None without one."""
-        if self.request_ is None:
+        """Seconds left of the grace since the first request, or None without one."""
+        first = self.request_
+        if first is None:
             return None
-        return self.config.grace_s - (self.clock() - self.request_.at)
+        return self.config.grace_s - (self.clock() - first.at)
 
     def observe_save(self, seconds: float) -> None:
         """A save of this run took ``seconds`` from its start to its commit; warn once when the
@@ -276,22 +411,29 @@ class Preemption:
 
     # ---------------------------------------------------------------- the exit
 
-    def finish(self, *, rank: int, requeue_default: bool = False, committed: str = "") -> None:
-        """The last checkpoint committed: requeue (rank 0, under SLURM, when asked) and exit
-        with the configured code (``SystemExit``: exit handlers still run)."""
+    def requeue(self, *, rank: int, requeue_default: bool = False) -> None:
+        """Requeue the SLURM job (rank 0; when the config or ``requeue_default`` asks): call it
+        once the last checkpoint committed, never before."""
         requeue = self.config.requeue if self.config.requeue is not None else requeue_default
         if requeue and rank == 0:
             requeue_slurm_job()
+
+    def finish(self, *, rank: int, requeue_default: bool = False, committed: str = "") -> None:
+        """The last checkpoint committed: requeue (rank 0, under SLURM, when asked) and exit
+        with the configured code (``SystemExit``: exit handlers still run; the handled signals
+        are ignored until then, see :meth:`stay_until_exit`)."""
+        self.requeue(rank=rank, requeue_default=requeue_default)
         took = ""
-        if self.request_ is not None:
-            took = f" {self.clock() - self.request_.at:.1f}s after the request"
+        first = self.request_
+        if first is not None:
+            took = f" {self.clock() - first.at:.1f}s after the request"
         log.warning(
             "preempted: %s committed%s; exiting with code %d",
             committed or "the last checkpoint",
             took,
             self.config.exit_code,
         )
-        self.uninstall()
+        self.stay_until_exit()
         raise SystemExit(self.config.exit_code)
 
 
@@ -316,88 +458,10 @@ def requeue_slurm_job(environ: Mapping[str, str] | None = None) -> bool:
     return True
 
 
-class MetadataPoller:
-    """Polls a cloud provider's preemption notice and turns it into a :meth:`Preemption.request`.
-
-    Off by default (an HTTP request every ``interval_s`` on a daemon thread). ``provider``:
-    ``"aws"`` (the spot ``instance-action`` document: 200 once a stop is scheduled), ``"gcp"``
-    (``instance/preempted``: ``TRUE``), or a URL (tests, proxies) read the AWS way unless its
-    body is ``TRUE``/``FALSE``. Every request has a timeout; errors other than "no notice"
-    (404) are logged once and polling goes on.
-    """
-
-    def __init__(
-        self,
-        preemption: Preemption,
-        provider: str = "aws",
-        *,
-        interval_s: float = 5.0,
-        timeout_s: float = 2.0,
-    ) -> None:
-        urls = {"aws": AWS_NOTICE, "gcp": GCP_NOTICE}
-        self.url = urls.get(provider, provider)
-        if not self.url.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"preemption notice: 'aws', 'gcp' or an http(s) URL, got {provider!r}"
-            )
-        self.headers = {"Metadata-Flavor": "Google"} if provider == "gcp" else {}
-        self.preemption, self.interval_s, self.timeout_s = preemption, interval_s, timeout_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._complained = False
-
-    def start(self) -> MetadataPoller:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="li-preemption-notice", daemon=True
-            )
-            self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(self.timeout_s + 1.0)
-
-    def poll(self) -> str | None:
-        """One look: the notice's text, or None when there is none."""
-        request = urllib.request.Request(self.url, headers=self.headers)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                body = response.read(65536).decode("utf-8", "replace").strip()
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:  # AWS: no stop scheduled
-                return None
-            raise
-        if body.upper() == "FALSE" or not body:
-            return None
-        if body.upper() == "TRUE":
-            return "the instance is being preempted"
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            return body[:200]
-        if isinstance(doc, dict):
-            return f"{doc.get('action', 'stop')} at {doc.get('time', 'soon')}"
-        return body[:200]
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                notice = self.poll()
-            except Exception as exc:  # unreachable metadata service: say so once, keep trying
-                if not self._complained:
-                    self._complained = True
-                    log.warning("cannot read the preemption notice at %s: %s", self.url, exc)
-                notice = None
-            if notice is not None:
-                self.preemption.request(f"cloud preemption notice: {notice}")
-                return
-            self._stop.wait(self.interval_s)
-
-
 __all__ = [
+    "AWS_NOTICE",
     "DEFAULT_GRACE_S",
+    "GCP_NOTICE",
     "EXIT_PREEMPTED",
     "MetadataPoller",
     "Preemption",

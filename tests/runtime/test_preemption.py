@@ -12,7 +12,7 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -43,11 +43,11 @@ def test_a_signal_asks_and_the_handler_before_it_still_runs() -> None:
         signal.signal(signal.SIGUSR2, before)
 
 
-def test_default_signals_are_sigterm_and_slurms_requeue_signal() -> None:
+def test_default_signals_are_sigterm_sigint_and_slurms_requeue_signal() -> None:
     config = pre.PreemptionConfig()
-    assert config.signal_numbers({}) == [signal.SIGTERM]
+    assert config.signal_numbers({}) == sorted([signal.SIGTERM, signal.SIGINT])
     slurm = config.signal_numbers({"SLURM_JOB_ID": "42"})
-    assert slurm == sorted([signal.SIGTERM, signal.SIGUSR1])
+    assert slurm == sorted([signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
     assert pre.slurm_requeue_signal({"SLURM_JOB_ID": "42", "LI_SLURM_SIGNAL": "USR2"}) == (
         signal.SIGUSR2
     )
@@ -103,6 +103,98 @@ def test_the_deadline_counts_from_the_request() -> None:
     now[0] = 110.0
     p.request("again")  # the first request's time is kept
     assert p.remaining() == pytest.approx(15.0)
+
+
+def _wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_repeated_deliveries_count_once_and_keep_the_first_deadline(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SIGUSR2 three times (SLURM signals every process, the agent forwards again): one
+    request, timed at the first delivery, one grace timer; every delivery logged."""
+    now = [100.0]
+    p = pre.Preemption(
+        pre.PreemptionConfig(signals=("SIGUSR2",), grace_s=25.0), clock=lambda: now[0]
+    )
+    before = signal.getsignal(signal.SIGUSR2)
+    try:
+        p.install()
+        with caplog.at_level(logging.WARNING, logger="lightning_incremental"):
+            os.kill(os.getpid(), signal.SIGUSR2)
+            _wait_for(lambda: p._fallback is not None)
+            timer = p._fallback
+            for moment in (110.0, 120.0):
+                now[0] = moment
+                os.kill(os.getpid(), signal.SIGUSR2)
+            _wait_for(lambda: "delivery 3" in caplog.text)
+        assert p.deliveries == 3 and p._fallback is timer, "one grace, from the first signal"
+        assert p.request_ is not None and p.request_.at == 100.0
+        assert p.remaining() == pytest.approx(5.0)
+        assert caplog.text.count("preemption requested (signal SIGUSR2)") == 1
+        assert "SIGUSR2 received (delivery 2)" in caplog.text
+        p.request("a cloud notice, later")
+        assert p.request_.reason == "signal SIGUSR2"
+        assert p.agree(lambda flag: flag) and p.agree(lambda flag: False), "the decision stands"
+    finally:
+        p.uninstall()
+        signal.signal(signal.SIGUSR2, before)
+    assert not [t for t in threading.enumerate() if t.name.startswith("li-preemption")]
+
+
+def test_the_handler_takes_no_lock_and_starts_no_thread(tmp_path: Path) -> None:
+    """A signal delivered while the main thread holds the request lock (another rank's request
+    being recorded after the agreement) must not wait for it: the process reaches the step
+    boundary at once (a handler that waited would hang until the timeout)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, threading\n"
+        "from lightning_incremental.runtime import preemption as pre\n"
+        "p = pre.Preemption(pre.PreemptionConfig(signals=('SIGUSR2',))).install()\n"
+        "threads = threading.active_count()\n"
+        "with p._lock:\n"
+        "    os.kill(os.getpid(), signal.SIGUSR2)\n"
+        "    os.kill(os.getpid(), signal.SIGUSR2)\n"
+        "    started = threading.active_count() - threads\n"
+        "print('requested', p.requested, 'threads started in the handler', started)\n"
+        "p.uninstall()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "requested True threads started in the handler 0" in out.stdout
+
+
+def test_a_frameworks_handler_is_chained_through_the_adapter() -> None:
+    """``chain`` puts a safe stand-in where the framework's handler was: the handler calls the
+    stand-in, never the original; once the last checkpoint committed, the signals are ignored
+    until the process exits (a late one must not end it first)."""
+    original: list[int] = []
+    safe: list[int] = []
+
+    def framework(signum: int, frame: object) -> None:
+        original.append(signum)
+
+    before = signal.signal(signal.SIGUSR2, framework)
+    try:
+        p = pre.Preemption(pre.PreemptionConfig(signals=("SIGUSR2",)))
+        p.install(lambda signum, handler: lambda s, f: safe.append(s))
+        os.kill(os.getpid(), signal.SIGUSR2)
+        _wait_for(lambda: bool(safe))
+        assert safe == [signal.SIGUSR2] and original == []
+        assert p.agree()
+        assert p.stay_until_exit() == [signal.SIGUSR2]
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert safe == [signal.SIGUSR2] and original == []
+    finally:
+        signal.signal(signal.SIGUSR2, before)
 
 
 @pytest.fixture

@@ -119,9 +119,10 @@ class IncrementalCheckpoint(Copies, Checkpoint):
             defaults).
         preemption: what a preemption notice does (True: the defaults of
             :class:`~lightning_incremental.runtime.preemption.PreemptionConfig`; False: nothing).
-            At SIGTERM (and SLURM's requeue signal), or :meth:`request_preemption`, every rank
-            agrees at the next training batch's end, saves that step, waits for the commit and
-            exits with code 143: a preemption costs no step, single-process or distributed.
+            At SIGTERM or SIGINT (and SLURM's requeue signal), delivered any number of times, or
+            :meth:`request_preemption`, every rank agrees at the next training batch's end,
+            saves that step, waits for the commit and exits with code 143: a preemption costs
+            no step, single-process or distributed.
 
     Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` every rank
     saves its own shards (the sharded state dicts of ``torch.distributed.checkpoint.state_dict``,
@@ -370,7 +371,7 @@ class IncrementalCheckpoint(Copies, Checkpoint):
         if fit.disabled:
             return
         fit.points.train_started(time.monotonic(), self._last_saved_step)
-        fit.preemption.start()
+        fit.preemption.start(trainer)
         step = trainer.global_step
         newest = fit.newest
         if fit.resumed_step is None and newest is not None and newest > step:

@@ -29,15 +29,34 @@ class PreemptionPoint:
         self.config = config
         self.state = Preemption(config)
         self.step: int | None = None  # the step saved for the notice
+        self.trainer: pl.Trainer | None = None
 
-    def start(self) -> None:
+    def start(self, trainer: pl.Trainer) -> None:
         """Handle the signals; called at ``on_train_start``, after Lightning installed its own
-        (ours runs first and then calls theirs; ours is taken off first at teardown)."""
-        if self.config.enabled:
-            self.state.install()
+        (ours runs first, then theirs without its collective, checkpoint or logging:
+        :func:`~.compat.signal_handler_without_collectives`; ours is taken off first at
+        teardown). A SIGTERM that Lightning's handler saw before is a request, and its flag is
+        held until the ranks agree."""
+        if not self.config.enabled:
+            return
+        self.trainer = trainer
+        self.state.install(
+            lambda signum, handler: _compat.signal_handler_without_collectives(trainer, handler)
+        )
+        if _compat.received_sigterm(trainer):
+            self.state.request("SIGTERM")
+            _compat.hold_sigterm(trainer)
 
     def stop(self) -> None:
-        self.state.uninstall()
+        """The fit ends. After a preemption the process is on its way out with code 143: the
+        handled signals stay ignored through Lightning's teardown (which would put back the
+        handlers it found) until the process exits; otherwise the handlers are put back."""
+        if self.step is None:
+            self.state.uninstall()
+            return
+        signums = self.state.stay_until_exit()
+        if self.trainer is not None:
+            _compat.ignore_signals_after_fit(self.trainer, signums)
 
     def request(self, reason: str) -> None:
         self.state.request(reason)
@@ -53,6 +72,7 @@ class PreemptionPoint:
             return False
         if _compat.received_sigterm(trainer):
             self.state.request("SIGTERM")
+            _compat.hold_sigterm(trainer)
         if trainer.world_size > 1:
             strategy = trainer.strategy
             agreed = self.state.agree(
@@ -64,6 +84,11 @@ class PreemptionPoint:
             return False
         save_and_wait(trainer)
         self.step = trainer.global_step
+        # Lightning's SLURM requeue handler would have requeued at the signal (before any
+        # commit): the job is requeued now that this step committed.
+        self.state.requeue(
+            rank=trainer.global_rank, requeue_default=_compat.slurm_auto_requeue(trainer)
+        )
         _compat.stop_as_on_sigterm(trainer)  # every rank raises SIGTERMException right here
         return True
 

@@ -615,3 +615,49 @@ def test_lightning_versions_outside_the_supported_range_are_named() -> None:
         warnings.simplefilter("error")
         _compat.check_version("2.5.0")
         _compat.check_version("2.6.9")
+
+
+def test_lightnings_signal_handlers_without_collectives(tmp_path: Path) -> None:
+    """What the callback's handler calls in place of Lightning's, under SLURM auto-requeue:
+    the launcher forwards the first SIGTERM only; no broadcast (the notifier is not called), no
+    checkpoint and no requeue inside the handler (the SLURM handler is dropped); Lightning's
+    ``received_sigterm`` stays unset until the ranks agree; a user's handler still runs."""
+    import signal
+
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from lightning_incremental.lightning import compat as _compat
+
+    user: list[int] = []
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGTERM, lambda signum, frame: user.append(signum))
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, logger=False, enable_progress_bar=False, accelerator="cpu"
+    )
+    trainer._accelerator_connector.cluster_environment = SLURMEnvironment(auto_requeue=True)
+    assert _compat.slurm_auto_requeue(trainer)
+    connector = trainer._signal_connector
+    try:
+        connector.register_signal_handlers()
+        kills: list[int] = []
+
+        class Launcher:
+            def kill(self, signum: int) -> None:
+                kills.append(signum)
+
+        trainer.strategy._launcher = Launcher()  # type: ignore[assignment]
+        trainer.save_checkpoint = lambda *a, **k: pytest.fail("a save inside a handler")  # type: ignore[method-assign]
+        term = _compat.signal_handler_without_collectives(trainer, signal.getsignal(signal.SIGTERM))
+        usr = _compat.signal_handler_without_collectives(trainer, signal.getsignal(signal.SIGUSR1))
+        for _ in range(3):
+            term(signal.SIGTERM, None)
+            usr(signal.SIGUSR1, None)
+        assert kills == [signal.SIGTERM], "forwarded once, as Lightning does"
+        assert user == [signal.SIGTERM] * 3, "the user's handler Lightning composed still runs"
+        assert not trainer.received_sigterm
+        plain = signal.default_int_handler
+        assert _compat.signal_handler_without_collectives(trainer, plain) is plain
+    finally:
+        connector.teardown()
+        for signum, handler in before.items():
+            signal.signal(signum, handler)

@@ -19,6 +19,17 @@ Version differences handled here:
   case) for every release: it only decides whether the checkpointer warns about a run that
   asked for FSDP and got DDP.
 
+Signals (read for the preemption path, :mod:`~._preemption`): no Accelerate release up to 1.16
+installs a signal handler in the training processes, so the checkpointer's handler has nothing
+to chain to there but the user's, and nothing of Accelerate's runs a collective inside a handler;
+``Accelerator.set_trigger`` / ``check_trigger`` are a flag and an all-reduce the script calls
+itself, in its own loop. The launcher is another process: ``accelerate launch --multi_gpu`` runs
+torch's elastic agent in the launcher, which forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to every
+process (``TORCHELASTIC_SIGNALS_TO_HANDLE`` adds others, e.g. SLURM's SIGUSR1) and SIGKILLs them
+30 s later; a single-process ``accelerate launch`` (1.16) turns SIGTERM into the termination of
+the process tree, SIGKILL 5 s after SIGTERM — too short for most last checkpoints: signal the
+training process itself there, or launch it directly.
+
 Importing this module does not import Accelerate: every function takes the accelerator (or
 reads the environment) it is about.
 """

@@ -1,10 +1,12 @@
 """The checkpointer's preemption path, over :mod:`lightning_incremental.runtime.preemption`.
 
-A SIGTERM (SLURM's requeue signal under SLURM), or
+A SIGTERM or SIGINT (SLURM's requeue signal under SLURM), delivered any number of times, or
 :meth:`~accelerate_incremental.IncrementalCheckpointer.request_preemption`, only records a
-request. The batch boundary is a tracked epoch about to hand out its next batch (also its first):
-a batch of :meth:`~accelerate_incremental.IncrementalCheckpointer.iterate`, or of a plain ``for``
-loop over a prepared DataLoader after ``take_over`` (the launch flag). There every process agrees
+request (Accelerate installs no handler of its own in the training processes: see
+:mod:`~._compat`). The batch boundary is a tracked epoch about to hand out its next batch
+(also its first): a batch of :meth:`~accelerate_incremental.IncrementalCheckpointer.iterate`,
+or of a plain ``for`` loop over a prepared DataLoader after ``take_over`` (the launch flag).
+There every process agrees
 — one all-reduce of a flag with more than one process: every process fetches the same number of
 batches, so every one enters it as often — and once any process was asked, each saves that step
 and waits for its commit, then exits with code 143 (``SystemExit`` out of the script's loop).

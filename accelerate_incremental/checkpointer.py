@@ -88,8 +88,9 @@ class IncrementalCheckpointer:
             ``"int8"``: optimizer moments (``exp_avg``, ``exp_avg_sq``) stored quantized; a
             resume from such a checkpoint is not bit-exact (see
             :mod:`lightning_incremental.core.codecs.optimizer_state`). Weights stay lossless.
-        preemption: a ``PreemptionConfig``, True (its defaults) or False: at SIGTERM every
-            process commits the step of the next batch boundary, exits 143 (:mod:`~._preemption`).
+        preemption: a ``PreemptionConfig``, True (its defaults) or False: at SIGTERM or SIGINT
+            (however often delivered) every process commits the step of the next batch boundary,
+            exits 143 (:mod:`~._preemption`).
         max_overhead, expected_mtbf: :meth:`maybe_save` adapts its interval to the measured cost
             of a save: the fraction of training time checkpointing may cost (``0.02``) and/or the
             mean time between failures in seconds (Young/Daly); ``every_n_steps`` is then the

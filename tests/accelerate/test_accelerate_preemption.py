@@ -23,11 +23,16 @@ from tests.accelerate.test_accelerate import make_run
 
 @pytest.fixture(autouse=True)
 def _fresh_state() -> Iterator[None]:
+    """A fresh Accelerate state, and the signal handlers put back (a preempted checkpointer
+    leaves its signals ignored: the process is on its way out)."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 def _restart() -> None:

@@ -1,11 +1,13 @@
-"""Preemption under Accelerate, end to end: a real SIGTERM costs zero steps — every process stops
+"""Preemption under Accelerate, end to end: real signals cost zero steps — every process stops
 at one batch boundary, that step is committed, the processes exit 143, and the same command run
 again resumes from that step and ends bit-identical (weights and optimizer state) to an
 uninterrupted run.
 
 * ``accelerate launch --multi_gpu --num_processes 2 -m accelerate_incremental --dirpath STORE``
   over the unmodified tests/jobs/plain_accelerate_job.py (two gloo processes on CPU, see
-  test_accelerate_launch.py): the SIGTERM goes to the launcher, whose agent forwards it.
+  test_accelerate_launch.py): signals as a cluster delivers them (tests/deliveries.py) — the
+  launcher, whose agent forwards them, and every process, two or three deliveries each — and
+  SLURM-style, SIGUSR1 to every process.
 * tests/jobs/accelerate_job.py alone (one process, ``IncrementalCheckpointer`` with
   ``iterate`` and ``maybe_save``): the SIGTERM goes to the process.
 """
@@ -19,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ import torch
 
 from lightning_incremental.core import CheckpointStore
 from lightning_incremental.runtime.preemption import EXIT_PREEMPTED
+from tests import deliveries
 from tests.accelerate_results import assert_identical
 
 pytestmark = pytest.mark.slow
@@ -59,9 +63,17 @@ def _steps(progress: Path, rank: int) -> list[int]:
 
 
 def _run(
-    cmd: list[str], env: dict[str, str], log: Path, *, progress: Path | None = None
+    cmd: list[str],
+    env: dict[str, str],
+    log: Path,
+    *,
+    progress: Path | None = None,
+    after: int = SIGNAL_AFTER_STEP,
+    storm: Callable[[subprocess.Popen], list[str]] | None = None,
 ) -> dict[str, Any]:
-    """Run ``cmd``; with ``progress``, SIGTERM it once process 0 finished SIGNAL_AFTER_STEP."""
+    """Run ``cmd``; with ``progress``, SIGTERM it (``storm``: call it instead) once process 0
+    finished step ``after``."""
+    sent: list[str] = []
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         signalled = None
@@ -69,9 +81,12 @@ def _run(
             deadline = time.monotonic() + 300
             while proc.poll() is None and time.monotonic() < deadline:
                 steps = _steps(progress, 0) if progress is not None else []
-                if signalled is None and steps and steps[-1] >= SIGNAL_AFTER_STEP:
-                    proc.send_signal(signal.SIGTERM)
+                if signalled is None and steps and steps[-1] >= after:
                     signalled = time.monotonic()
+                    if storm is not None:
+                        sent = storm(proc)
+                    else:
+                        proc.send_signal(signal.SIGTERM)
                 time.sleep(0.02)
             rc = proc.wait(timeout=60)
         finally:
@@ -79,7 +94,7 @@ def _run(
                 proc.kill()
                 proc.wait()
     exited = time.monotonic() - signalled if signalled is not None else None
-    return {"rc": rc, "exited_s": exited, "log": log.read_text()}
+    return {"rc": rc, "exited_s": exited, "log": log.read_text(), "sent": sent}
 
 
 def _committed_after(log: str) -> list[float]:
@@ -101,40 +116,61 @@ def _launch(store: Path, out: Path, *script_args: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_launch_flag_two_processes_a_sigterm_costs_no_step(tmp_path: Path) -> None:
+def test_launch_flag_two_processes_signalled_again_and_again_lose_no_step(
+    tmp_path: Path,
+) -> None:
+    """Preempted twice, by signals as a cluster delivers them: the launcher (its agent forwards)
+    and every process, two or three deliveries each (SIGTERM and SIGINT, seeded random order
+    and rhythm), then SLURM-style (SIGUSR1 to every process, forwarded by the agent as
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE`` says; rank 0 requeues after the commit). Each time both
+    processes stop at one step, that step commits, both exit 143; the next run resumes from
+    it, and the last ends bit-identical to an uninterrupted run."""
     ref_out = tmp_path / "ref.pt"
     reference = _run(_launch(tmp_path / "ref_store", ref_out), _env({}), tmp_path / "ref.log")
     assert reference["rc"] == 0, reference["log"][-4000:]
 
     store, out, progress = tmp_path / "store", tmp_path / "out.pt", tmp_path / "progress"
     cmd = _launch(store, out, "--slow", "0.3", "--progress", str(progress))
-    first = _run(cmd, _env({}), tmp_path / "first.log", progress=progress)
-    text = first["log"]
-    assert first["exited_s"] is not None, "the run ended before it could be signalled"
-    assert "Received 15 death signal, shutting down workers" in text, text[-6000:]
-    assert text.count("preemption requested (signal SIGTERM)") == 2, text[-6000:]  # forwarded
-    assert not out.exists()
-    stopped = [_steps(progress, r)[-1] for r in range(2)]
-    assert stopped[0] == stopped[1] >= SIGNAL_AFTER_STEP, f"stopped at different steps: {stopped}"
-    with CheckpointStore(str(store)) as reader:
-        newest = reader.steps()[-1]
-        state = reader.load(newest, map_location="cpu")
-    assert state["custom"][0]["step"] == stopped[0], (newest, state["custom"], stopped)
-    done = f"preempted: checkpoint {newest} (accelerator.save_state) committed"
-    assert text.count(done) == 2 == len(_committed_after(text)), text[-6000:]  # both processes
+    slurm, calls = deliveries.slurm_env(tmp_path)
+    previous, report = 0, []
+    for name, after, seed, signals, extra in [
+        ("storm", 4, 21, (signal.SIGTERM, signal.SIGINT), {}),
+        ("slurm", 3, 22, (signal.SIGUSR1,), slurm),
+    ]:
 
-    second = _run(cmd, _env({}), tmp_path / "second.log")
-    assert second["rc"] == 0, second["log"][-4000:]
-    assert second["log"].count("JOB DONE") == 2
-    assert f"starting at global step {stopped[0]}" in second["log"]
+        def storm(proc: subprocess.Popen, seed: int = seed, signals: Any = signals) -> list[str]:
+            return deliveries.deliver(proc, PLAIN.name, seed, signals=signals)
+
+        run = _run(
+            cmd, _env(extra), tmp_path / f"{name}.log", progress=progress,
+            after=previous + after, storm=storm,
+        )  # fmt: skip
+        text = run["log"]
+        why = "\n".join(run["sent"]) + "\n" + text[-6000:]
+        assert run["exited_s"] is not None, "the run ended before it could be signalled"
+        assert not out.exists(), why
+        if previous:
+            assert f"starting at global step {previous}" in text, why
+        stopped = [_steps(progress, r)[-1] for r in range(2)]
+        assert stopped[0] == stopped[1] >= previous + after, f"stopped at {stopped}\n{why}"
+        with CheckpointStore(str(store)) as reader:
+            newest = reader.steps()[-1]
+            state = reader.load(newest, map_location="cpu")
+        assert state["custom"][0]["step"] == stopped[0], (newest, state["custom"], why)
+        done = f"preempted: checkpoint {newest} (accelerator.save_state) committed"
+        assert text.count(done) == 2 == len(_committed_after(text)), why  # both processes
+        report.append(f"{name}: step {stopped[0]} {_committed_after(text)} s after the request")
+        previous = stopped[0]
+    assert calls.read_text().split() == ["requeue", "4711"], "rank 0 requeues, once"
+
+    final = _run(cmd, _env({}), tmp_path / "final.log")
+    assert final["rc"] == 0, final["log"][-4000:]
+    assert final["log"].count("JOB DONE") == 2
+    assert f"starting at global step {previous}" in final["log"]
     resumed = torch.load(out, weights_only=False)
     assert resumed["step"] == 15
     assert_identical(torch.load(ref_out, weights_only=False), resumed)
-    print(
-        f"\n2 processes (launch flag): SIGTERM after step {SIGNAL_AFTER_STEP}, stopped and "
-        f"committed at step {stopped[0]} (checkpoint {newest}) {_committed_after(text)} s after "
-        f"the request, the launcher exited {first['exited_s']:.1f}s after the signal"
-    )
+    print("\n2 processes (launch flag): " + "; ".join(report))
 
 
 def test_api_one_process_a_sigterm_costs_no_step(tmp_path: Path) -> None:

@@ -22,6 +22,16 @@ override still runs:
   once the skipped batches of a mid-epoch resume were drawn).
 - ``_load_best_model()``: ``load_best_model_at_end``.
 
+The preemption path (:mod:`~._trainer_preemption`) adds a ``TrainerCallback`` (public API) and
+reads the Trainer's JIT checkpoint (``TrainingArguments(enable_jit_checkpoint=True)``, in
+``transformers.trainer_jit_checkpoint``, up to 5.24 as checked): a ``JITCheckpointCallback``
+among the Trainer's callbacks whose ``jit_manager`` (a ``CheckpointManager``) replaces the SIGTERM
+handler in the Trainer's ``__init__`` and restores it (``_original_sigterm_handler``) at
+``on_train_end``. Its handler logs and starts a ``threading.Timer`` inside the signal handler
+(``kill_wait``, 3 s); when the timer fires, the next step boundary of *that* process saves a
+checkpoint and stops training — on its own, while the other processes go on into their next
+collective. :func:`stand_aside_jit_checkpoint` takes it out while the preemption path is armed.
+
 All of them have had these names, parameters and roles throughout the 5.x releases up to
 5.24; :func:`problems` checks the parameters of the installed release at start-up, so a release
 that renamed one is refused with its name instead of failing later. Also read here:
@@ -40,6 +50,7 @@ import functools
 import importlib.abc
 import importlib.util
 import inspect
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
@@ -143,6 +154,39 @@ def last_checkpoint(output_dir: str) -> str | None:
     from transformers.trainer_utils import get_last_checkpoint
 
     found: str | None = get_last_checkpoint(output_dir)
+    return found
+
+
+# --- the preemption path: a step-end callback, the JIT checkpoint standing aside
+
+
+def add_step_end_callback(trainer: Any, function: Callable[[Any], None]) -> None:
+    """Make ``trainer`` call ``function(control)`` at every ``on_step_end`` (after each optimizer
+    step, on every process; ``control``: the Trainer's ``TrainerControl``)."""
+    from transformers import TrainerCallback
+
+    class _StepEnd(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            function(control)
+            return control
+
+    trainer.add_callback(_StepEnd())
+
+
+def stand_aside_jit_checkpoint(trainer: Any) -> bool:
+    """Take the Trainer's JIT checkpoint out (see the module's notes): the SIGTERM handler it
+    replaced is put back and its callback no longer acts. Returns whether there was one."""
+    found = False
+    for callback in getattr(trainer.callback_handler, "callbacks", []):
+        manager = getattr(callback, "jit_manager", None)
+        if type(callback).__name__ != "JITCheckpointCallback" or manager is None:
+            continue
+        own = getattr(manager, "_sigterm_handler", None)
+        if own is not None and signal.getsignal(signal.SIGTERM) == own:
+            before = manager._original_sigterm_handler
+            signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+        callback.jit_manager = None
+        found = True
     return found
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from accelerate_incremental import _hf_compat
 from accelerate_incremental import _trainer_markers as markers
+from accelerate_incremental._trainer_preemption import TrainerPreemption
 from lightning_incremental.core import CheckpointStore, SaveHandle
 from lightning_incremental.core.commit import fencing
 from lightning_incremental.runtime import collectives, rng
@@ -44,6 +45,7 @@ from lightning_incremental.runtime.failures import (
     FailurePolicy,
     share_report,
 )
+from lightning_incremental.runtime.preemption import PreemptionConfig
 
 log = logging.getLogger("lightning_incremental")
 FORMAT = "accelerate_incremental.trainer/1"
@@ -77,6 +79,10 @@ class TrainerCheckpointer:
         dirpath: the store: a local directory or any fsspec URL.
         auto_resume: ``train()`` without ``resume_from_checkpoint`` resumes from the newest
             committed checkpoint of the store (``resume_from_checkpoint=False``: start afresh).
+        preemption: what a preemption notice does while ``train()`` runs (True: the
+            defaults of :class:`~lightning_incremental.runtime.preemption.PreemptionConfig`;
+            False: nothing): at SIGTERM (SIGINT, SLURM's requeue signal), every process saves
+            the step all reach next and exits 143 once it committed (:mod:`~._trainer_preemption`).
         storage_options, optimizer_state, max_consecutive_failures, **options: as for
             :class:`~accelerate_incremental.IncrementalCheckpointer`.
     """
@@ -90,6 +96,7 @@ class TrainerCheckpointer:
         storage_options: dict[str, Any] | None = None,
         optimizer_state: str = "exact",
         max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        preemption: PreemptionConfig | bool = True,
         **options: Any,
     ) -> None:
         self.trainer = trainer
@@ -122,14 +129,21 @@ class TrainerCheckpointer:
         }
         for name, make in hooks.items():
             _hf_compat.hook(trainer, name, make)
+        self.preemption = TrainerPreemption(trainer, preemption)
 
     # ------------------------------------------------------------------ train
 
     def _train(self, own: Callable[..., Any]) -> Callable[..., Any]:
         def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
             own_accelerator(self.trainer.accelerator)
-            result = own(self.resume_point(resume_from_checkpoint), *args, **kwargs)
-            self.wait()
+            self.preemption.start()
+            try:
+                result = own(self.resume_point(resume_from_checkpoint), *args, **kwargs)
+                self.wait()
+            except BaseException:
+                self.preemption.stop()
+                raise
+            self.preemption.at_train_end()  # exits 143 after a preemption
             return result
 
         return train

@@ -45,14 +45,19 @@ _TRAINER_OWNS = {
     "keep_last": "save_total_limit",
     "every_n_steps": "save_steps / save_strategy",
 }
-_PASSED = {"dirpath", "storage_options", "optimizer_state", "max_consecutive_failures"}
+_PASSED = {
+    "dirpath",
+    "storage_options",
+    "optimizer_state",
+    "max_consecutive_failures",
+    "preemption",
+}
 _RECOVERY = {
     "watchdog",
     "heartbeat_interval",
     "heartbeat_timeout",
     "progress_timeout",
     "replica_check",
-    "preemption",
     "recovery",
 }
 
@@ -126,7 +131,9 @@ def enable_trainer(
     None and the Trainer is untouched. Called again for the same Trainer, or for one the launch
     flag enabled, it returns the checkpointer it has. ``kwargs``: ``auto_resume`` (default True:
     ``train()`` resumes from the newest committed checkpoint), ``storage_options``,
-    ``optimizer_state``, ``max_consecutive_failures`` and store options (``full_every``, ...).
+    ``optimizer_state``, ``max_consecutive_failures``, ``preemption`` (default True: a SIGTERM
+    saves the step every process reaches next, then they exit 143) and store options
+    (``full_every``, ...).
 
     Raises:
         ValueError: a Trainer this integration cannot cover (DeepSpeed, FSDP, an unsupported

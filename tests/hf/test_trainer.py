@@ -142,3 +142,44 @@ def test_a_dropped_trainer_is_collected_with_its_store(tmp_path: Path) -> None:
     del trainer, checkpointer
     gc.collect()
     assert dropped() is None and store() is None
+
+
+def test_a_signal_during_train_saves_that_step_and_exits_143(tmp_path: Path) -> None:
+    """SIGTERM twice during step 3 (a signal delivered again): the Trainer saves step 3 through the
+    store (outside its save_steps), stops, ``train()`` waits for the commit and the process
+    exits 143 (a late signal no longer ends it first); the JIT checkpoint the run asked for
+    stands aside (its handler is not the one
+    the signal finds, and it saves nothing of its own)."""
+    import os
+    import signal
+
+    from transformers import TrainerCallback
+
+    from lightning_incremental.runtime.preemption import EXIT_PREEMPTED
+
+    class Signal(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step == 2:  # step 3 begins
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = tiny_trainer(tmp_path / "out", enable_jit_checkpoint=True)
+    (jit,) = [c for c in trainer.callback_handler.callbacks if getattr(c, "jit_manager", None)]
+    before = signal.getsignal(signal.SIGTERM)
+    assert before == jit.jit_manager._sigterm_handler
+    checkpointer = enable_trainer(trainer, str(tmp_path / "store"))
+    assert checkpointer is not None and jit.jit_manager is None
+    assert signal.getsignal(signal.SIGTERM) != before, "the JIT checkpoint's handler is put back"
+    trainer.add_callback(Signal())
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(SystemExit) as exited:
+            trainer.train()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN, "ignored until the exit"
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert exited.value.code == EXIT_PREEMPTED
+    assert trainer.state.global_step == 3
+    assert CheckpointStore(tmp_path / "store").steps() == [3]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-3"]

@@ -2,14 +2,17 @@
 under ``accelerate launch ... -m accelerate_incremental --dirpath STORE``, on 1 and 2 CPU processes:
 checkpoints go to the store at the Trainer's cadence; SIGKILLed mid-epoch and run again with the
 same command, it resumes by itself and ends bit-identical (weights, optimizer and scheduler) to an
-uninterrupted run; and each checkpoint after the first writes fewer bytes than the Trainer's own
-``checkpoint-N`` folder of the same run."""
+uninterrupted run; signalled again and again as a cluster signals (SIGTERM, SIGINT, SLURM's
+SIGUSR1 to the launcher and every process), it loses no step; and each checkpoint after the
+first writes fewer bytes than the Trainer's own ``checkpoint-N`` folder of the same run."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ pytest.importorskip("transformers")
 import torch
 
 from lightning_incremental.core import CheckpointStore
+from tests import deliveries
 from tests.multiprocess.test_accelerate_launch import _free_port, _why
 
 pytestmark = pytest.mark.slow
@@ -149,21 +153,6 @@ def test_resume_from_checkpoint_true_as_users_pass_it(
     assert_identical(one[1], resumed)
 
 
-def test_two_processes_killed_mid_epoch_resume_bit_identical(
-    tmp_path: Path, two: dict[str, Any]
-) -> None:
-    """With save_total_limit=2: the store keeps exactly the checkpoints whose folders the
-    Trainer's rotation kept."""
-    resumed = killed_then_rerun(tmp_path, 2, "--limit", "2")
-    assert "checkpoint-16 (step 16 of" in resumed["log"]
-    assert_identical(two, resumed)
-    assert CheckpointStore(tmp_path / "store").steps() == [24, 30]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "checkpoint-24",
-        "checkpoint-30",
-    ]
-
-
 def test_bytes_per_checkpoint_against_the_trainers_own(
     one: tuple[Path, dict[str, Any]], own: tuple[Path, dict[str, Any]]
 ) -> None:
@@ -180,3 +169,86 @@ def test_bytes_per_checkpoint_against_the_trainers_own(
     assert ours[8] < 1.2 * theirs[8]
     for step in SAVES[1:]:
         assert ours[step] < 0.65 * theirs[step], (step, ours[step], theirs[step])
+
+
+def _preempted(
+    tmp: Path, name: str, after: int, seed: int, signals: tuple[int, ...], env: dict[str, str]
+) -> dict[str, Any]:
+    """The 2-process launch (``--limit 2``, slowed down), signalled as a cluster signals (the
+    launcher and every worker: tests/deliveries.py) once process 0 finished step ``after``."""
+    progress = tmp / "progress"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+        "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(_free_port()),
+        "-m", "accelerate_incremental", "--dirpath", str(tmp / "store"),
+        str(JOB), "--output-dir", str(tmp / "out"), "--out", str(tmp / "result.pt"),
+        "--limit", "2", "--slow", "0.25", "--progress", str(progress),
+    ]  # fmt: skip
+    log = tmp / f"{name}.log"
+    sent: list[str] = []
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, env={**_env(), **env}, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while proc.poll() is None and time.monotonic() < deadline:
+                if not sent and _last_step(progress, 0) >= after:
+                    sent = deliveries.deliver(proc, JOB.name, seed, signals=signals)
+                time.sleep(0.02)
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log.read_text()
+    why = "\n".join(sent) + "\n" + text[-6000:]
+    assert sent, "the run ended before it could be signalled:\n" + why
+    stopped = [_last_step(progress, rank) for rank in range(2)]
+    return {"rc": rc, "log": text, "why": why, "stopped": stopped}
+
+
+def _last_step(progress: Path, rank: int) -> int:
+    path = Path(f"{progress}.rank{rank}")
+    lines = path.read_text().split() if path.exists() else []
+    return int(lines[-1]) if lines else 0
+
+
+def test_two_processes_killed_then_signalled_again_and_again_lose_no_step(
+    tmp_path: Path, two: dict[str, Any]
+) -> None:
+    """Two processes with save_total_limit=2, SIGKILLed mid-epoch (the newest committed step
+    16), then preempted twice by signals as a cluster delivers them: the launcher and every
+    worker, two or three deliveries each (SIGTERM and SIGINT, seeded random order and rhythm),
+    then SLURM-style (SIGUSR1 to every process; the launcher's agent forwards it as
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE`` says; rank 0 requeues after the commit). Each preemption
+    stops both processes at one step, that step commits, both exit 143; each run resumes from
+    the last one's newest committed step, and the last ends bit-identical to the uninterrupted
+    run. The store keeps exactly the checkpoints whose folders the Trainer's rotation kept."""
+    killed = launch(tmp_path, 2, "--crash-after", str(CRASH_AFTER), "--limit", "2")
+    assert killed.returncode != 0, "the interrupted run should have died"
+    assert CheckpointStore(tmp_path / "store").steps() == [8, 16]
+    slurm, calls = deliveries.slurm_env(tmp_path)
+    previous = 16
+    for name, after, seed, signals, env in [
+        ("storm", 2, 11, (signal.SIGTERM, signal.SIGINT), {}),
+        ("slurm", 2, 12, (signal.SIGUSR1,), slurm),
+    ]:
+        run = _preempted(tmp_path, name, previous + after, seed, signals, env)
+        why, stopped = run["why"], run["stopped"]
+        assert f"checkpoint-{previous} (step {previous} of" in run["log"], why
+        assert stopped[0] == stopped[1] >= previous + after, (stopped, why)
+        assert CheckpointStore(tmp_path / "store").steps()[-1] == stopped[0], why
+        assert run["log"].count(f"preempted: step {stopped[0]} committed") == 2, why
+        assert run["log"].count("JOB DONE") == 0, why
+        previous = stopped[0]
+    assert calls.read_text().split() == ["requeue", "4711"], "rank 0 requeues, once"
+
+    resumed = finished(tmp_path, 2, "--limit", "2")
+    assert f"checkpoint-{previous} (step {previous} of" in resumed["log"]
+    assert_identical(two, resumed)
+    assert CheckpointStore(tmp_path / "store").steps() == [24, 30]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "checkpoint-24",
+        "checkpoint-30",
+    ]

@@ -6,8 +6,9 @@ Run as ``python hf_trainer_job.py`` (the Trainer's own checkpoints) or under ``a
 
 Options: ``--output-dir`` (the Trainer's), ``--out`` (final weights and optimizer state, written by
 the main process), ``--crash-after K`` (SIGKILL every process at global step K, once the saves
-before it committed), ``--resume`` (``train(resume_from_checkpoint=...)``: ``true`` or a path).
-Each process prints ``JOB DONE`` at the end.
+before it committed), ``--resume`` (``train(resume_from_checkpoint=...)``: ``true`` or a path),
+``--slow S --progress P`` (each process sleeps S seconds after each step, then appends the step to
+``P.rank<r>``: time for a test to signal it mid-run). Each process prints ``JOB DONE`` at the end.
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ class Crash(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Progress(TrainerCallback):
+    """Appends each finished step to ``{path}.rank<r>``, after a pause of ``slow`` seconds."""
+
+    def __init__(self, path: str, slow: float) -> None:
+        self.path = f"{path}.rank{os.environ.get('RANK', '0')}"
+        self.slow = slow
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        import time
+
+        time.sleep(self.slow)
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(f"{state.global_step}\n")
+
+
 def dataset() -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, VOCAB, (SAMPLES, LENGTH), generator=generator)
@@ -66,6 +82,8 @@ def main() -> None:
     cli.add_argument("--max-steps", type=int, default=30)
     cli.add_argument("--save-steps", type=int, default=8)
     cli.add_argument("--limit", type=int, default=None)
+    cli.add_argument("--slow", type=float, default=0.0)
+    cli.add_argument("--progress", default=None)
     options = cli.parse_args()
 
     set_seed(0)
@@ -95,7 +113,11 @@ def main() -> None:
         dataloader_num_workers=0,
     )
     holder: list[Trainer] = []
-    callbacks = [Crash(holder, options.crash_after)] if options.crash_after else []
+    callbacks: list[TrainerCallback] = []
+    if options.crash_after:
+        callbacks.append(Crash(holder, options.crash_after))
+    if options.progress:
+        callbacks.append(Progress(options.progress, options.slow))
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), callbacks=callbacks)
     holder.append(trainer)
     resume = {"true": True, None: None}.get(options.resume, options.resume)

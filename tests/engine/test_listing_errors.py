@@ -1,8 +1,9 @@
 """A listing that fails is unknown, never empty: retention and gc delete nothing, a fence that
 cannot be listed hides nothing it fences off, and a load says the listing failed.
 
-The errors are real ones of the local backend: reading a directory fails (``os.scandir`` raises,
-as on a failing disk or a stale NFS handle; tests/faulty.py ``unreadable_directories``).
+The errors are real ones of the backend: reading a local directory fails (``os.scandir``
+raises, as on a failing disk or a stale NFS handle; tests/faulty.py ``unreadable_directories``),
+or the S3 endpoint refuses a listing request (tests/s3_server.py's fault proxy).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import torch
 from lightning_incremental.core import StorageError
 from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.maintain import retention
+from lightning_incremental.core.storage.s3 import S3Storage
 from tests.conftest import assert_state_equal, small_store
 from tests.faulty import unreadable_directories
+from tests.s3_server import FaultPlan, S3Endpoint
 
 
 def state(value: float) -> dict[str, torch.Tensor]:
@@ -121,3 +124,37 @@ def test_a_load_says_the_listing_failed(local_url: str) -> None:
                 with pytest.raises(StorageError, match=r"listing manifests.*Input/output error"):
                     reader.load()
         assert_state_equal(reader.load(), state(1))
+
+
+def test_retention_after_a_commit_on_s3_deletes_nothing_when_a_listing_fails(
+    s3_endpoint: S3Endpoint, s3_bucket: str, s3_faults: FaultPlan, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on the S3 endpoint: the listing of the manifests refused while the retention
+    after a commit runs."""
+    storage = S3Storage.from_url(f"s3://{s3_bucket}/store", s3_endpoint.options(faulty=True))
+    with small_store(storage, keep_last=2, full_every=100, min_object_age_s=0) as store:
+        store.save(state(1), 1).wait()
+        store.save(state(2), 2).wait()
+        before = set(s3_endpoint.objects(s3_bucket))
+        run = retention.Collector.run
+
+        def failing_run(self: retention.Collector, plan: retention.Plan) -> object:
+            s3_faults.error(
+                403,
+                method="GET",
+                query={"list-type": "2", "prefix": "store/manifests/"},
+                times=None,
+            )
+            try:
+                return run(self, plan)
+            finally:
+                s3_faults.clear()
+
+        monkeypatch.setattr(retention.Collector, "run", failing_run)
+        with pytest.warns(UserWarning, match=r"retention after step 3 failed.*listing"):
+            store.save(state(3), 3).wait()
+        monkeypatch.undo()
+        assert before <= set(s3_endpoint.objects(s3_bucket))
+        assert store.steps() == [1, 2, 3]
+        for step in (1, 2, 3):
+            assert_state_equal(store.load(step), state(step))

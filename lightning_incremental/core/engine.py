@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
@@ -32,7 +33,9 @@ log = logging.getLogger("lightning_incremental")
 class Engine:
     """One store's parts. ``lock`` is held while a save writes and commits, and while gc or
     compact deletes or rewrites: objects a save is about to reference are never swept from
-    under it."""
+    under it. It is the process's lock of the location (:func:`location_lock`), shared by every
+    store object there, as the writer lease is: a maintenance store beside the training store
+    in one process waits for the save in flight, and the save for it."""
 
     group: Group
     lock: threading.RLock
@@ -53,7 +56,9 @@ class Engine:
 
     def claim(self, minimum: int) -> int:
         """Claim a new fencing generation (:meth:`.fencing.Generation.claim`)."""
-        with self.lock, self.history.lock:
+        # Not under the location's lock: a claim deletes nothing, and a claim through one store
+        # object must not wait for a save held up in another (the claim is what fences it).
+        with self.history.lock:
             return self.generation.claim(minimum, self.fencing, self.lease, self.history)
 
     def shutdown(self) -> None:
@@ -66,6 +71,22 @@ class Engine:
         self.lease.release()
         if isinstance(self.group, GlooGroup):
             self.group.close()
+
+
+_LOCKS: dict[tuple[int, str], threading.RLock] = {}
+_LOCKS_LOCK = threading.Lock()
+
+
+def location_lock(url: str) -> threading.RLock:
+    """This process's write lock of the store at ``url``: one per location, whatever the number
+    of store objects open there (a small lock per location ever opened is kept; a child process
+    made by fork gets its own, as its parent's may be held)."""
+    key = (os.getpid(), url)
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(key)
+        if lock is None:
+            lock = _LOCKS[key] = threading.RLock()
+        return lock
 
 
 def assemble(
@@ -82,7 +103,7 @@ def assemble(
             config.optimizer_state,
             config.optimizer_state,
         )
-    lock = threading.RLock()
+    lock = location_lock(storage.url)
     # Threads exist only while there is work (they end after a short idle time), at a lower
     # priority than training's (workers.py: background work yields to training).
     nice = config.background_nice

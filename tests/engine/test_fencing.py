@@ -54,9 +54,9 @@ def test_a_writer_generation_is_fixed_at_first_use() -> None:
     storage = open_storage("memory://gen-fixed-at-first-use", None)
     assert fencing.Generation(storage, 3).value == 3  # given: storage is not read
     joined = fencing.Generation(storage, None)
-    storage.put(fencing.fence_path(4), fencing.record(4, [], 0))
+    storage.put(fencing.fence_path(4), fencing.record(4, {}, 0))
     assert joined.value == 4  # the newest claim, read at first use
-    storage.put(fencing.fence_path(9), fencing.record(9, [], 0))
+    storage.put(fencing.fence_path(9), fencing.record(9, {}, 0))
     assert joined.value == 4  # a later claim by another writer does not change it
     assert fencing.Generation(storage, None).value == 9
 
@@ -179,7 +179,7 @@ def test_claimants_never_share_a_generation(local_url: str) -> None:
         def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
             if path.startswith(fencing.FENCE_DIR) and not self.raced:
                 self.raced = True
-                inner.put(path, fencing.record(int(path[7:17]), [], 0))  # the other claimant
+                inner.put(path, fencing.record(int(path[7:17]), {}, 0))  # the other claimant
             return super().put(path, data, overwrite=overwrite)
 
     with small_store(Racing(inner)) as store:
@@ -255,6 +255,7 @@ def test_a_checkpoint_committed_while_gc_runs_is_kept(local_url: str) -> None:
     writer.save(state(1.0), 1).wait()
     writer.save(state(2.0), 2).wait()
     faulty = FaultyStorage(open_storage(local_url, None))
+    faulty.url = f"{local_url} (another process)"  # its own lock: not this process's writer
     gate = faulty.hold("manifest", op="get")
     reports = []
     with small_store(faulty) as collector:
@@ -298,3 +299,38 @@ def test_generations_past_ten_digits_still_fence(local_url: str) -> None:
         assert fencing.newest(store.storage).generation == big  # type: ignore[union-attr]
         assert store.claim_generation() == big + 1
         assert fencing.generations(store.storage) == [big, big + 1]
+
+
+def _files(root: str) -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files
+    )
+
+
+def test_a_fenced_off_process_writes_deletes_and_claims_nothing(
+    local_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After fence_process (the watchdog found this rank isolated) every mutating path of
+    every store of the process raises FencedError naming why, and the store is unchanged:
+    save, compact, gc with and without a grace period, delete and claim_generation."""
+    monkeypatch.setattr(fencing, "_PROCESS_FENCE", [])
+    with small_store(local_url, full_every=100) as store:
+        store.save(state(1.0), 1).wait()
+        store.save(state(1.5), 2).wait()  # a delta: compact has work to do
+        before = _files(local_url)
+        fencing.fence_process("isolated from the group")
+        calls = {
+            "save": lambda: store.save(state(3.0), 3).wait(),
+            "compact": store.compact,
+            "gc": lambda: store.gc(keep_last=1),
+            "gc with a grace period": lambda: store.gc(keep_last=1, grace_s=60.0),
+            "delete": lambda: store.delete(1),
+            "claim": store.claim_generation,
+        }
+        for name, call in calls.items():
+            with pytest.raises(FencedError, match="isolated from the group"):
+                call()
+                pytest.fail(f"{name} ran in a fenced-off process")
+        assert _files(local_url) == before
+        assert store.gc(keep_last=1, dry_run=True).removed_steps == [1]  # reading still works
+        monkeypatch.setattr(fencing, "_PROCESS_FENCE", [])  # close releases the lease

@@ -176,3 +176,48 @@ def test_an_object_missing_from_a_checkpoint_still_there_is_corruption(root) -> 
     with pytest.raises(Exception, match="missing") as raised:
         small_store(root).load(2)
     assert not isinstance(raised.value, CheckpointNotFoundError)
+
+
+class CompactingJob:
+    """A writer with delta chains whose maintenance compacts the newest checkpoint and then
+    collects with keep_last=1 (no minimum age: the old chain's objects go at once)."""
+
+    def __init__(self, root: str) -> None:
+        self.store = small_store(root, full_every=100, min_object_age_s=0)
+        g = torch.Generator().manual_seed(0)
+        self.state = state(0)
+        for step in (1, 2):
+            self.state = {
+                "w": self.state["w"] + 1e-3 * torch.randn(64, 64, generator=g),
+                "b": self.state["b"] + 1e-3 * torch.randn(900, generator=g),
+                "k": step,
+            }
+            self.store.save(self.state, step).wait()
+        assert not self.store.manifest(2).stats["full_base"]
+        self.before = set(LocalStorage(self.store.url).list("packs"))
+
+    def compact_and_collect(self, path: str) -> None:
+        self.store.compact()
+        self.store.gc(keep_last=1)
+        assert path not in set(LocalStorage(self.store.url).list("packs")), "read one is gone"
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["newest", "step"])
+def test_a_checkpoint_compacted_and_collected_while_being_read_is_read_again(
+    root, caplog, explicit: bool
+) -> None:
+    """The reader lists step 2 (a delta) and starts reading its objects; meanwhile the writer
+    compacts step 2 and collects with keep_last=1, which removes the old chain's objects. Step
+    2 is still committed, now as a full base: the reader reads it again — never corrupt."""
+    job = CompactingJob(root)
+    hooked = HookedStorage(root, "packs/", job.compact_and_collect, times=1)
+    reader = small_store(hooked)
+    caplog.set_level(logging.INFO, logger="lightning_incremental")
+    with warnings.catch_warnings(record=True) as recorded:
+        warnings.simplefilter("always")
+        loaded = reader.load(2) if explicit else reader.load()
+    assert len(hooked.fired) == 1 and reader.steps() == [2]
+    assert_state_equal(loaded, job.state)
+    assert reader.manifest(2).stats["full_base"]
+    assert_no_corruption_reported(recorded, caplog, reader, root)
+    assert reader.verify(2).ok

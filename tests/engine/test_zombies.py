@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.maintain.sweep import CLOCK_DIR
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal, small_store
-from tests.engine.test_fencing import _proc_state
+from tests.engine.test_fencing import _proc_state, _waiting_on
+from tests.faulty import FaultyStorage
 
 ROOT = Path(__file__).resolve().parents[2]
 HOUR = 3600.0
@@ -365,3 +367,186 @@ def test_a_writer_frozen_before_its_first_lease_record_is_fenced_off_by_the_firs
         old.close()
     with small_store(root) as reader:
         assert reader.steps() == []
+
+
+# ------------------------------------------------------------------ compaction
+
+
+# A single-process writer (short lease) that saved steps 1 and 2 (a delta) and compacts step 2:
+# frozen between its checks and the write of the compacted manifest, for longer than its
+# lease and than the minimum object age of the writer that takes over.
+FROZEN_COMPACTION = """
+    import os, signal, sys, time, torch
+    from lightning_incremental.core import CheckpointStore, FencedError, WriterLeaseError
+
+    store = CheckpointStore(
+        sys.argv[1], chunk_size=4096, pack_size=16384, lease_ttl_s=1.0, full_every=100
+    )
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, generator=g)
+    store.save({"w": w, "b": torch.arange(8) * 1.0}, 1).wait()
+    w = w + 1e-3 * torch.randn(4096, generator=g)
+    store.save({"w": w, "b": torch.arange(8) * 2.0}, 2).wait()
+    torch.save(w, sys.argv[2])
+    put = store.storage.put
+
+    def freeze_before_manifest(path, data, **kw):
+        if path.startswith("manifests/"):
+            os.kill(os.getpid(), signal.SIGSTOP)  # after its checks, before the write
+            time.sleep(0.5)  # the sending thread may run on for a moment: it stops in here
+        return put(path, data, **kw)
+
+    store.storage.put = freeze_before_manifest
+    try:
+        store.compact()
+    except (FencedError, WriterLeaseError) as exc:
+        print("FENCED", type(exc).__name__, exc, flush=True)
+        sys.exit(3)
+    print("COMPACTED", flush=True)
+"""
+
+
+def _age_everything(root: str, seconds: float) -> None:
+    """Every file of the store ``seconds`` older (a freeze that lasted that long)."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(directory, name)
+            stat = os.stat(path)
+            os.utime(path, (stat.st_atime - seconds, stat.st_mtime - seconds))
+
+
+def test_a_frozen_compaction_makes_nothing_visible_after_a_takeover(
+    local_url: str, tmp_path: Path
+) -> None:
+    """The compactor wrote the full base's objects and stops before its manifest; the next
+    writer takes over (claiming a new generation) and collects with keep_last=1, which sweeps
+    the compactor's unreferenced new objects (older than the minimum age: a long freeze). The
+    compactor wakes and writes its manifest: it is not visible, it is told so, and step 2
+    restores as committed."""
+    saved = tmp_path / "w.pt"
+    compactor = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(FROZEN_COMPACTION), local_url, str(saved)],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _all_threads_stopped(compactor.pid):
+            assert compactor.poll() is None, compactor.stdout.read()
+            assert time.monotonic() < deadline, "the compactor never froze"
+            time.sleep(0.05)
+        record = lease_mod.newest(LocalStorage(local_url))
+        assert record is not None and record.doc["pid"] == compactor.pid
+        while time.time() - record.doc["heartbeat"] <= 1.5:  # the compactor's lease expires
+            time.sleep(0.1)
+        _age_everything(local_url, 2 * HOUR)  # the freeze lasted past the minimum age too
+        with small_store(local_url, lease_ttl_s=1.0) as new:
+            report = new.gc(keep_last=1)  # takes the lease over, claims, collects
+            assert new.generation == 1
+            assert report.removed_objects, "the compactor's new objects were swept"
+            code, out = _wake(compactor)
+            assert code == 3, out
+            assert "FENCED FencedError compaction of checkpoint step 2" in out, out
+            assert new.steps() == [2]
+            assert new.verify(2).ok
+            expected = torch.load(saved)
+            assert torch.equal(new.load(2)["w"], expected)
+            assert new.storage.exists(mf.manifest_path(2, 0)), "it landed ..."
+            new.gc(keep_last=1)  # ... and goes, not visible; the step stays as committed
+            assert new.steps() == [2]
+            assert new.storage.list(mf.MANIFEST_DIR) == [mf.manifest_path(2)]
+        with small_store(local_url) as reader:
+            assert torch.equal(reader.load()["w"], expected)
+    finally:
+        _kill(compactor)
+
+
+# ------------------------------------------------------------------ one process, two stores
+
+
+def test_maintenance_through_a_second_store_object_waits_for_the_save_in_flight(
+    local_url: str,
+) -> None:
+    """Two store objects on one location in one process (training, and a maintenance store
+    beside it) are one writer: a compact + gc(keep_last=1) through the second waits for the
+    first's save, which is held after it checked the objects it reuses and before its manifest
+    (where, without the exclusion, the delta objects it reuses were deleted under it)."""
+    faulty = FaultyStorage(LocalStorage(local_url))
+    trainer = small_store(faulty, full_every=100, min_object_age_s=0)
+    maintenance = small_store(local_url, min_object_age_s=0)  # the same location, unheld
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(4096, generator=g)
+        for step in (1, 2):
+            w = w + 1e-3 * torch.randn(4096, generator=g)
+            trainer.save({"w": w, "frozen": torch.arange(4096.0)}, step).wait()
+        gate = faulty.hold("manifest", op="put")
+        last = {"w": w + 1e-3 * torch.randn(4096, generator=g), "frozen": torch.arange(4096.0)}
+        handle = trainer.save(last, 3)
+        while not _waiting_on(gate):  # step 3 wrote its part and is about to commit
+            time.sleep(0.01)
+        done: list[object] = []
+        thread = threading.Thread(
+            target=lambda: done.append((maintenance.compact(), maintenance.gc(keep_last=1)))
+        )
+        thread.start()
+        thread.join(3.0)
+        assert not done and thread.is_alive(), "maintenance ran beside the save in flight"
+        gate.set()
+        handle.wait()
+        thread.join(60)
+        assert done, "the maintenance never ran"
+        assert maintenance.steps() == [3]
+        report = maintenance.verify(3)
+        assert report.ok, report.errors
+        assert_state_equal(maintenance.load(3), last)
+    finally:
+        faulty.clear()
+        trainer.close()
+        maintenance.close()
+
+
+# ------------------------------------------------------------------ a long sweep
+
+
+def test_a_sweep_longer_than_its_grace_spares_a_checkpoint_committed_meanwhile(
+    local_url: str,
+) -> None:
+    """A gc without the lease (grace period 0.5 s, no minimum age) fixes its live set; a save
+    commits step 3 right after; the sweep then takes longer than the grace period (held at its
+    first object). Ages are judged against the plan's time: step 3's objects were younger than
+    the grace period then, however long the sweep runs, and stay."""
+    writer = small_store(local_url, min_object_age_s=0)
+    faulty = FaultyStorage(LocalStorage(local_url))
+    faulty.url = f"{local_url} (another process)"  # its own lock: not this process's writer
+    try:
+        for step in (1, 2):
+            writer.save(state(float(step)), step).wait()
+        planned = faulty.hold("manifest", op="get")  # gc listed, reads what it keeps
+        swept = faulty.hold("pack", op="mtime")  # the sweep reaches its first object
+        reports = []
+        with small_store(faulty, min_object_age_s=0) as collector:
+            thread = threading.Thread(
+                target=lambda: reports.append(collector.gc(keep_last=1, grace_s=0.5))
+            )
+            thread.start()
+            while not _waiting_on(planned):
+                time.sleep(0.01)
+            writer.save(state(3.0), 3).wait()
+            newest = set(writer.manifest(3).packs)
+            planned.set()
+            while not _waiting_on(swept):
+                time.sleep(0.01)
+            time.sleep(1.5)  # the sweep has run longer than the grace period
+            swept.set()
+            thread.join(60)
+        (report,) = reports
+        assert report.removed_steps == [1]
+        assert not newest & set(report.removed_objects), "step 3 lost objects"
+        assert writer.verify(3).ok
+        assert_state_equal(writer.load(3), state(3.0))
+    finally:
+        faulty.clear()
+        writer.close()

@@ -354,7 +354,7 @@ class Committer:
         if existing is not None and (existing == data or self._same(step, existing, manifest)):
             return canonical.loads(existing, f"step {step} of {self.storage.url}")
         self.fencing.check(step, generation, "not committed")  # a newer one holds it
-        self.fencing.displace(step, self.history.steps)
+        self.fencing.displace(step, self.history.visible)
         if not self.storage.put(path, data):
             raise StepError(
                 f"step {step} is already committed in {self.storage.url} (another writer "

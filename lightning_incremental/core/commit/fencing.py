@@ -13,6 +13,15 @@ a stale write then sneaks in, because the check happens on every read. Writers a
 and after their commit so that they learn they were fenced off (:class:`FencedError`), and a new
 generation that finds a fenced-off manifest at a step it wants moves it to quarantine.
 
+A compaction never replaces a manifest: it writes the step's full base under a name of its own,
+``manifests/<step>.c<generation>.json`` (:mod:`~lightning_incremental.core.commit.versions`),
+visible by the same rule — its generation is in the name, so a compactor that a newer generation
+took over from (frozen between its checks and its write) lands a manifest that is never visible,
+while the step's commit it meant to replace stays as it was. A claim records, for every step it
+accepts, the compaction visible at that moment (``"compacted"``), so a compaction that was
+visible stays visible under every later fence. Only once its compaction is known visible does a
+writer remove the versions it supersedes.
+
 Create-only writes (local link, S3 ``If-None-Match``) make two claimants of the same number
 impossible: the loser takes the next number. On a backend without an atomic create-only write
 (an S3 endpoint without conditional writes, some fsspec filesystems) the claimant reads its record
@@ -38,10 +47,11 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lightning_incremental.core.commit.versions import Version, Versions
 from lightning_incremental.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -68,11 +78,13 @@ _MAX_ACCEPTED = 10_000_000
 
 @dataclass(frozen=True)
 class Fence:
-    """The newest claim: its generation and the steps visible when it was made."""
+    """The newest claim: its generation, the steps visible when it was made, and for those of
+    them that a compaction had rewritten, the compaction's generation."""
 
     generation: int
     accepted: frozenset[int]
     record: dict[str, Any]
+    compacted: Mapping[int, int] = field(default_factory=dict)
 
     def admits(self, step: int, generation: int | None) -> bool:
         """Whether a manifest of ``step`` written by ``generation`` is visible under this fence
@@ -80,6 +92,12 @@ class Fence:
         if step in self.accepted:
             return True
         return generation is not None and generation >= self.generation
+
+    def admits_compaction(self, step: int, generation: int) -> bool:
+        """Whether the full base of ``step`` that a writer of ``generation`` rewrote it as is
+        visible: written by this fence's generation or a newer one, or visible when it was
+        claimed."""
+        return generation >= self.generation or self.compacted.get(step) == generation
 
     def describe(self) -> str:
         who = self.record.get("host"), self.record.get("pid"), self.record.get("created")
@@ -99,7 +117,9 @@ def process_fence() -> str | None:
     return _PROCESS_FENCE[0] if _PROCESS_FENCE else None
 
 
-def _check_process(what: str) -> None:
+def check_process(what: str) -> None:
+    """Raise :class:`FencedError` (``what`` happened, and why) when this process was fenced
+    off (:func:`fence_process`)."""
     reason = process_fence()
     if reason is not None:
         raise FencedError(
@@ -171,19 +191,32 @@ def parse(data: bytes, generation: int, where: str) -> Fence:
     accepted = doc.get("accepted")
     if doc.get("generation") != generation or not isinstance(accepted, list):
         raise ManifestError(f"{where} does not record generation {generation} and its steps")
-    if len(accepted) > _MAX_ACCEPTED or not all(
-        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in accepted
-    ):
+    if len(accepted) > _MAX_ACCEPTED or not all(_natural(s) for s in accepted):
         raise ManifestError(f"{where} lists invalid steps")
-    return Fence(generation, frozenset(accepted), doc)
+    pairs = doc.get("compacted", [])
+    if (
+        not isinstance(pairs, list)
+        or len(pairs) > len(accepted)
+        or not all(
+            isinstance(p, list) and len(p) == 2 and _natural(p[0]) and _natural(p[1]) for p in pairs
+        )
+    ):
+        raise ManifestError(f"{where} lists invalid compactions")
+    return Fence(generation, frozenset(accepted), doc, {s: g for s, g in pairs})
 
 
-def record(generation: int, accepted: list[int], minimum: int) -> bytes:
-    """A new fence record's bytes."""
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def record(generation: int, visible: Mapping[int, Version], minimum: int) -> bytes:
+    """A new fence record's bytes, accepting the ``visible`` steps as they are (the compaction
+    that is each one's manifest, where one is)."""
     body = {
         "format": mf.FORMAT,
         "generation": generation,
-        "accepted": sorted(accepted),
+        "accepted": sorted(visible),
+        "compacted": sorted([s, v] for s, v in visible.items() if v is not None),
         "requested": minimum,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "host": socket.gethostname(),
@@ -192,7 +225,7 @@ def record(generation: int, accepted: list[int], minimum: int) -> bytes:
     return json.dumps(body, sort_keys=True).encode()
 
 
-ReadManifest = Callable[[int], "Manifest"]
+ReadManifest = Callable[[int, Version], "Manifest"]
 
 
 class Fencing:
@@ -201,8 +234,8 @@ class Fencing:
 
     Args:
         storage: the store's storage.
-        read_manifest: reads and validates the manifest of a step (the store's reader: it
-            raises ``CheckpointNotFoundError``, ``CorruptCheckpointError``, ...).
+        read_manifest: reads and validates a version of a step's manifest (the store's reader:
+            it raises ``CheckpointNotFoundError``, ``CorruptCheckpointError``, ...).
     """
 
     def __init__(self, storage: Storage, read_manifest: ReadManifest) -> None:
@@ -213,17 +246,26 @@ class Fencing:
         # displaced by the current generation's checkpoint of the same step.
         self._known: dict[int, int] = {}
 
-    def partition(self, steps: list[int]) -> tuple[list[int], list[int]]:
-        """``steps`` (one listing of the manifests) split into the visible ones and those a
-        fenced-off generation wrote."""
+    def partition(self, written: Mapping[int, Versions]) -> tuple[dict[int, Version], list[int]]:
+        """The steps of ``written`` (one listing of the manifests, by step) split into the
+        visible ones, each with the version that is its manifest (the newest visible
+        compaction, else the commit's own), and those only fenced-off generations wrote."""
         fence = newest(self.storage)
-        if fence is None:
-            return steps, []
-        visible: list[int] = []
+        visible: dict[int, Version] = {}
         fenced: list[int] = []
-        for step in steps:
-            admitted = fence.admits(step, self._generation_of(step, fence))
-            (visible if admitted else fenced).append(step)
+        for step in sorted(written):
+            versions = written[step]
+            shown = [
+                g for g in versions.compactions if fence is None or fence.admits_compaction(step, g)
+            ]
+            if shown:
+                visible[step] = shown[-1]
+            elif versions.original and (
+                fence is None or fence.admits(step, self._generation_of(step, fence))
+            ):
+                visible[step] = None
+            else:
+                fenced.append(step)
         return visible, fenced
 
     def forget(self, step: int) -> None:
@@ -240,7 +282,7 @@ class Fencing:
         if known is not None and known >= fence.generation:
             return known
         try:
-            doc = self._read(step)
+            doc = self._read(step, None)
         except CheckpointNotFoundError:
             return -1
         except (CorruptCheckpointError, FormatVersionError):
@@ -250,18 +292,19 @@ class Fencing:
             self._known[step] = generation
         return generation
 
-    def claim(self, minimum: int, visible: Callable[[], list[int]]) -> int:
+    def claim(self, minimum: int, visible: Callable[[], dict[int, Version]]) -> int:
         """Claim the next generation (at least ``minimum``, above every generation claimed or
         written, and at least 1: 0 is the generation of writers that joined before any claim):
-        write its fence record, listing ``visible()`` steps, create-only."""
+        write its fence record, accepting the ``visible()`` steps as they are, create-only."""
         generation = minimum
         while True:
             fence = newest(self.storage)
             steps = visible()
             written = 0
             if steps:
+                last = max(steps)
                 try:
-                    written = self._read(steps[-1]).generation + 1
+                    written = self._read(last, steps[last]).generation + 1
                 except CheckpointError:
                     written = 0
             # Generation 0 is what writers join while nothing was claimed: a claim is always
@@ -281,7 +324,7 @@ class Fencing:
     def check(self, step: int, generation: int, outcome: str) -> None:
         """Raise :class:`FencedError` when a newer generation took over and does not admit a
         manifest of ``step`` written by ``generation``, or this process was fenced off."""
-        _check_process(f"checkpoint step {step} {outcome}")
+        check_process(f"checkpoint step {step} {outcome}")
         fence = newest(self.storage)
         if fence is None or fence.admits(step, generation):
             return
@@ -291,7 +334,21 @@ class Fencing:
             "the store now; this process must stop."
         )
 
-    def displace(self, step: int, visible: Callable[[], list[int]]) -> None:
+    def check_compaction(self, step: int, generation: int, outcome: str) -> None:
+        """:meth:`check` for the full base of ``step`` that a writer of ``generation`` rewrites
+        it as."""
+        check_process(f"compaction of step {step} {outcome}")
+        fence = newest(self.storage)
+        if fence is None or fence.admits_compaction(step, generation):
+            return
+        raise FencedError(
+            f"compaction of checkpoint step {step} {outcome}: this writer is generation "
+            f"{generation} of {self.storage.url}, but {fence.describe()} took over since; the "
+            "step stays as it was committed. A restarted job owns the store now; this process "
+            "must stop."
+        )
+
+    def displace(self, step: int, visible: Callable[[], Mapping[int, Version]]) -> None:
         """A manifest at ``step`` already exists: when a fenced-off generation wrote it (it is
         not visible), move it to quarantine so the current generation can commit the step."""
         if newest(self.storage) is None or step in visible():
@@ -343,7 +400,9 @@ class Generation:
 
         Raises:
             WriterLeaseError: another process holds the lease, or this one lost it.
+            FencedError: this process was fenced off (:func:`fence_process`).
         """
+        check_process("the store is not written")
         takeover, seen = self._acquire(lease, history, claiming=False)
         if takeover is None:
             return
@@ -353,12 +412,17 @@ class Generation:
     def claim(self, minimum: int, fencing: Fencing, lease: Lease, history: History) -> int:
         """Claim a new generation for this writer (see :meth:`Fencing.claim`): take the writer
         lease, claim, and record the new generation in the lease. The caller holds the store's
-        write lock and the history's lock."""
+        write lock and the history's lock.
+
+        Raises:
+            FencedError: this process was fenced off (:func:`fence_process`).
+        """
+        check_process("no generation claimed")
         takeover, seen = self._acquire(lease, history, claiming=True)
         if takeover is not None:
             return self._claim_after(takeover, seen, minimum, fencing, lease, history)
         history.write_marker()
-        self._value = fencing.claim(minimum, history.steps)
+        self._value = fencing.claim(minimum, history.visible)
         lease.acquire(self._value)  # the record names the new generation
         return self._value
 
@@ -370,7 +434,7 @@ class Generation:
         takeover = lease.acquire(
             self.value,
             claiming=claiming,
-            before_takeover=lambda: seen.append(set(history.steps())),
+            before_takeover=lambda: seen.append(set(history.visible())),
         )
         return takeover, seen[-1] if takeover is not None else set()
 
@@ -386,7 +450,8 @@ class Generation:
         old = takeover.generation if takeover.generation is not None else self.value
         history.write_marker()
         self._value = fencing.claim(
-            max(minimum, self.value, old + 1), lambda: [s for s in history.steps() if s in seen]
+            max(minimum, self.value, old + 1),
+            lambda: {s: v for s, v in history.visible().items() if s in seen},
         )
         lease.acquire(self._value)  # the record names the new generation
         log.warning(
@@ -408,7 +473,7 @@ class Generation:
             WriterLeaseError: this process lost the lease. FencedError: a newer generation, or
                 this process was fenced off.
         """
-        _check_process(what)
+        check_process(what)
         if not lease.held:
             return
         lease.check()

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lightning_incremental.core.commit.fencing import Fencing
+from lightning_incremental.core.commit.versions import Version, Versions, by_step
 from lightning_incremental.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -25,20 +26,25 @@ from lightning_incremental.core.storage import Storage
 log = logging.getLogger("lightning_incremental")
 
 
-def read_manifest(storage: Storage, step: int) -> Manifest:
-    """The validated manifest of ``step``.
+def read_manifest(storage: Storage, step: int, version: Version = None) -> Manifest:
+    """The validated manifest of ``step``: the commit's own, or with ``version`` the full base
+    a compaction by that generation rewrote it as.
 
     Raises:
         CheckpointNotFoundError: there is none. CorruptCheckpointError: it does not validate.
     """
     where = f"step {step} of {storage.url}"
+    if version is not None:
+        where = f"step {step} (compacted by generation {version}) of {storage.url}"
     try:
-        data = storage.get(mf.manifest_path(step))
+        data = storage.get(mf.manifest_path(step, version))
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"checkpoint {where} does not exist") from exc
     doc = canonical.loads(data, where)
     if doc.step != step:
         raise ManifestError(f"manifest {where} records step {doc.step}")
+    if version is not None and doc.generation != version:
+        raise ManifestError(f"manifest {where} records generation {doc.generation}")
     return doc
 
 
@@ -66,24 +72,61 @@ class History:
         self.quarantined: set[int] = set()
         self.trusted: set[str] = set()
         self._marker_written = False
+        # The version that is each visible step's manifest, as the last listing found it.
+        self._current: dict[int, Version] = {}
 
     # ------------------------------------------------------------------ steps
 
+    def written(self) -> dict[int, Versions]:
+        """Every manifest in storage, visible or not, by step."""
+        return by_step(self.storage.list(mf.MANIFEST_DIR))
+
     def written_steps(self) -> list[int]:
-        """Every manifest in storage, visible or not, oldest first."""
-        steps = []
-        for path in self.storage.list(mf.MANIFEST_DIR):
-            step = mf.step_of(path.rsplit("/", 1)[-1])
-            if step is not None and path.count("/") == 1:
-                steps.append(step)
-        return sorted(steps)
+        """Every step with a manifest in storage, visible or not, oldest first."""
+        return list(self.written())
+
+    def visible(self) -> dict[int, Version]:
+        """Committed steps visible under the newest generation's fence, oldest first, each with
+        the version that is its manifest."""
+        return self.remember(self.fencing.partition(self.written())[0])
+
+    def remember(self, visible: dict[int, Version]) -> dict[int, Version]:
+        """``visible`` is what a listing found now: reads go to those versions."""
+        with self.lock:
+            self._current = dict(visible)
+        return visible
 
     def steps(self) -> list[int]:
         """Committed steps visible under the newest generation's fence, oldest first."""
-        return self.fencing.partition(self.written_steps())[0]
+        return list(self.visible())
+
+    def version(self, step: int) -> Version:
+        """The version of ``step``'s manifest that is visible, as the newest listing found it
+        (listing again when it found none)."""
+        with self.lock:
+            if step in self._current:
+                return self._current[step]
+        return self.visible().get(step)
 
     def read(self, step: int) -> Manifest:
-        return read_manifest(self.storage, step)
+        """The validated manifest of ``step`` (the visible version). A version removed since it
+        was listed (superseded by a compaction in another process) is looked up again.
+
+        Raises:
+            CheckpointNotFoundError: there is none. CorruptCheckpointError: it does not validate.
+        """
+        return self.read_version(step)[1]
+
+    def read_version(self, step: int) -> tuple[Version, Manifest]:
+        """:meth:`read`, and which version it read."""
+        version = self.version(step)
+        try:
+            return version, read_manifest(self.storage, step, version)
+        except CheckpointNotFoundError:
+            again = self.visible().get(step)
+            if again == version:
+                raise
+            return again, read_manifest(self.storage, step, again)
 
     def resolve(self, step: int | None) -> int:
         """``step``, or the newest committed one when None; checked to be committed.
@@ -161,18 +204,21 @@ class History:
         """Move corrupt checkpoints at or after ``step`` out of the way of the new history."""
         with self.lock:
             stale = sorted(s for s in self.quarantined if s >= step)
+        written = self.written() if stale else {}
         for old in stale:
-            source = mf.manifest_path(old)
-            try:
-                data = self.storage.get(source)
-            except FileNotFoundError:
-                data = None
-            if data is not None:
-                self.storage.put(f"{mf.QUARANTINE_DIR}/{old:020d}.json", data, overwrite=True)
+            # Every version: a compaction left in place would stand for the new commit.
+            for source in written.get(old, Versions()).paths(old):
+                try:
+                    data = self.storage.get(source)
+                except FileNotFoundError:
+                    continue
+                name = source.rsplit("/", 1)[-1]
+                self.storage.put(f"{mf.QUARANTINE_DIR}/{name}", data, overwrite=True)
                 self.storage.delete(source)
                 log.warning("moved corrupt checkpoint step %d to %s/", old, mf.QUARANTINE_DIR)
             with self.lock:
                 self.quarantined.discard(old)
+                self._current.pop(old, None)
 
     # ------------------------------------------------------------------ the store itself
 

@@ -31,17 +31,31 @@ MAX_STEP = 10**20 - 1  # manifest names hold 20 digits
 MAX_CHUNK_SIZE = 1 << 30  # as StoreConfig's bound: no larger chunk is ever written
 
 _PACK = re.compile(rf"^{PACK_DIR}/[0-9a-f]{{2}}/[0-9a-f]{{32}}\.pack$")
-_MANIFEST_NAME = re.compile(r"^(\d{20})\.json$")
+_MANIFEST_NAME = re.compile(r"^(\d{20})(?:\.c(\d{10,}))?\.json$")
 
 
-def manifest_path(step: int) -> str:
-    return f"{MANIFEST_DIR}/{step:020d}.json"
+def manifest_path(step: int, compaction: int | None = None) -> str:
+    """Where the manifest of ``step`` lies: the commit's (``compaction`` None), or the full base
+    that a writer of generation ``compaction`` rewrote it as (see
+    :mod:`~lightning_incremental.core.commit.versions`)."""
+    if compaction is None:
+        return f"{MANIFEST_DIR}/{step:020d}.json"
+    return f"{MANIFEST_DIR}/{step:020d}.c{compaction:010d}.json"
+
+
+def manifest_name(name: str) -> tuple[int, int | None] | None:
+    """The step and compaction generation (None: the commit's own) of a manifest file name;
+    None for anything else (temporary files included)."""
+    match = _MANIFEST_NAME.match(name)
+    if not match:
+        return None
+    return int(match.group(1)), None if match.group(2) is None else int(match.group(2))
 
 
 def step_of(name: str) -> int | None:
     """The step of a manifest file name, None for anything else (temporary files included)."""
-    match = _MANIFEST_NAME.match(name)
-    return int(match.group(1)) if match else None
+    parsed = manifest_name(name)
+    return None if parsed is None else parsed[0]
 
 
 def pack_path(digest: str) -> str:

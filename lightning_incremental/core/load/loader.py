@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_incremental.core.commit.history import History
+from lightning_incremental.core.commit.versions import Version
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.errors import (
     CheckpointNotFoundError,
@@ -74,7 +75,9 @@ class Loader:
 
         A checkpoint deleted while being read (retention of the writing job, in another process)
         is not corrupt: with None the committed steps are listed again and the newest is tried,
-        at most ``VANISH_LIMIT`` times.
+        at most ``VANISH_LIMIT`` times. Nor is one whose manifest was replaced while being read
+        (compacted in another process, then the objects of the old version collected): it is
+        read again, as it is now.
 
         Raises:
             CorruptCheckpointError: the step (or with None, every one) is corrupt.
@@ -83,18 +86,24 @@ class Loader:
         """
         if step is not None:
             step = self.history.resolve(step)
-            try:
-                return self.load_step(step, map_location, selection)
-            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                if self.vanished(step):
-                    raise CheckpointNotFoundError(
-                        f"checkpoint step {step} in {self.storage.url} was deleted while being "
-                        f"read (retention of the job writing it?): {exc}. Load a newer step, or "
-                        "keep more checkpoints (a larger keep_last)"
-                    ) from exc
-                if isinstance(exc, CorruptCheckpointError):
-                    self.history.saw_damage(step)  # a new history may replace it
-                raise
+            for attempt in range(VANISH_LIMIT):
+                version = self.history.version(step)
+                try:
+                    return self.load_step(step, map_location, selection)
+                except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                    now = self.history.visible()
+                    if step not in now:
+                        raise CheckpointNotFoundError(
+                            f"checkpoint step {step} in {self.storage.url} was deleted while "
+                            f"being read (retention of the job writing it?): {exc}. Load a "
+                            "newer step, or keep more checkpoints (a larger keep_last)"
+                        ) from exc
+                    if now[step] != version and attempt + 1 < VANISH_LIMIT:
+                        self._replaced(step)
+                        continue
+                    if isinstance(exc, CorruptCheckpointError):
+                        self.history.saw_damage(step)  # a new history may replace it
+                    raise
         newest = self.history.resolve(None)
         candidates = [s for s in reversed(self.history.steps()) if s <= newest]
         problems: list[str] = []
@@ -102,14 +111,15 @@ class Loader:
         vanished: list[int] = []
         while candidates:
             candidate = candidates.pop(0)
+            version = self.history.version(candidate)
             try:
                 loaded = self.load_step(candidate, map_location, selection)
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                if self.vanished(candidate):
+                if self.vanished(candidate, version):
                     vanished.append(candidate)
                     log.info(
-                        "checkpoint step %d in %s was deleted while being read; trying the "
-                        "newest committed one",
+                        "checkpoint step %d in %s was deleted or compacted while being read; "
+                        "trying the newest committed one",
                         candidate,
                         self.storage.url,
                     )
@@ -151,10 +161,19 @@ class Loader:
             "\n  " + "\n  ".join(problems)
         )
 
-    def vanished(self, step: int) -> bool:
-        """Whether ``step`` is no longer committed: deleted (retention removes the manifest
-        before the objects), or fenced off. What then failed to read is not corruption."""
-        return step not in self.history.steps()
+    def vanished(self, step: int, version: Version) -> bool:
+        """Whether ``step`` is no longer committed as ``version`` (the version read): deleted
+        (retention removes the manifest before the objects), fenced off, or replaced by a
+        compaction. What then failed to read is not corruption."""
+        now = self.history.visible()
+        return step not in now or now[step] != version
+
+    def _replaced(self, step: int) -> None:
+        log.info(
+            "checkpoint step %d in %s was compacted while being read; reading it again",
+            step,
+            self.storage.url,
+        )
 
     def load_step(
         self, step: int, map_location: MapLocation, selection: Selection = Selection()

@@ -1,12 +1,16 @@
 """Compaction: rewriting a committed checkpoint as a full base (no deltas), through the same part
-and assembly code as a save, so that older checkpoints can be removed without breaking a chain."""
+and assembly code as a save, so that older checkpoints can be removed without breaking a chain.
+
+The full base is written as a new version of the step's manifest, fenced like a commit (checked
+before and after the write; a version written by a fenced-off writer is never visible), and the
+versions it supersedes are removed only after that (:mod:`~..commit.versions`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 import numpy as np
@@ -14,8 +18,11 @@ import torch
 
 from lightning_incremental.core.chunks.delta_base import Parent
 from lightning_incremental.core.commit.committer import Committed, Committer, Part, assemble
+from lightning_incremental.core.commit.versions import Versions
 from lightning_incremental.core.errors import (
     CorruptCheckpointError,
+    StepError,
+    WriterLeaseError,
 )
 from lightning_incremental.core.format import canonical
 from lightning_incremental.core.format import layout as mf
@@ -27,11 +34,18 @@ from lightning_incremental.core.load.targets import ChunkTarget
 
 
 def rewrite_as_base(
-    committer: Committer, pool: Executor, step: int
+    committer: Committer,
+    pool: Executor,
+    step: int,
+    generation: int,
+    may_delete: Callable[[], None],
 ) -> tuple[Committed, Part, list[Leaf], Manifest] | None:
     """Rewrite committed checkpoint ``step`` as a full base, through the same part and assembly
-    code as a save; returns the new manifest's commit, its part, the decoded leaves and the old
-    manifest — or None when it is a full base already. The caller holds the write lock.
+    code as a save, written by a writer of ``generation`` as a new version of the step's
+    manifest; returns the new manifest's commit, its part, the decoded leaves and the old
+    manifest — or None when it is a full base already. Once the new version is known to be
+    visible, the versions it supersedes are removed (``may_delete`` raises when this process
+    may no longer delete). The caller holds the write lock.
 
     A sharded tensor keeps its layout: each stored piece is decoded and rewritten as a piece
     with the same offsets and sizes (never gathered into a whole tensor), so every rank of the
@@ -39,6 +53,8 @@ def rewrite_as_base(
 
     Raises:
         CorruptCheckpointError: the checkpoint does not restore (it is then quarantined).
+        FencedError: a newer generation took over (the step stays as it was committed).
+        WriterLeaseError: this process lost the writer lease.
     """
     storage, history = committer.storage, committer.history
     doc = history.read(step)
@@ -78,7 +94,7 @@ def rewrite_as_base(
     manifest = assemble(
         step,
         [part],
-        generation=doc.generation,
+        generation=generation,
         chunk_size=committer.config.chunk_size,  # what the chunks were cut with now
         audit={**doc.audit, "compacted": datetime.datetime.now(datetime.timezone.utc).isoformat()},
         tree=doc.tree,
@@ -90,9 +106,30 @@ def rewrite_as_base(
     manifest = dataclasses.replace(manifest, parent=doc.parent)
     data, manifest = canonical.seal(manifest, where)
     start = time.perf_counter()
-    committer.lease.check()
-    storage.put(mf.manifest_path(step), data, overwrite=True)
+    fencing, lease = committer.fencing, committer.lease
+    fencing.check_compaction(step, generation, "not written")
+    lease.check()
+    path = mf.manifest_path(step, generation)
+    if not storage.put(path, data) and storage.get(path) != data:
+        raise StepError(
+            f"{path} of {storage.url} exists already with other content: another compaction "
+            f"of step {step} by generation {generation}; the step is left as it is"
+        )
+    fencing.check_compaction(step, generation, "written after a newer generation took over")
+    try:
+        lease.check()
+    except WriterLeaseError as exc:
+        raise WriterLeaseError(
+            f"{exc}. The compacted manifest {path} was written: the writer that took over "
+            "decides whether it is visible, and the step restores either way"
+        ) from exc
     history.trust(manifest.packs)
+    # Known visible now: a later claim lists it (it lists after taking the lease, which we
+    # still held after writing it), so the versions it supersedes can go.
+    may_delete()
+    for old in history.written().get(step, Versions()).superseded(step, generation):
+        storage.delete(old)
+    history.visible()
     return Committed(manifest, len(data), time.perf_counter() - start), part, leaves, doc
 
 

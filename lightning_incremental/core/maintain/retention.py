@@ -9,10 +9,15 @@ Rules, in order:
    checkpoint is removed. ``thorough`` checks read every object (``verify``); otherwise the
    store's knowledge is used (what it wrote or checked, what it found damaged).
 3. Delete the manifests first, then every object that no kept manifest (nor the next save's
-   parent, unless ``delete`` removes that parent with no save pending) names and that is older
+   parent, unless ``delete`` removes that parent with no save pending) names and that was older
    than the grace period and the minimum object age (``StoreConfig.min_object_age_s``, by the
-   storage's clock). Objects or manifests that vanish while this runs (another process
+   storage's clock) when the kept manifests were listed — ages are judged against that moment,
+   however long the sweep then runs, so an object a checkpoint committed during the sweep names
+   is never old enough. Objects or manifests that vanish while this runs (another process
    collecting the same store) are skipped, not errors.
+   The writer (it holds the lease) also removes the versions of kept checkpoints that a visible
+   compaction supersedes (:mod:`~lightning_incremental.core.commit.versions`); a ``gc`` without
+   the lease keeps them, and every object they name.
 4. Deletions are fenced like commits: a writer that lost its lease, or that a newer generation
    took over from, deletes nothing (checked before the first deletion and again during a long
    sweep); the minimum age spares what a save in flight may name when a check and a late
@@ -26,30 +31,32 @@ writer lease.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from lightning_incremental.core.chunks.delta_base import DeltaBase, Parent
 from lightning_incremental.core.chunks.packs import damaged_objects
 from lightning_incremental.core.commit.committer import Committer, save_result
-from lightning_incremental.core.commit.fencing import Fencing, Generation
+from lightning_incremental.core.commit.fencing import Fencing, Generation, check_process
 from lightning_incremental.core.commit.history import History, check_step_type
 from lightning_incremental.core.commit.lease import Lease
+from lightning_incremental.core.commit.versions import Version, Versions
 from lightning_incremental.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
 )
-from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.format import canonical
 from lightning_incremental.core.format.records import Manifest
 from lightning_incremental.core.maintain.compact import rewrite_as_base
-from lightning_incremental.core.maintain.sweep import sweep
+from lightning_incremental.core.maintain.sweep import plan_clock, sweep
 from lightning_incremental.core.maintain.verify import verify_manifest
 from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
 from lightning_incremental.core.storage import Storage
@@ -65,6 +72,7 @@ class Plan:
     grace_s: float
     dry_run: bool
     thorough: bool
+    writer: bool = False  # run by the lease holder: superseded versions are removed too
 
     @classmethod
     def for_gc(
@@ -91,16 +99,22 @@ def collect(
     plan: Plan,
     *,
     storage: Storage,
-    fence: Fencing,
-    written: list[int],
-    read: Callable[[int], Manifest],
+    written: Mapping[int, Versions],
+    visible: Mapping[int, Version],
+    fenced: list[int],
+    read: Callable[[int], tuple[Version, Manifest]],
     intact: Callable[[int, Manifest, bool], bool],
     pinned: set[str],
+    planned_at: float,
     min_age_s: float = 0.0,
     guard: Callable[[], None] | None = None,
+    forget: Callable[[int], None] = lambda step: None,
 ) -> GcReport:
-    """Apply ``plan`` to the store; see the module docstring. ``guard`` raises when this
-    process may no longer delete.
+    """Apply ``plan`` to the store; see the module docstring. ``written`` is one listing of the
+    manifests, split by the fence into ``visible`` steps (with their versions) and ``fenced``
+    ones; ``planned_at`` the storage's time just before it was made; ``read`` reads the visible
+    version of a step (looking it up again if it was superseded since); ``guard`` raises when
+    this process may no longer delete.
 
     Raises:
         CorruptCheckpointError: a kept manifest cannot be read, so the objects it needs are
@@ -109,12 +123,12 @@ def collect(
     """
     # One listing for both: a checkpoint committed while gc runs is in neither list, so it is
     # neither removed as fenced off nor counted against keep_last.
-    steps, fenced = fence.partition(written)
+    steps = list(visible)
     newest = steps if plan.keep_last is None else steps[-plan.keep_last :]
     kept = (set(newest) | (set(plan.keep) & set(steps))) - set(plan.drop)
-    docs: dict[int, Manifest | None] = {}
+    docs: dict[int, tuple[Version, Manifest] | None] = {}
 
-    def doc_of(step: int) -> Manifest | None:
+    def doc_of(step: int) -> tuple[Version, Manifest] | None:
         """The manifest, None when it vanished (another gc removed it); errors propagate."""
         if step not in docs:
             try:
@@ -125,10 +139,10 @@ def collect(
 
     def restores(step: int) -> bool:
         try:
-            doc = doc_of(step)
+            found = doc_of(step)
         except CheckpointError:
             return False
-        return doc is not None and intact(step, doc, plan.thorough)
+        return found is not None and intact(step, found[1], plan.thorough)
 
     doomed = [s for s in steps if s not in kept]
     spared: list[int] = []
@@ -151,29 +165,42 @@ def collect(
         kept |= set(spared)
         doomed = [s for s in doomed if s not in spared]
     live = set(pinned)
+    superseded: list[str] = []
     for step in sorted(kept):
         try:
-            doc = doc_of(step)
+            found = doc_of(step)
         except CheckpointError as exc:
-            raise CorruptCheckpointError(
-                f"gc stopped before deleting anything: kept checkpoint step {step} cannot be "
-                f"read, so the objects it needs are unknown ({exc})"
-            ) from exc
-        if doc is None:
+            raise _unknown_live_set(step, exc) from exc
+        if found is None:
             kept.discard(step)  # removed meanwhile by another process
             continue
+        version, doc = found
         live.update(doc.packs)
+        others = written.get(step, Versions()).superseded(step, version)
+        if plan.writer:
+            superseded += others
+        else:  # not ours to remove: what they name stays
+            live.update(_packs_of(storage, others, step))
     # Manifests a fenced-off generation wrote are invisible: they go too.
     report = GcReport(sorted(kept), sorted(doomed + fenced), [], 0, plan.dry_run)
     report.kept_intact = spared[0] if len(spared) == 1 else None
-    if doomed + fenced and not plan.dry_run and guard is not None:
+    if (doomed + fenced or superseded) and not plan.dry_run and guard is not None:
         guard()
-    for step in doomed + fenced:
-        if not plan.dry_run:
-            storage.delete(mf.manifest_path(step))
-            fence.forget(step)
+    if not plan.dry_run:
+        for step in doomed + fenced:
+            for path in written.get(step, Versions(original=True)).paths(step):
+                storage.delete(path)
+            forget(step)
+        for path in superseded:
+            storage.delete(path)
     report.removed_objects, report.bytes_freed = sweep(
-        storage, live, plan.grace_s, plan.dry_run, min_age_s=min_age_s, guard=guard
+        storage,
+        live,
+        plan.grace_s,
+        plan.dry_run,
+        planned_at=planned_at,
+        min_age_s=min_age_s,
+        guard=guard,
     )
     if doomed:
         log.info(
@@ -183,6 +210,32 @@ def collect(
             report.bytes_freed,
         )
     return report
+
+
+def _unknown_live_set(step: int, exc: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"gc stopped before deleting anything: kept checkpoint step {step} cannot be "
+        f"read, so the objects it needs are unknown ({exc})"
+    )
+
+
+def _packs_of(storage: Storage, paths: list[str], step: int) -> set[str]:
+    """The objects the manifests at ``paths`` (versions of ``step``) name; one removed
+    meanwhile names none.
+
+    Raises:
+        CorruptCheckpointError: one cannot be read (what it needs is unknown).
+    """
+    packs: set[str] = set()
+    for path in paths:
+        try:
+            data = storage.get(path)
+            packs.update(canonical.loads(data, f"{path} of {storage.url}").packs)
+        except FileNotFoundError:
+            continue
+        except CheckpointError as exc:
+            raise _unknown_live_set(step, exc) from exc
+    return packs
 
 
 class Collector:
@@ -204,16 +257,25 @@ class Collector:
 
     def run(self, plan: Plan) -> GcReport:
         """Apply ``plan`` (see :func:`collect`). The caller holds the store's write lock."""
+        # The storage's time before the listing: what is younger than the grace period then
+        # was possibly written for a checkpoint that is not committed yet.
+        planned_at = plan_clock(self.storage, plan.dry_run, max(plan.grace_s, self.min_age_s))
+        written = self.history.written()
+        visible, fenced = self.fencing.partition(written)
+        self.history.remember(visible)
         report = collect(
             plan,
             storage=self.storage,
-            fence=self.fencing,
-            written=self.history.written_steps(),
-            read=self.history.read,
+            written=written,
+            visible=visible,
+            fenced=fenced,
+            read=self.history.read_version,
             intact=self.intact,
             pinned=self.base.pinned(),
+            planned_at=planned_at,
             min_age_s=self.min_age_s,
             guard=self.guard,
+            forget=self.fencing.forget,
         )
         if not plan.dry_run and self.base.step in report.removed_steps:
             # Its objects are pinned by this call only: another process's gc may collect them at
@@ -253,7 +315,7 @@ class KeepLast:
             return result
         try:
             with self.lock:
-                self.collector.run(Plan(self.keep_last, (), (), 0.0, False, False))
+                self.collector.run(Plan(self.keep_last, (), (), 0.0, False, False, writer=True))
         except Exception as exc:
             message = (
                 f"retention after step {result.step} failed, nothing was deleted past the "
@@ -291,11 +353,14 @@ class Maintainer:
         self.generation.admit(self.committer.fencing, self.lease, self.history)
 
     def gc(self, plan: Plan) -> GcReport:
+        if not plan.dry_run:
+            check_process("gc deleted nothing")
         with self.lock, self.history.lock:
             if plan.grace_s == 0 and not plan.dry_run:
                 # Without a grace period gc may remove what a running save is about to
                 # reference: only the writer may do that.
                 self.admit()
+                plan = dataclasses.replace(plan, writer=True)
             return self.collector.run(plan)
 
     def delete(self, step: int) -> GcReport:
@@ -307,7 +372,9 @@ class Maintainer:
                 # restored) with no save pending: nothing names its objects any more, so they
                 # are not pinned; the next save writes a full base.
                 self.base.set(None)
-            return self.collector.run(Plan(None, (), (target,), 0.0, False, thorough=False))
+            return self.collector.run(
+                Plan(None, (), (target,), 0.0, False, thorough=False, writer=True)
+            )
 
     def compact(self) -> SaveResult | None:
         """Rewrite the newest checkpoint as a full base (:func:`~.compact.rewrite_as_base`), and
@@ -316,7 +383,18 @@ class Maintainer:
             step = self.history.resolve(None)
             self.admit()
             started = time.perf_counter()
-            done = rewrite_as_base(self.committer, self.pool, step)
+            done = rewrite_as_base(
+                self.committer,
+                self.pool,
+                step,
+                self.generation.value,
+                functools.partial(
+                    self.generation.check_current,
+                    self.committer.fencing,
+                    self.lease,
+                    f"compaction of step {step} removes nothing",
+                ),
+            )
             if done is None:
                 return None
             committed, part, leaves, before = done

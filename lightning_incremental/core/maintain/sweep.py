@@ -2,7 +2,11 @@
 clock, removed under the deletion guard (a process that lost its lease or was fenced stops).
 
 Ages are read by the storage's clock (:func:`storage_clock`), not this host's: a grace period
-means the same on every writer whatever their clocks say."""
+means the same on every writer whatever their clocks say. They are judged against the moment the
+live set was fixed (the plan's time, :func:`plan_clock`), not the moment the sweep reaches an
+object: a sweep of hours over a large store never finds "old" an object a save wrote while it
+ran, and an object written again since the plan (a pack re-created with the same bytes by a
+save) is seen to be young by the time read just before it is deleted."""
 
 from __future__ import annotations
 
@@ -39,6 +43,14 @@ def storage_clock(storage: Storage) -> Callable[[], float]:
     return lambda: base + (time.monotonic() - start)
 
 
+def plan_clock(storage: Storage, dry_run: bool, min_age_s: float) -> float:
+    """The storage's time now, when a plan fixes its live set (this host's for a dry run, or
+    when no age is asked for: no marker object is written then)."""
+    if dry_run or min_age_s <= 0:
+        return time.time()
+    return storage_clock(storage)()
+
+
 GUARD_EVERY = 64  # deletions between two checks that this process may still delete
 
 GUARD_EVERY_S = 1.0  # ... or seconds
@@ -50,15 +62,18 @@ def sweep(
     grace_s: float,
     dry_run: bool,
     *,
+    planned_at: float,
     min_age_s: float = 0.0,
     guard: Callable[[], None] | None = None,
 ) -> tuple[list[str], int]:
-    """Delete every pack object not in ``live`` and older than ``grace_s`` seconds (and never
-    one younger than ``min_age_s``), and stale temporary files; returns the paths removed (or
+    """Delete every pack object not in ``live`` that was older than ``grace_s`` seconds (and
+    never one younger than ``min_age_s``) at ``planned_at`` — the storage's time when ``live``
+    was fixed (:func:`plan_clock`) — and stale temporary files; returns the paths removed (or
     that would be, with ``dry_run``) and bytes. An object that vanishes meanwhile (another
     process collecting) is skipped.
 
-    Ages are read by the storage's clock (:func:`storage_clock`; a dry run uses this host's).
+    An object's modification time is read just before it is deleted (after the guard), so
+    one written again since the plan is kept.
     ``guard`` raises when this process may no longer delete (it lost the lease, a newer
     generation took over): it is called before the first deletion and again every
     ``GUARD_EVERY`` deletions or ``GUARD_EVERY_S`` seconds, so a sweep that outlives its
@@ -67,7 +82,6 @@ def sweep(
     removed: list[str] = []
     freed = 0
     min_pack_age = max(grace_s, min_age_s)
-    now: Callable[[], float] | None = None
     checked_at: float | None = None
     since_check = 0
     undated = 0  # objects whose age the backend cannot tell: never removed
@@ -81,24 +95,26 @@ def sweep(
                 continue
             min_age = max(min_pack_age, STALE_TMP_S) if stale_tmp else min_pack_age
             try:
+                size = storage.size(path)
+                if (
+                    not dry_run
+                    and guard is not None
+                    and (
+                        checked_at is None
+                        or since_check >= GUARD_EVERY
+                        or time.monotonic() - checked_at >= GUARD_EVERY_S
+                    )
+                ):
+                    guard()
+                    checked_at, since_check = time.monotonic(), 0
                 if min_age > 0:
-                    if now is None:
-                        now = time.time if dry_run else storage_clock(storage)
                     mtime = storage.mtime(path)
                     if mtime is None:
                         undated += 1
                         continue
-                    if now() - mtime < min_age:
+                    if planned_at - mtime < min_age:
                         continue
-                size = storage.size(path)
                 if not dry_run:
-                    if guard is not None and (
-                        checked_at is None
-                        or since_check >= GUARD_EVERY
-                        or time.monotonic() - checked_at >= GUARD_EVERY_S
-                    ):
-                        guard()
-                        checked_at, since_check = time.monotonic(), 0
                     storage.delete(path)
                     since_check += 1
             except FileNotFoundError:

@@ -3,8 +3,11 @@
 Hypothesis drives one writer through random sequences of: save, load, gc, compact, delete,
 restart; damages objects behind its back (bit rot, truncation, removal); crashes an operation
 between any two of its storage calls (the storage raises, then the process "restarts": the
-store object is dropped and a new one opened); and runs a gc from another process (with a grace
-period, as docs/guides/engine.md prescribes) between any two storage calls of a save.
+store object is dropped and a new one opened); runs a gc from another process (with a grace
+period, as docs/guides/engine.md prescribes) between any two storage calls of a save; runs a
+compact and a gc through a second store object of the same process, on a thread of its own, from
+any storage call of a save on; fails a directory listing now and then; and loads through a
+reader between any two storage calls of a compact or a gc.
 
 Invariants, checked after every step with a fresh reader:
 
@@ -18,13 +21,15 @@ Invariants, checked after every step with a fresh reader:
 - a save that raised committed nothing;
 - no committed step of the newest generation ever loses an object (but to the damage rule),
   whatever a zombie does, and a zombie commits nothing visible;
-- every tensor but the lossy-opted one restores bit-exactly.
+- every tensor but the lossy-opted one restores bit-exactly;
+- a reader beside compaction and gc never finds an intact store corrupt.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -42,7 +47,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from lightning_incremental.core import CheckpointError, CheckpointStore, CorruptCheckpointError
+from lightning_incremental.core import (
+    CheckpointError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    StorageError,
+)
 from lightning_incremental.core.commit import fencing
 from lightning_incremental.core.maintain.retention import Plan
 from lightning_incremental.core.storage import LocalStorage
@@ -87,12 +97,17 @@ class HookStorage(LocalStorage):
             self.url = f"{root} (process {process})"
         self.countdown: int | None = None
         self.action: Any = None
+        self.failing_list: int | None = None  # the listing that fails, counted from now
+
+    def fail_list(self, nth: int) -> None:
+        """The ``nth`` directory listing from now fails (EIO), as a flaky mount's does."""
+        self.failing_list = nth
 
     def arm(self, nth: int, action: Any) -> None:
         self.countdown, self.action = nth, action
 
     def disarm(self) -> None:
-        self.countdown, self.action = None, None
+        self.countdown, self.action, self.failing_list = None, None, None
 
     def _tick(self) -> None:
         if self.countdown is None:
@@ -120,6 +135,11 @@ class HookStorage(LocalStorage):
 
     def list(self, prefix: str) -> list[str]:
         self._tick()
+        if self.failing_list is not None:
+            self.failing_list -= 1
+            if self.failing_list == 0:
+                self.failing_list = None
+                raise StorageError(errno.EIO, f"listing {prefix} failed (injected)")
         return super().list(prefix)
 
     def delete(self, path: str) -> None:
@@ -185,6 +205,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.expected: dict[int, dict[str, Any]] = {}
         self.next_step = 0
         self.unseen_damage = False  # damage done since the writer last read everything
+        self.damaged = False  # the damage rule ever ran
+        self.beside: threading.Thread | None = None  # maintenance of a second store object
         for change in history:
             self.save(change)
 
@@ -274,6 +296,8 @@ class StoreMachine(RuleBasedStateMachine):
             ok = True
         finally:
             self.storage.disarm()
+            if self.beside is not None:  # it may have waited for the save: it ends now
+                self.beside.join(120)
         if self.taken_over is self.writer:  # taken over during the save
             self.after_takeover(step, ok)
             self.succeed()
@@ -364,15 +388,19 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(
         change=st.sampled_from(["none", "dense", "sparse", "both"]),
-        disturb=st.sampled_from(["nothing", "crash", "concurrent gc"]),
+        disturb=st.sampled_from(
+            ["nothing", "crash", "concurrent gc", "maintenance in this process", "listing fails"]
+        ),
         nth=st.integers(1, 40),
         bare=st.booleans(),
         keep=st.integers(1, 2),
     )
     def save_step(self, change: str, disturb: str, nth: int, bare: bool, keep: int) -> None:
         """A save; at its ``nth`` storage call the process may crash (the storage raises a
-        StorageError, or a bare OSError as a third-party backend might), or another process
-        may run ``gc(keep_last=keep, grace_s=60)``."""
+        StorageError, or a bare OSError as a third-party backend might), another process
+        may run ``gc(keep_last=keep, grace_s=60)``, or a second store object of this process
+        starts a compact and a ``gc(keep_last=keep)`` on a thread of its own; or the save's
+        ``nth`` directory listing fails."""
         self.age()
         root = self.root
 
@@ -380,8 +408,38 @@ class StoreMachine(RuleBasedStateMachine):
             with other_process(root, self.options) as collector:
                 collector.gc(keep_last=keep, grace_s=60)
 
-        arm = {"nothing": None, "crash": (nth, crash(bare)), "concurrent gc": (nth, collect)}
+        def maintain() -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                storage = LocalStorage(root, fsync=False)
+                storage.url = self.storage.url  # this process's location: its lease and lock
+                second = CheckpointStore(storage, **self.options)
+                try:
+                    second.compact()
+                    second.gc(keep_last=keep)
+                except CheckpointError:
+                    pass  # e.g. nothing intact to compact: the invariants judge the store
+                finally:
+                    _close(second)
+
+        def beside() -> None:
+            self.beside = threading.Thread(target=maintain, name="maintenance")
+            self.beside.start()
+
+        if disturb == "listing fails":
+            self.storage.fail_list(1 + nth % 4)
+        arm = {
+            "nothing": None,
+            "listing fails": None,
+            "crash": (nth, crash(bare)),
+            "concurrent gc": (nth, collect),
+            "maintenance in this process": (nth, beside),
+        }
         self.save(change, arm[disturb])
+        if self.beside is not None:
+            self.beside.join(120)
+            assert not self.beside.is_alive(), "the maintenance beside the save never ended"
+            self.beside = None
 
     @rule(
         change=st.sampled_from([None, "none", "dense", "sparse", "both"]),
@@ -453,9 +511,26 @@ class StoreMachine(RuleBasedStateMachine):
                 return  # nothing to read: nothing was seen
         self.unseen_damage = False  # it read the newest checkpoints down to an intact one
 
+    def read_beside(self) -> None:
+        """A reader (an evaluation process polling the store) loads the newest checkpoint in
+        the middle of a compact or a gc: while nothing was ever damaged, it restores one that
+        was reported committed, exactly."""
+        with self.reader() as reader, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                loaded = reader.load()
+            except CorruptCheckpointError:
+                assert self.damaged, "a reader beside maintenance found an intact store corrupt"
+                return
+            except CheckpointError:
+                return  # nothing committed yet
+            if not self.damaged:
+                assert reader.loaded_step is not None
+                assert_same_state(loaded, self.expected[reader.loaded_step])
+
     @rule(
         keep=st.integers(1, 2),
-        by=st.sampled_from(["writer", "another process", "writer, crashing"]),
+        by=st.sampled_from(["writer", "another process", "writer, crashing", "writer, read"]),
         nth=st.integers(1, 30),
         bare=st.booleans(),
     )
@@ -468,6 +543,8 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             if by == "writer, crashing":
                 self.storage.arm(nth, crash(bare))
+            elif by == "writer, read":
+                self.storage.arm(nth, self.read_beside)
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -479,11 +556,12 @@ class StoreMachine(RuleBasedStateMachine):
         if before:
             assert self.intact(), "gc removed the last intact checkpoint"
 
-    @rule(nth=st.integers(0, 30), bare=st.booleans())
-    def compact(self, nth: int, bare: bool) -> None:
+    @rule(nth=st.integers(0, 30), bare=st.booleans(), read=st.booleans())
+    def compact(self, nth: int, bare: bool, read: bool) -> None:
+        """A compaction: at its ``nth`` storage call the process crashes, or a reader loads."""
         before = self.intact()
         if nth:
-            self.storage.arm(nth, crash(bare))
+            self.storage.arm(nth, self.read_beside if read else crash(bare))
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -562,6 +640,7 @@ class StoreMachine(RuleBasedStateMachine):
             path.unlink()
             self.removed.add(recipe["pack"])
         self.unseen_damage = True
+        self.damaged = True
 
     # ------------------------------------------------------------ invariants
 

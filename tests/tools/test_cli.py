@@ -16,7 +16,9 @@ import torch
 from lightning_incremental.cli import main
 from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.format import layout as mf
-from tests.conftest import assert_state_equal
+from lightning_incremental.core.storage import open_storage
+from tests.conftest import assert_state_equal, backend_url
+from tests.faulty import FaultyStorage
 
 
 def lightning_like(seed: int) -> dict:
@@ -305,3 +307,68 @@ def test_export_keys_reads_and_writes_only_those_keys(store_dir: Path, tmp_path:
     assert set(loaded) == {f"state_dict.{k}" for k in expected["state_dict"]}
     code = main(["export", str(store_dir), "--to", str(tmp_path / "y"), "--keys", "nope"])
     assert code != 0 and "no top-level key 'nope'" in capsys.readouterr().err
+
+
+class _ReadsThenRuns(FaultyStorage):
+    """A reader's storage: its first read of an object runs ``hook`` (the command, run by an
+    operator in the middle of the reader's load)."""
+
+    def __init__(self, inner, hook) -> None:
+        super().__init__(inner)
+        self.hook, self.fired = hook, 0
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        if path.startswith("packs/") and not self.fired:
+            self.fired += 1
+            self.hook()
+        return super().get(path, start, end)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_compact_gc_and_verify_beside_a_live_writer_and_a_reader(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path, capsys
+) -> None:
+    """Beside a training process that holds the lease, `compact` and `gc --grace 0` are refused
+    (exit 4, naming the holder) and `gc --keep-last 1` with its default grace and `verify` run;
+    once it stopped, `compact` then `gc --keep-last 1 --grace 0 --min-age 0`, run while an
+    evaluation process is in the middle of loading, never break the reader: it loads the
+    newest checkpoint exactly."""
+    with backend_url(kind, request, tmp_path) as url:
+        training = open_storage(url, None)
+        training.url = f"{url} (training process)"  # its own process: its own lease and lock
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(6000, generator=g)
+        with CheckpointStore(training, chunk_size=4096, pack_size=8192, full_every=100) as live:
+            for step in (1, 2, 3):
+                w = w + 1e-3 * torch.randn(6000, generator=g)
+                live.save({"w": w, "step": step}, step).wait()
+            for argv in (["compact", url], ["gc", url, "--keep-last", "1", "--grace", "0"]):
+                assert main(argv) == 4, argv
+                assert "being written by another process" in capsys.readouterr().err
+            code, doc = run_json(capsys, "gc", url, "--keep-last", "1")
+            assert code == 0 and doc["removed_steps"] == [1, 2] and doc["removed_objects"] == 0
+            code, doc = run_json(capsys, "verify", url)
+            assert code == 0, doc
+            w = w + 1e-3 * torch.randn(6000, generator=g)
+            live.save({"w": w, "step": 4}, 4).wait()  # the writer goes on
+        expected = {"w": w, "step": 4}
+
+        def operator() -> None:
+            code, doc = run_json(capsys, "compact", url)
+            assert code == 0 and doc["compacted"] and doc["step"] == 4, doc
+            argv = ("gc", url, "--keep-last", "1", "--grace", "0", "--min-age", "0")
+            code, doc = run_json(capsys, *argv)
+            assert code == 0 and doc["removed_steps"] == [3] and doc["removed_objects"], doc
+
+        reading = _ReadsThenRuns(open_storage(url, None), operator)
+        reading.url = f"{url} (evaluation process)"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback past "corruption" would warn
+            with CheckpointStore(reading) as reader:
+                assert_state_equal(reader.load(), expected)
+                assert reading.fired == 1 and reader.loaded_step == 4
+        code, doc = run_json(capsys, "verify", url)
+        assert code == 0, doc
+        with CheckpointStore(url) as after:
+            assert after.steps() == [4] and after.manifest(4).stats["full_base"]
+            assert_state_equal(after.load(), expected)

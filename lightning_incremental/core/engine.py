@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ from lightning_incremental.core.commit.committer import Committer
 from lightning_incremental.core.commit.group import Alone, GlooGroup, Group
 from lightning_incremental.core.commit.history import History, read_manifest
 from lightning_incremental.core.commit.lease import Lease
+from lightning_incremental.core.commit.location import location
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.load.loader import Loader
 from lightning_incremental.core.maintain.retention import Collector, KeepLast, Maintainer
@@ -33,9 +33,8 @@ log = logging.getLogger("lightning_incremental")
 class Engine:
     """One store's parts. ``lock`` is held while a save writes and commits, and while gc or
     compact deletes or rewrites: objects a save is about to reference are never swept from
-    under it. It is the process's lock of the location (:func:`location_lock`), shared by every
-    store object there, as the writer lease is: a maintenance store beside the training store
-    in one process waits for the save in flight, and the save for it."""
+    under it. It is the process's lock of the location (:mod:`.commit.location`), shared by
+    every store object there, as the writer lease is."""
 
     group: Group
     lock: threading.RLock
@@ -73,22 +72,6 @@ class Engine:
             self.group.close()
 
 
-_LOCKS: dict[tuple[int, str], threading.RLock] = {}
-_LOCKS_LOCK = threading.Lock()
-
-
-def location_lock(url: str) -> threading.RLock:
-    """This process's write lock of the store at ``url``: one per location, whatever the number
-    of store objects open there (a small lock per location ever opened is kept; a child process
-    made by fork gets its own, as its parent's may be held)."""
-    key = (os.getpid(), url)
-    with _LOCKS_LOCK:
-        lock = _LOCKS.get(key)
-        if lock is None:
-            lock = _LOCKS[key] = threading.RLock()
-        return lock
-
-
 def assemble(
     storage: Storage, config: StoreConfig, *, distributed: bool, collective_timeout_s: float
 ) -> Engine:
@@ -103,7 +86,8 @@ def assemble(
             config.optimizer_state,
             config.optimizer_state,
         )
-    lock = location_lock(storage.url)
+    place = location(storage.url)
+    lock = place.lock
     # Threads exist only while there is work (they end after a short idle time), at a lower
     # priority than training's (workers.py: background work yields to training).
     nice = config.background_nice
@@ -125,7 +109,15 @@ def assemble(
     # One writing process per store (lease.py).
     lease = Lease(storage, config.lease_ttl_s)
     committer = Committer(
-        storage, config, pool, writer=writer, fencing=fence, lease=lease, history=history, base=base
+        storage,
+        config,
+        pool,
+        writer=writer,
+        fencing=fence,
+        lease=lease,
+        history=history,
+        base=base,
+        location=place,
     )
     collector = Collector(
         storage,
@@ -134,6 +126,7 @@ def assemble(
         base,
         min_age_s=config.min_object_age_s,
         guard=functools.partial(generation.check_current, fence, lease, "retention stopped"),
+        location=place,
     )
     retention = KeepLast(config.keep_last, collector, lock)
     saver = Saver(

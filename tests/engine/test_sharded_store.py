@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import hypothesis.strategies as st
 import numpy as np
@@ -14,7 +15,12 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 
-from lightning_incremental.core import CheckpointStore, ConfigError, ManifestError
+from lightning_incremental.core import (
+    CheckpointStore,
+    ConfigError,
+    CorruptCheckpointError,
+    ManifestError,
+)
 from lightning_incremental.core.codecs import chunk_hash
 from lightning_incremental.core.format import canonical, validation
 from lightning_incremental.core.format import layout as mf
@@ -205,6 +211,46 @@ def test_dtensor_state_round_trip_in_one_process(tmp_path, world_of_one):
         result = store.save(state, 2).wait()
         assert result.chunks_reused > 0  # the unchanged replicated tensor is referenced
         assert torch.equal(store.load(2)["w"], w * 2)
+
+
+def test_a_gc_in_the_process_between_a_sharded_part_and_its_commit_commits_nothing_broken(
+    tmp_path, world_of_one
+):
+    """A sharded save cannot hold the location's lock from its part to its commit (the ranks'
+    collectives lie between): a compact + gc(keep_last=1) through a second store object of the
+    process that runs there deletes objects the part reuses. The coordinator sees that a sweep
+    ran and checks them: the step is not committed, said so, and the next save writes them
+    again."""
+    url = str(tmp_path / "store")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g)
+    frozen = torch.randn(4096, generator=g)
+    options = {"chunk_size": 1024, "pack_size": 4096, "full_every": 100}
+    with CheckpointStore(url, distributed=True, **options) as store, CheckpointStore(
+        url, **options
+    ) as maintenance:
+        for step in (1, 2):
+            w = w + 1e-3 * torch.randn(64, 64, generator=g)
+            store.save({"w": _dtensor(w), "frozen": frozen}, step).wait()
+        for path in (tmp_path / "store" / "packs").rglob("*.pack"):  # saved hours ago
+            os.utime(path, (path.stat().st_atime - 7200, path.stat().st_mtime - 7200))
+        gather = store._group.gather
+
+        def maintain_then_gather(record):
+            maintenance.compact()  # step 2 as a full base: its old delta objects go
+            maintenance.gc(keep_last=1)
+            return gather(record)
+
+        store._group.gather = maintain_then_gather
+        w3 = w + 1e-3 * torch.randn(64, 64, generator=g)
+        with pytest.raises(CorruptCheckpointError, match="deleted by a gc in this process"):
+            store.save({"w": _dtensor(w3), "frozen": frozen}, 3).wait()
+        store._group.gather = gather
+        assert store.steps() == [2]
+        store.save({"w": _dtensor(w3), "frozen": frozen}, 4).wait()
+        assert store.verify(4).ok
+        loaded = store.load(4)
+        assert torch.equal(loaded["w"], w3) and torch.equal(loaded["frozen"], frozen)
 
 
 def test_plain_checkpoint_loads_into_dtensors_and_keeps_version_1(tmp_path, world_of_one):

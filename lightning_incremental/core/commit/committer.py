@@ -31,6 +31,7 @@ from lightning_incremental.core.commit.effort import Effort
 from lightning_incremental.core.commit.fencing import Fencing
 from lightning_incremental.core.commit.history import History
 from lightning_incremental.core.commit.lease import Lease
+from lightning_incremental.core.commit.location import Location
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.errors import (
     CheckpointError,
@@ -162,8 +163,11 @@ class Committer:
         lease: Lease,
         history: History,
         base: DeltaBase,
+        location: Location | None = None,
     ) -> None:
         self.storage, self.config, self.pool = storage, config, pool
+        self.location = location if location is not None else Location()
+        self._part_began: tuple[int, int] | None = None  # (step, sweeps here) of the last part
         self.writer = writer if writer is not None else pool
         self.fencing, self.lease, self.history, self.base = fencing, lease, history, base
         self.hints = Hints()  # how each place was coded last: the next save skips the race
@@ -184,6 +188,7 @@ class Committer:
         Raises:
             CorruptCheckpointError: objects to reuse keep vanishing (another process deleting).
         """
+        self._part_began = (step, self.location.sweeps)
         explicit = parent is not None
         parent = parent if explicit else self.base.parent
         full = full or parent is None or parent.manifest.since_base + 1 >= self.config.base_every
@@ -306,7 +311,16 @@ class Committer:
             tensors=tensors,
         )
         data, manifest = canonical.seal(manifest, f"step {step} of {self.storage.url}")
+        with self.location.lock:  # no sweep of this process between the checks and the write
+            return self._commit(step, parts, data, manifest, generation)
+
+    def _commit(
+        self, step: int, parts: Sequence[Part], data: bytes, manifest: Manifest, generation: int
+    ) -> Committed:
         self._check_durable(step, parts)
+        began = self._part_began
+        if began is None or began != (step, self.location.sweeps):
+            self._check_reused(step, parts)  # a sweep here since (or not known: check)
         start = time.perf_counter()
         self.fencing.check(step, generation, "not committed")  # before touching others'
         self.lease.check()
@@ -417,6 +431,19 @@ class Committer:
                         f"step {step} not committed: object {path} of a part is "
                         f"{'missing' if size is None else f'{size} bytes, not {part.packs[path]}'}"
                         f" in {self.storage.url}"
+                    )
+
+    def _check_reused(self, step: int, parts: Sequence[Part]) -> None:
+        """A sweep ran in this process since the parts were written (a sharded save does not
+        hold the lock from its part to its commit): every object they reuse must still be
+        there."""
+        for part in parts:
+            for path in sorted(set(part.packs) - part.written):
+                if not self.storage.exists(path):
+                    raise CorruptCheckpointError(
+                        f"step {step} not committed: object {path} it reuses was deleted by a "
+                        "gc in this process while the ranks wrote their parts "
+                        f"({self.storage.url}); the next save writes it again"
                     )
 
     def _confirm(self, step: int, generation: int) -> tuple[str, ...]:

@@ -46,6 +46,7 @@ from lightning_incremental.core.commit.committer import Committer, save_result
 from lightning_incremental.core.commit.fencing import Fencing, Generation, check_process
 from lightning_incremental.core.commit.history import History, check_step_type
 from lightning_incremental.core.commit.lease import Lease
+from lightning_incremental.core.commit.location import Location
 from lightning_incremental.core.commit.versions import Version, Versions
 from lightning_incremental.core.errors import (
     CheckpointError,
@@ -251,9 +252,11 @@ class Collector:
         *,
         min_age_s: float = 0.0,
         guard: Callable[[], None] | None = None,
+        location: Location | None = None,
     ) -> None:
         self.storage, self.fencing, self.history, self.base = storage, fencing, history, base
         self.min_age_s, self.guard = min_age_s, guard
+        self.location = location if location is not None else Location()
 
     def run(self, plan: Plan) -> GcReport:
         """Apply ``plan`` (see :func:`collect`). The caller holds the store's write lock."""
@@ -263,7 +266,26 @@ class Collector:
         written = self.history.written()
         visible, fenced = self.fencing.partition(written)
         self.history.remember(visible)
-        report = collect(
+        try:
+            report = self._collect(plan, written, visible, fenced, planned_at)
+        finally:
+            if not plan.dry_run:
+                self.location.swept()
+        if not plan.dry_run and self.base.step in report.removed_steps:
+            # Its objects are pinned by this call only: another process's gc may collect them at
+            # any time, so the next save must not name them. It writes a full base.
+            self.base.set(None)
+        return report
+
+    def _collect(
+        self,
+        plan: Plan,
+        written: Mapping[int, Versions],
+        visible: Mapping[int, Version],
+        fenced: list[int],
+        planned_at: float,
+    ) -> GcReport:
+        return collect(
             plan,
             storage=self.storage,
             written=written,
@@ -277,11 +299,6 @@ class Collector:
             guard=self.guard,
             forget=self.fencing.forget,
         )
-        if not plan.dry_run and self.base.step in report.removed_steps:
-            # Its objects are pinned by this call only: another process's gc may collect them at
-            # any time, so the next save must not name them. It writes a full base.
-            self.base.set(None)
-        return report
 
     def intact(self, step: int, doc: Manifest, thorough: bool) -> bool:
         """Whether checkpoint ``step`` restores. Thorough: read and check everything

@@ -302,7 +302,15 @@ MAP_LOCATIONS: list[Any] = [
 ]
 
 
-@pytest.mark.parametrize("map_location", MAP_LOCATIONS, ids=lambda m: repr(m)[:30])
+def _id(map_location: Any) -> str:
+    """A stable test id (a function's repr names its address, which differs between the
+    processes pytest-xdist collects in)."""
+    if callable(map_location):
+        return getattr(map_location, "__name__", "callable")
+    return repr(map_location)[:30]
+
+
+@pytest.mark.parametrize("map_location", MAP_LOCATIONS, ids=_id)
 def test_map_location_behaves_as_torch_load(tmp_path: Path, map_location: Any) -> None:
     saved = _saved_state()
     torch.save(saved, tmp_path / "plain.ckpt")

@@ -25,7 +25,7 @@ from lightning_incremental.core.commit import fencing
 from lightning_incremental.core.format import canonical
 from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.storage import open_storage
-from tests.conftest import assert_state_equal, small_store
+from tests.conftest import assert_state_equal, backend_url, small_store
 from tests.faulty import FaultyStorage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,23 +301,23 @@ def test_generations_past_ten_digits_still_fence(local_url: str) -> None:
         assert fencing.generations(store.storage) == [big, big + 1]
 
 
-def _files(root: str) -> list[str]:
-    return sorted(
-        os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files
-    )
+def _files(store) -> list[str]:
+    return sorted(store.storage.list(""))
 
 
+@pytest.mark.parametrize("kind", ["local", "s3"])
 def test_a_fenced_off_process_writes_deletes_and_claims_nothing(
-    local_url: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After fence_process (the watchdog found this rank isolated) every mutating path of
     every store of the process raises FencedError naming why, and the store is unchanged:
     save, compact, gc with and without a grace period, delete and claim_generation."""
     monkeypatch.setattr(fencing, "_PROCESS_FENCE", [])
-    with small_store(local_url, full_every=100) as store:
+    with backend_url(kind, request, tmp_path) as url, small_store(url, full_every=100) as store:
         store.save(state(1.0), 1).wait()
         store.save(state(1.5), 2).wait()  # a delta: compact has work to do
-        before = _files(local_url)
+        before = _files(store)
+        assert any(p.startswith("packs/") for p in before), before
         fencing.fence_process("isolated from the group")
         calls = {
             "save": lambda: store.save(state(3.0), 3).wait(),
@@ -331,6 +331,6 @@ def test_a_fenced_off_process_writes_deletes_and_claims_nothing(
             with pytest.raises(FencedError, match="isolated from the group"):
                 call()
                 pytest.fail(f"{name} ran in a fenced-off process")
-        assert _files(local_url) == before
+        assert _files(store) == before
         assert store.gc(keep_last=1, dry_run=True).removed_steps == [1]  # reading still works
         monkeypatch.setattr(fencing, "_PROCESS_FENCE", [])  # close releases the lease

@@ -227,6 +227,32 @@ def test_no_sweep_removes_an_object_younger_than_the_minimum_age(local_url: str)
         assert store.verify(2).ok
 
 
+def test_an_orphan_written_again_while_the_sweep_reaches_it_stays(local_url: str) -> None:
+    """A save writes again, with the same bytes, an old orphan the sweep is about to delete
+    (its writer rewrites an existing pack: a fresh object). The sweep reads the object's age
+    right before deleting it, after everything else: the rewritten object is young and stays."""
+
+    class RewritesAtTheSweep(LocalStorage):
+        target: str | None = None
+
+        def size(self, path: str) -> int:
+            if path == self.target:  # the sweep looks at the orphan ...
+                self.target = None
+                data = self.get(path)
+                self.put(path, data, overwrite=True)  # ... as a save writes it again
+            return super().size(path)
+
+    storage = RewritesAtTheSweep(local_url)
+    with small_store(storage) as store:
+        store.save(state(1.0), 1).wait()
+        orphan = _orphan(store, age_s=2 * HOUR)
+        storage.target = orphan
+        report = store.gc()
+        assert storage.target is None, "the sweep never looked at the orphan"
+        assert orphan not in report.removed_objects
+        assert store.storage.exists(orphan)
+
+
 def test_the_minimum_age_is_validated() -> None:
     for bad in (-1, float("nan"), "900", True):
         with pytest.raises(ConfigError, match="min_object_age_s"):

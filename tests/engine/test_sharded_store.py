@@ -226,9 +226,10 @@ def test_a_gc_in_the_process_between_a_sharded_part_and_its_commit_commits_nothi
     w = torch.randn(64, 64, generator=g)
     frozen = torch.randn(4096, generator=g)
     options = {"chunk_size": 1024, "pack_size": 4096, "full_every": 100}
-    with CheckpointStore(url, distributed=True, **options) as store, CheckpointStore(
-        url, **options
-    ) as maintenance:
+    with (
+        CheckpointStore(url, distributed=True, **options) as store,
+        CheckpointStore(url, **options) as maintenance,
+    ):
         for step in (1, 2):
             w = w + 1e-3 * torch.randn(64, 64, generator=g)
             store.save({"w": _dtensor(w), "frozen": frozen}, step).wait()

@@ -51,7 +51,6 @@ import signal
 import subprocess
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
@@ -160,8 +159,8 @@ class _Watcher:
     it logs it and starts the grace's countdown. The handler wakes it by writing one byte to a
     non-blocking pipe — no lock, no allocation of a thread, nothing that can wait."""
 
-    def __init__(self, noticed: weakref.WeakMethod[Callable[[], None]]) -> None:
-        self._noticed = noticed  # weak: a Preemption dropped without uninstall() is collected
+    def __init__(self, noticed: Callable[[], None]) -> None:
+        self._noticed = noticed
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
         self._stopping = False
@@ -181,15 +180,11 @@ class _Watcher:
                 os.read(self._read, 512)
             except OSError:
                 return
-            noticed = self._noticed()
-            if self._stopping or noticed is None:
+            if self._stopping:
                 return
-            noticed()
+            self._noticed()
 
     def stop(self) -> None:
-        """End the thread and close the pipe (idempotent)."""
-        if self._stopping:
-            return
         self._stopping = True
         self.wake()
         if self._thread is not threading.current_thread():
@@ -197,27 +192,6 @@ class _Watcher:
         if not self._thread.is_alive():
             os.close(self._read)
         os.close(self._write)
-
-
-def _weak_handler(
-    ref: weakref.ref[Preemption], chained: Handler
-) -> Callable[[int, FrameType | None], None]:
-    """The installed handler: :meth:`Preemption._on_signal` through a weak reference, so that a
-    preemption dropped without ``uninstall()`` (an adapter never closed) is collected with its
-    thread. Once it is gone, the signal is what it would have been without it: the chained
-    handler runs, or the default action ends the process."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        preemption = ref()
-        if preemption is not None:
-            preemption._on_signal(signum, frame)
-        elif callable(chained):
-            chained(signum, frame)
-        elif chained != signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-    return handler
 
 
 @dataclass
@@ -239,7 +213,6 @@ class Preemption:
     _noticed: int = 0  # deliveries the watcher has logged
     _previous: dict[int, Handler] = field(default_factory=dict)
     _chained: dict[int, Handler] = field(default_factory=dict)
-    _handlers: dict[int, Callable[[int, FrameType | None], None]] = field(default_factory=dict)
     _watcher: _Watcher | None = None
     _saves: list[float] = field(default_factory=list)
     _warned: bool = False
@@ -265,15 +238,12 @@ class Preemption:
                 "the main thread (call preemption.request() from your own handler instead)"
             )
             return self
-        self._watcher = watcher = _Watcher(weakref.WeakMethod(self._notice))
-        weakref.finalize(self, watcher.stop)
+        self._watcher = _Watcher(self._notice)
         for signum in self.config.signal_numbers():
             previous = signal.getsignal(signum)
             self._previous[signum] = previous
-            chained = chain(signum, previous) if chain is not None else previous
-            self._chained[signum] = chained
-            self._handlers[signum] = handler = _weak_handler(weakref.ref(self), chained)
-            signal.signal(signum, handler)
+            self._chained[signum] = chain(signum, previous) if chain is not None else previous
+            signal.signal(signum, self._on_signal)
         return self
 
     def uninstall(self) -> None:
@@ -283,9 +253,8 @@ class Preemption:
         self._stop_threads()
         if threading.current_thread() is not threading.main_thread():
             return
-        handlers, self._handlers = self._handlers, {}
         for signum, handler in previous.items():
-            if signal.getsignal(signum) is handlers.get(signum):
+            if signal.getsignal(signum) == self._on_signal:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def stay_until_exit(self) -> list[int]:
@@ -295,7 +264,7 @@ class Preemption:
         and turn its exit into a death by signal — SIGKILL still ends it. The handlers from
         before :meth:`install` are not put back. Returns the signals now ignored."""
         signums = list(self._previous)
-        self._previous, self._chained, self._handlers = {}, {}, {}
+        self._previous, self._chained = {}, {}
         self._stop_threads()
         if threading.current_thread() is threading.main_thread():
             for signum in signums:

@@ -301,22 +301,3 @@ def test_a_signal_no_boundary_follows_still_ends_the_process(tmp_path: Path) -> 
     assert out.returncode == 128 + signal.SIGTERM, out.stdout + out.stderr
     assert "no step boundary was reached within 0.5s" in out.stderr
     assert time.monotonic() - start < 20
-
-
-def test_a_preemption_dropped_without_uninstall_takes_its_thread_along() -> None:
-    """An adapter never closed: its preemption is collected with its thread, and the signal is
-    what it was without it (the handler before runs)."""
-    import gc
-
-    seen: list[int] = []
-    before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
-    try:
-        pre.Preemption(pre.PreemptionConfig(signals=("SIGUSR2",))).install()
-        gc.collect()
-        _wait_for(lambda: not [t for t in threading.enumerate() if t.name == "li-preemption"])
-        assert not [t for t in threading.enumerate() if t.name == "li-preemption"]
-        os.kill(os.getpid(), signal.SIGUSR2)
-        _wait_for(lambda: bool(seen))
-        assert seen == [signal.SIGUSR2]
-    finally:
-        signal.signal(signal.SIGUSR2, before)

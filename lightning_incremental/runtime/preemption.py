@@ -194,7 +194,7 @@ class _Watcher:
         os.close(self._write)
 
 
-@dataclass
+@dataclass(repr=False)
 class Preemption:
     """This process's preemption state: the request, the agreement, the exit.
 
@@ -202,6 +202,18 @@ class Preemption:
         config: what to handle and how.
         clock: monotonic seconds (injectable for tests).
     """
+
+    # The repr names this object only. Its bound handler is what ``signal.getsignal`` returns,
+    # and Python's ``getsignal`` formats the handler's repr; a dataclass repr would include the
+    # handlers installed before it (twice: previous and chained), so a stack of n installs
+    # would cost 2**n to print — every ``getsignal`` of a later install would hang.
+    def __repr__(self) -> str:
+        signums = sorted(self._previous)
+        names = [signal.Signals(s).name for s in signums]
+        return (
+            f"Preemption(signals={names}, deliveries={len(self._deliveries)}, "
+            f"requested={self._request is not None}, agreed={self.agreed})"
+        )
 
     config: PreemptionConfig = field(default_factory=PreemptionConfig)
     clock: Callable[[], float] = time.monotonic

@@ -197,6 +197,27 @@ def test_a_frameworks_handler_is_chained_through_the_adapter() -> None:
         signal.signal(signal.SIGUSR2, before)
 
 
+def test_installs_stacked_by_adapters_never_closed_stay_cheap_to_inspect() -> None:
+    """A process that builds adapters and never closes them stacks installs, each chaining to
+    the one before. ``signal.getsignal`` formats the installed handler's repr: it must name
+    only the newest install, not every earlier one (twice each: 2**n to print), or the n-th
+    install hangs while its memory grows."""
+    before = signal.getsignal(signal.SIGUSR2)
+    stack: list[pre.Preemption] = []
+    try:
+        lengths = []
+        for _ in range(24):
+            stack.append(pre.Preemption(pre.PreemptionConfig(signals=("SIGUSR2",))).install())
+            lengths.append(len(repr(signal.getsignal(signal.SIGUSR2))))
+        assert max(lengths) == min(lengths) < 500, lengths
+        os.kill(os.getpid(), signal.SIGUSR2)
+        _wait_for(lambda: all(p.requested for p in stack))  # every install still chained
+    finally:
+        for p in reversed(stack):
+            p.uninstall()
+        signal.signal(signal.SIGUSR2, before)
+
+
 @pytest.fixture
 def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     calls = tmp_path / "scontrol.calls"

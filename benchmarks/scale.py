@@ -1,0 +1,481 @@
+"""Cost against size: ``python -m benchmarks.scale [--quick] [--results]``.
+
+Three sweeps, each figure of ours a ratio to its baseline measured in the same run:
+
+* **Many tensors** (``--tensors``, default 2,000 and 20,000 tensors of 4 KiB, float32, in
+  ``{"model": {"layers.{i // 8}.w{i % 8}": t}}``). Three saves into one store: the first (a full
+  base), the second of the unchanged state, the third with 1 % of the tensors changed. Figures:
+  the stall of each ``save`` call against the whole of ``torch.save`` + fsync; the time to
+  durable (``save`` to ``result()``) against ``torch.save`` + fsync; the restore in a fresh
+  process (``CheckpointStore(url).load()``; only the load is timed, not the imports) against
+  ``torch.load`` in a fresh process; the bytes of the unchanged save's manifest per tensor.
+* **Big state** (``--big-gb``, default 1 GB in 8 float32 tensors). Five saves, every tensor
+  changed in place (``add_(1)``: a dense update) before each after the first. Figures: the
+  stall of the third save (steady state: snapshot buffers recycled) against copying the state
+  into buffers that already exist (``dst.copy_(src)``, the memory-bandwidth bound); its time
+  to durable against ``torch.save`` + fsync; restores in a fresh process of the full base (the
+  first save) and of the end of the chain of five against ``torch.load``; the peak extra host
+  memory of the first save (snapshot buffers allocated) and of the fourth (recycled), as a
+  multiple of the state (``benchmarks.memory``: ``VmHWM``), beside ``torch.save``'s.
+* **Many ranks, simulated**: the records of ``benchmarks.scale_ranks.run(ranks=...)`` (commit
+  time against ranks), skipped with a note where that module is absent.
+
+Times are the best of ``--repeats``; every store is on the same local disk as the baseline's
+files (``--dir``), with fsync on. Writes ``scale.{json,md,png}`` under ``--out`` (default
+``bench_out/scale/``); ``--results`` writes them to ``benchmarks/results/`` and regenerates
+the results section of ``docs/guides/scale.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.durable import torch_save
+from benchmarks.machine import describe, parallel_scaling
+from benchmarks.memory import peak_extra_rss
+from benchmarks.state import tensor_bytes
+
+RESULTS = Path(__file__).parent / "results"
+DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "scale.md"
+TENSOR_NUMEL = 1024  # 4 KiB of float32
+BIG_TENSORS = 8
+CHAIN = 5
+CHANGED_FRACTION = 0.01
+
+# Targets: ratios to the baseline, except where ``absolute`` (a value in the figure's unit).
+STALL_TARGET = 0.1
+DURABLE_TARGET = 1.0
+RESTORE_TARGET = 1.2
+MANIFEST_TARGET_B = 64.0
+
+
+def record(
+    sweep: str,
+    case: str,
+    size: float,
+    figure: str,
+    ours: float,
+    baseline: float | None,
+    baseline_name: str | None,
+    unit: str,
+    target: float | None = None,
+    absolute: bool = False,
+) -> dict[str, Any]:
+    """One row: ``ratio`` is ours / baseline; ``met`` compares the ratio (or, ``absolute``, our
+    value) with ``target`` (None: no target)."""
+    # a multiple of the state beside a baseline near zero is no ratio
+    ratio = ours / baseline if baseline and unit != "x" else None
+    checked = ours if absolute else ratio
+    met = None if target is None or checked is None else bool(checked <= target)
+    return {
+        "sweep": sweep,
+        "case": case,
+        "size": size,
+        "figure": figure,
+        "ours": ours,
+        "baseline": baseline,
+        "baseline_name": baseline_name,
+        "unit": unit,
+        "ratio": ratio,
+        "target": target,
+        "target_absolute": absolute,
+        "met": met,
+    }
+
+
+# ----------------------------------------------------------------------------- restores
+
+
+def child(kind: str, path: str, step: int | None) -> None:
+    """One restore, timed in this fresh process (imports done first); prints one JSON line."""
+    from lightning_incremental.core import CheckpointStore
+
+    gc.collect()
+    started = time.perf_counter()
+    if kind == "torch":
+        loaded = torch.load(path, weights_only=True)
+    else:
+        loaded = CheckpointStore(path).load(step)
+    seconds = time.perf_counter() - started
+    assert tensor_bytes(loaded) > 0
+    print(json.dumps({"seconds": seconds}))
+
+
+def fresh_restore(kind: str, path: Path, repeats: int, step: int | None = None) -> float:
+    """Best seconds of ``repeats`` restores, each in a new process."""
+    command = [sys.executable, "-m", "benchmarks.scale", "--child", kind, "--path", str(path)]
+    command += ["--step", str(step)] if step is not None else []
+    best = math.inf
+    for _ in range(repeats):
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{kind} restore of {path} failed:\n{done.stderr[-3000:]}")
+        best = min(best, json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
+    return best
+
+
+def timed_save(store: Any, state: dict[str, Any], step: int) -> tuple[float, float]:
+    """(stall, time to durable) of one save: the ``save`` call, and ``save`` to ``result()``."""
+    started = time.perf_counter()
+    handle = store.save(state, step=step)
+    stall = time.perf_counter() - started
+    handle.result()
+    return stall, time.perf_counter() - started
+
+
+def best_torch_save(state: Any, path: Path, repeats: int) -> float:
+    """Best seconds of ``torch.save`` + fsync; the file of the last one is left at ``path``."""
+    return min(torch_save(state, path) for _ in range(repeats))
+
+
+# ----------------------------------------------------------------------------- many tensors
+
+
+def many_tensors_state(n: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {"model": {f"layers.{i // 8}.w{i % 8}": torch.randn(TENSOR_NUMEL) for i in range(n)}}
+
+
+def newest_manifest_bytes(store_dir: Path) -> int:
+    newest = max((store_dir / "manifests").glob("*.json"), key=lambda p: p.name)
+    return newest.stat().st_size
+
+
+def tensors_sweep(n: int, root: Path, repeats: int) -> list[dict[str, Any]]:
+    """The many-tensors figures for ``n`` tensors of 4 KiB."""
+    from lightning_incremental.core import CheckpointStore
+
+    state = many_tensors_state(n)
+    values = list(state["model"].values())
+    changed = values[:: max(1, round(1 / CHANGED_FRACTION))]
+    saves: dict[str, list[tuple[float, float]]] = {"full": [], "unchanged": [], "1% changed": []}
+    manifest = math.inf
+    store_dir = root / f"tensors-{n}"
+    for _ in range(repeats):
+        shutil.rmtree(store_dir, ignore_errors=True)
+        with CheckpointStore(store_dir) as store:
+            saves["full"].append(timed_save(store, state, 1))
+            saves["unchanged"].append(timed_save(store, state, 2))
+            manifest = min(manifest, newest_manifest_bytes(store_dir))
+            for t in changed:
+                t.add_(1)
+            saves["1% changed"].append(timed_save(store, state, 3))
+    plain = root / f"tensors-{n}.pt"
+    baseline = best_torch_save(state, plain, repeats)
+    ours_load = fresh_restore("ours", store_dir, repeats)
+    torch_load = fresh_restore("torch", plain, repeats)
+    case = f"{n:,} tensors"
+    rows = []
+    for kind, runs in saves.items():
+        stall, durable = min(s for s, _ in runs), min(d for _, d in runs)
+        rows.append(
+            record(
+                "tensors",
+                case,
+                n,
+                f"stall, {kind} save",
+                stall,
+                baseline,
+                "torch.save + fsync",
+                "s",
+                STALL_TARGET,
+            )
+        )
+        rows.append(
+            record(
+                "tensors",
+                case,
+                n,
+                f"time to durable, {kind} save",
+                durable,
+                baseline,
+                "torch.save + fsync",
+                "s",
+                DURABLE_TARGET,
+            )
+        )
+    rows.append(
+        record(
+            "tensors",
+            case,
+            n,
+            "restore, fresh process",
+            ours_load,
+            torch_load,
+            "torch.load",
+            "s",
+            RESTORE_TARGET,
+        )
+    )
+    rows.append(
+        record(
+            "tensors",
+            case,
+            n,
+            "manifest of an unchanged save, per tensor",
+            manifest / n,
+            None,
+            None,
+            "B",
+            MANIFEST_TARGET_B,
+            absolute=True,
+        )
+    )
+    shutil.rmtree(store_dir, ignore_errors=True)
+    plain.unlink(missing_ok=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- big state
+
+
+def big_state(nbytes: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    numel = max(1, nbytes // 4 // BIG_TENSORS)
+    return {"model": {f"w{i}": torch.randn(numel) for i in range(BIG_TENSORS)}}
+
+
+def copy_bound(state: dict[str, Any], repeats: int) -> float:
+    """Best seconds to copy every tensor into buffers allocated (and touched) beforehand."""
+    src = list(state["model"].values())
+    dst = [torch.empty_like(t) for t in src]
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)  # faulted in: the bound is the copy, not the page faults
+    best = math.inf
+    for _ in range(max(3, repeats)):
+        started = time.perf_counter()
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def big_sweep(nbytes: int, root: Path, repeats: int) -> list[dict[str, Any]]:
+    """The big-state figures for a state of about ``nbytes`` in 8 tensors."""
+    from lightning_incremental.core import CheckpointStore
+
+    state = big_state(nbytes)
+    size = tensor_bytes(state)
+    gb = size / 1e9
+    case = f"{gb:.3g} GB in {BIG_TENSORS} tensors"
+    copy = copy_bound(state, repeats)
+    plain = root / "big.pt"
+    with peak_extra_rss() as plain_peak:
+        baseline = torch_save(state, plain)
+    baseline = (
+        min(baseline, best_torch_save(state, plain, repeats - 1)) if repeats > 1 else baseline
+    )
+    store_dir = root / "big-store"
+    stalls, durables, peaks = [], [], {}
+    for attempt in range(repeats):
+        shutil.rmtree(store_dir, ignore_errors=True)
+        with CheckpointStore(store_dir) as store:
+            for step in range(1, CHAIN + 1):
+                if step > 1:
+                    for t in state["model"].values():
+                        t.add_(1)
+                if step in (1, 4) and attempt == 0:
+                    with peak_extra_rss() as peak:
+                        timed_save(store, state, step)
+                    peaks[step] = peak.extra_bytes
+                elif step == 3:
+                    stall, durable = timed_save(store, state, step)
+                    stalls.append(stall)
+                    durables.append(durable)
+                else:
+                    timed_save(store, state, step)
+    torch_load = fresh_restore("torch", plain, repeats)
+    base_load = fresh_restore("ours", store_dir, repeats, step=1)
+    chain_load = fresh_restore("ours", store_dir, repeats, step=CHAIN)
+    rows = [
+        record(
+            "big",
+            case,
+            gb,
+            "stall, steady save",
+            min(stalls),
+            copy,
+            "copy into existing buffers",
+            "s",
+        ),
+        record(
+            "big",
+            case,
+            gb,
+            "time to durable, steady save",
+            min(durables),
+            baseline,
+            "torch.save + fsync",
+            "s",
+            DURABLE_TARGET,
+        ),
+        record(
+            "big",
+            case,
+            gb,
+            "restore of the full base, fresh process",
+            base_load,
+            torch_load,
+            "torch.load",
+            "s",
+            RESTORE_TARGET,
+        ),
+        record(
+            "big",
+            case,
+            gb,
+            f"restore of a chain of {CHAIN} saves, fresh process",
+            chain_load,
+            torch_load,
+            "torch.load",
+            "s",
+            RESTORE_TARGET,
+        ),
+    ]
+    plain_x = None if plain_peak.extra_bytes is None else plain_peak.extra_bytes / size
+    for step, label in ((1, "first save"), (4, "steady save")):
+        if peaks.get(step) is not None:
+            rows.append(
+                record(
+                    "big",
+                    case,
+                    gb,
+                    f"peak extra host memory, {label} (x state)",
+                    peaks[step] / size,
+                    plain_x,
+                    "torch.save + fsync",
+                    "x",
+                )
+            )
+    shutil.rmtree(store_dir, ignore_errors=True)
+    plain.unlink(missing_ok=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- many ranks
+
+
+def ranks_sweep(ranks: tuple[int, ...]) -> tuple[list[dict[str, Any]], str | None]:
+    """The simulated many-ranks records, or a note why there are none."""
+    try:
+        module = importlib.import_module("benchmarks.scale_ranks")
+    except ModuleNotFoundError as error:
+        if error.name != "benchmarks.scale_ranks":
+            raise
+        return [], "many ranks: skipped, benchmarks/scale_ranks.py is not in this checkout"
+    rows = [dict(r) for r in module.run(ranks=ranks)]
+    for r in rows:
+        r.setdefault("sweep", "ranks")
+    return rows, None
+
+
+# ----------------------------------------------------------------------------- command
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v.replace("_", "")) for v in text.split(",") if v.strip())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v.strip())
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.scale",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="500 and 2,000 tensors, a 64 MB state, 16 and 256 ranks; 1 repeat",
+    )
+    p.add_argument("--tensors", type=_ints, default=None, help="e.g. 2000,20000,100000")
+    p.add_argument("--big-gb", type=_floats, default=None, help="state sizes in GB, e.g. 1,4")
+    p.add_argument("--ranks", type=_ints, default=None, help="simulated ranks, e.g. 16,256,4096")
+    p.add_argument("--sweeps", default="tensors,big,ranks", help="which sweeps to run")
+    p.add_argument("--repeats", type=int, default=None, help="best of (default 3, quick 1)")
+    p.add_argument("--dir", type=Path, default=None, help="scratch directory (a local disk)")
+    p.add_argument("--out", type=Path, default=Path("bench_out/scale"))
+    p.add_argument(
+        "--results",
+        action="store_true",
+        help="write benchmarks/results/scale.* and regenerate docs/guides/scale.md",
+    )
+    p.add_argument("--child", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    p.add_argument("--path", help=argparse.SUPPRESS)
+    p.add_argument("--step", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.tensors = args.tensors or ((500, 2000) if quick else (2000, 20000))
+    args.big_gb = args.big_gb or ((0.064,) if quick else (1.0,))
+    args.ranks = args.ranks or ((16, 256) if quick else (16, 256, 4096))
+    args.repeats = args.repeats or (1 if quick else 3)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    args.sweeps = {s.strip() for s in args.sweeps.split(",") if s.strip()}
+    unknown = args.sweeps - {"tensors", "big", "ranks"}
+    if unknown:
+        p.error(f"unknown sweeps {sorted(unknown)}: choose from tensors, big, ranks")
+    if args.results:
+        args.out = RESULTS
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.child:
+        child(args.child, args.path, args.step)
+        return 0
+    from benchmarks.scale_report import update_docs, write_outputs
+
+    machine = {**describe(), "parallel_scaling": parallel_scaling()}
+    records: list[dict[str, Any]] = []
+    notes: list[str] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="li-scale-") as tmp:
+        root = Path(tmp)
+        if "tensors" in args.sweeps:
+            for n in args.tensors:
+                records += tensors_sweep(n, root, args.repeats)
+                print(f"tensors {n}: done at {time.perf_counter() - started:.0f} s", flush=True)
+        if "big" in args.sweeps:
+            for gb in args.big_gb:
+                records += big_sweep(int(gb * 1e9), root, args.repeats)
+                print(f"big {gb} GB: done at {time.perf_counter() - started:.0f} s", flush=True)
+    if "ranks" in args.sweeps:
+        rows, note = ranks_sweep(args.ranks)
+        records += rows
+        notes += [note] if note else []
+    settings = {
+        "tensors": list(args.tensors),
+        "big_gb": list(args.big_gb),
+        "ranks": list(args.ranks),
+        "repeats": args.repeats,
+        "quick": args.quick,
+        "seconds": time.perf_counter() - started,
+    }
+    text = write_outputs(args.out, machine, settings, records, notes)
+    print(text)
+    if args.results:
+        update_docs(DOCS_PAGE, text)
+        print(f"wrote {args.out}/scale.* and the results section of {DOCS_PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -58,6 +56,7 @@ from typing import Any
 
 from lightning_incremental.core.errors import ConfigError
 from lightning_incremental.runtime.preemption_notice import AWS_NOTICE, GCP_NOTICE, MetadataPoller
+from lightning_incremental.runtime.preemption_os import _Watcher, requeue_slurm_job
 
 log = logging.getLogger("lightning_incremental")
 
@@ -154,46 +153,6 @@ class Request:
     signum: int | None = None
 
 
-class _Watcher:
-    """The named daemon thread that does, outside the signal handler, what a delivery calls for:
-    it logs it and starts the grace's countdown. The handler wakes it by writing one byte to a
-    non-blocking pipe — no lock, no allocation of a thread, nothing that can wait."""
-
-    def __init__(self, noticed: Callable[[], None]) -> None:
-        self._noticed = noticed
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._write, False)
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="li-preemption", daemon=True)
-        self._thread.start()
-
-    def wake(self) -> None:
-        """From the signal handler: a write that never blocks (a full pipe is awake already)."""
-        try:
-            os.write(self._write, b"\0")
-        except OSError:  # full (BlockingIOError) or closed: nothing to add
-            pass
-
-    def _run(self) -> None:
-        while True:
-            try:
-                os.read(self._read, 512)
-            except OSError:
-                return
-            if self._stopping:
-                return
-            self._noticed()
-
-    def stop(self) -> None:
-        self._stopping = True
-        self.wake()
-        if self._thread is not threading.current_thread():
-            self._thread.join(5.0)
-        if not self._thread.is_alive():
-            os.close(self._read)
-        os.close(self._write)
-
-
 @dataclass(repr=False)
 class Preemption:
     """This process's preemption state: the request, the agreement, the exit.
@@ -230,6 +189,8 @@ class Preemption:
     _warned: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _fallback: threading.Timer | None = None
+    _armed: bool = False  # whether the grace may start (under _lock): installed, not stood by
+    _put_back: dict[int, Handler] = field(default_factory=dict)  # undone out of order
 
     # ---------------------------------------------------------------- the request
 
@@ -250,24 +211,74 @@ class Preemption:
                 "the main thread (call preemption.request() from your own handler instead)"
             )
             return self
+        self._armed = True
         self._watcher = _Watcher(self._notice)
+        belows: dict[int, Preemption] = {}
         for signum in self.config.signal_numbers():
             previous = signal.getsignal(signum)
             self._previous[signum] = previous
-            self._chained[signum] = chain(signum, previous) if chain is not None else previous
+            below = _installed(previous)
+            if below is not None:
+                # An install of ours is in effect (an adapter never closed: a notebook, a sweep
+                # that builds Accelerator after Accelerator). The newest acts alone; the one
+                # below stands by until this one puts its handler back. Chaining to it would
+                # start a second grace whose step boundary never comes — it would end the
+                # process during this install's last checkpoint — and would keep a thread per
+                # install. Its own chain (the user's handler, made safe by its adapter) is ours.
+                self._chained[signum] = below._chained.get(signum)
+                belows[id(below)] = below
+            else:
+                self._chained[signum] = chain(signum, previous) if chain is not None else previous
             signal.signal(signum, self._on_signal)
+        for below in belows.values():
+            self._inherit(below)
+        if self._deliveries:
+            self._watcher.wake()
         return self
 
+    def _inherit(self, below: Preemption) -> None:
+        """Stand the install below by; a delivery it has not acted on (no agreement yet)
+        becomes this one's, with its time: a signal is never swallowed. (Main thread, after
+        this install's handlers are in place: the handler appends while this runs, so the
+        merged list replaces the part read, in one slice assignment.)"""
+        below._stop_threads()
+        if below.agreed or not below._deliveries:
+            return
+        mine = list(self._deliveries)
+        merged = sorted([*below._deliveries, *mine], key=lambda delivery: delivery[1])
+        self._deliveries[: len(mine)] = merged
+
+    def _stand_in(self) -> None:
+        """Put back as the installed handler (the install above was undone): act again."""
+        if self._previous and self._watcher is None:
+            with self._lock:
+                self._armed = True
+            self._watcher = _Watcher(self._notice)
+            if len(self._deliveries) > self._noticed:
+                self._watcher.wake()
+
     def uninstall(self) -> None:
-        """Put back the handlers that were there before :meth:`install`."""
+        """Put back the handlers that were there before :meth:`install` (an install of ours
+        below this one acts again; one that was itself undone meanwhile is passed over, to
+        what it had put back)."""
         previous, self._previous = self._previous, {}
         self._chained = {}
         self._stop_threads()
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, handler in previous.items():
-            if signal.getsignal(signum) == self._on_signal:
-                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+            if signal.getsignal(signum) != self._on_signal:
+                # Undone out of order: an install above chains past this one and puts back
+                # what this one would have (see _put_back).
+                self._put_back[signum] = handler
+                continue
+            below, undone = _installed(handler), _ours(handler)
+            while below is None and undone is not None:
+                handler = undone._put_back.get(signum, signal.SIG_DFL)
+                below, undone = _installed(handler), _ours(handler)
+            if below is not None:
+                below._stand_in()
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def stay_until_exit(self) -> list[int]:
         """The last checkpoint committed and the process is on its way out with the configured
@@ -284,6 +295,8 @@ class Preemption:
         return signums
 
     def _stop_threads(self) -> None:
+        with self._lock:
+            self._armed = False
         self._disarm()
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
@@ -316,7 +329,9 @@ class Preemption:
                     index + 1,
                 )
         self._noticed = len(deliveries)
-        if deliveries and self._fallback is None and not self.agreed:
+        with self._lock:  # against _stop_threads: no grace starts once disarmed
+            if not deliveries or self._fallback is not None or self.agreed or not self._armed:
+                return
             # Never swallow the signal: when no step boundary comes within the grace (a loop
             # the adapter cannot see, a hang), the signal's own action ends the process.
             signum, at = deliveries[0]
@@ -327,8 +342,10 @@ class Preemption:
             self._fallback.start()
 
     def _default_action(self, signum: int) -> None:
-        if self.agreed:
-            return  # the last checkpoint is being taken: the launcher's SIGKILL decides
+        with self._lock:
+            if self.agreed or not self._armed:
+                return  # the last checkpoint is being taken (the launcher's SIGKILL decides),
+                # or this install was undone or stood by
         log.error(
             "preemption: no step boundary was reached within %.1fs of %s; ending the process "
             "with code %d, as the signal would have (no last checkpoint)",
@@ -340,7 +357,8 @@ class Preemption:
         os._exit(128 + signum)  # from a thread: a handler cannot be reset here
 
     def _disarm(self) -> None:
-        timer, self._fallback = self._fallback, None
+        with self._lock:
+            timer, self._fallback = self._fallback, None
         if timer is not None:
             timer.cancel()
 
@@ -449,25 +467,17 @@ class Preemption:
         raise SystemExit(self.config.exit_code)
 
 
-def requeue_slurm_job(environ: Mapping[str, str] | None = None) -> bool:
-    """``scontrol requeue`` this SLURM job (an array task by its array job and task id); whether
-    it succeeded. Never raises: a failed requeue is logged, the checkpoint is committed anyway."""
-    env = os.environ if environ is None else environ
-    array = env.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array}_{env.get('SLURM_ARRAY_TASK_ID')}" if array else env.get("SLURM_JOB_ID", "")
-    if not re.fullmatch(r"[0-9_]+", job or ""):
-        log.warning("not requeueing: no SLURM job id in the environment")
-        return False
-    try:
-        result = subprocess.run(["scontrol", "requeue", job], check=False, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("could not requeue SLURM job %s: %s", job, exc)
-        return False
-    if result.returncode != 0:
-        log.warning("scontrol requeue %s failed with exit code %d", job, result.returncode)
-        return False
-    log.info("requeued SLURM job %s", job)
-    return True
+def _ours(handler: Handler) -> Preemption | None:
+    """The :class:`Preemption` whose handler this is, or None."""
+    owner = getattr(handler, "__self__", None)
+    ours = getattr(handler, "__func__", None) is Preemption._on_signal
+    return owner if ours and isinstance(owner, Preemption) else None
+
+
+def _installed(handler: Handler) -> Preemption | None:
+    """The :class:`Preemption` whose handler this is, while it is installed, or None."""
+    owner = _ours(handler)
+    return owner if owner is not None and owner._previous else None
 
 
 __all__ = [

@@ -198,11 +198,12 @@ def test_a_frameworks_handler_is_chained_through_the_adapter() -> None:
 
 
 def test_installs_stacked_by_adapters_never_closed_stay_cheap_to_inspect() -> None:
-    """A process that builds adapters and never closes them stacks installs, each chaining to
-    the one before. ``signal.getsignal`` formats the installed handler's repr: it must name
-    only the newest install, not every earlier one (twice each: 2**n to print), or the n-th
-    install hangs while its memory grows."""
-    before = signal.getsignal(signal.SIGUSR2)
+    """A process that builds adapters and never closes them stacks installs. ``signal.getsignal``
+    formats the installed handler's repr: it must name only the newest install, not every earlier
+    one (twice each: 2**n to print), or the n-th install hangs while its memory grows. Only the
+    newest acts (one thread in all); undone in order, each one below acts again."""
+    seen: list[int] = []
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
     stack: list[pre.Preemption] = []
     try:
         lengths = []
@@ -210,11 +211,118 @@ def test_installs_stacked_by_adapters_never_closed_stay_cheap_to_inspect() -> No
             stack.append(pre.Preemption(pre.PreemptionConfig(signals=("SIGUSR2",))).install())
             lengths.append(len(repr(signal.getsignal(signal.SIGUSR2))))
         assert max(lengths) == min(lengths) < 500, lengths
+        assert len(_watchers()) == 1, "one watcher thread, the newest install's"
         os.kill(os.getpid(), signal.SIGUSR2)
-        _wait_for(lambda: all(p.requested for p in stack))  # every install still chained
+        _wait_for(lambda: stack[-1]._fallback is not None)
+        assert [p.requested for p in stack] == [False] * 23 + [True]
+        assert seen == [signal.SIGUSR2], "the user's handler runs once"
+        assert stack[-1].agree()
+        stack.pop().uninstall()
+        assert signal.getsignal(signal.SIGUSR2) == stack[-1]._on_signal
+        assert len(_watchers()) == 1, "the install below acts again"
+        os.kill(os.getpid(), signal.SIGUSR2)
+        _wait_for(lambda: stack[-1].requested)
+        assert seen == [signal.SIGUSR2] * 2
     finally:
         for p in reversed(stack):
             p.uninstall()
+        signal.signal(signal.SIGUSR2, before)
+    assert not _watchers()
+
+
+def _watchers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("li-preemption")]
+
+
+def test_an_install_never_undone_does_not_end_the_process_under_a_newer_one() -> None:
+    """An adapter never closed (a notebook, a sweep building Accelerator after Accelerator)
+    leaves its install; a newer one is installed over it. A signal, the newer one agrees and
+    takes its last checkpoint, longer than the grace (allowed once agreed): the older install
+    must not start a grace of its own — no step boundary of its adapter will ever come, and
+    its countdown would end the process with 128 + signum in the middle of that checkpoint."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, threading, time\n"
+        "from lightning_incremental.runtime import preemption as pre\n"
+        "seen = []\n"
+        "signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))\n"
+        "config = pre.PreemptionConfig(signals=('SIGUSR2',), grace_s=0.3)\n"
+        "old = pre.Preemption(config).install()\n"
+        "new = pre.Preemption(config).install()\n"
+        "os.kill(os.getpid(), signal.SIGUSR2)\n"
+        "assert new.agree()\n"
+        "time.sleep(2.0)  # the last checkpoint, longer than the grace\n"
+        "print('alive', len(seen), old.requested)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "alive 1 False" in out.stdout
+
+
+def test_a_delivery_before_a_newer_install_is_never_swallowed(tmp_path: Path) -> None:
+    """A signal reaches the older install (its adapter done with) just before a newer one is
+    installed: the newer one takes it over, timed at its delivery, and its grace runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, time\n"
+        "from lightning_incremental.runtime import preemption as pre\n"
+        "config = pre.PreemptionConfig(signals=('SIGUSR2',), grace_s=0.5)\n"
+        "old = pre.Preemption(config).install()\n"
+        "os.kill(os.getpid(), signal.SIGUSR2)\n"
+        "at = old.request_.at\n"
+        "new = pre.Preemption(config).install()\n"
+        "print('inherited', new.requested and new.request_.at == at, flush=True)\n"
+        "time.sleep(30)\n"
+        "print('never ended')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 128 + signal.SIGUSR2, out.stdout + out.stderr
+    assert "inherited True" in out.stdout and "never ended" not in out.stdout
+    assert out.stderr.count("no step boundary was reached") == 1
+
+
+def test_installs_undone_out_of_order_put_back_the_first_handler() -> None:
+    """The older install undone first, then the newer: the handler from before both is back
+    (not the older install's, which would record and swallow every later signal)."""
+
+    def user(signum: int, frame: object) -> None:
+        pass
+
+    before = signal.signal(signal.SIGUSR2, user)
+    try:
+        config = pre.PreemptionConfig(signals=("SIGUSR2",))
+        old = pre.Preemption(config).install()
+        new = pre.Preemption(config).install()
+        old.uninstall()
+        assert signal.getsignal(signal.SIGUSR2) == new._on_signal
+        new.uninstall()
+        assert signal.getsignal(signal.SIGUSR2) is user
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+    assert not _watchers()
+
+
+def test_no_grace_starts_once_the_install_is_undone() -> None:
+    """The watcher may notice a delivery just after the install was undone (the wake-up and
+    the uninstall race): no grace countdown may start then — it would end a process that has
+    moved on. Deterministic: the watcher's step run by hand after the uninstall."""
+    before = signal.getsignal(signal.SIGUSR2)
+    p = pre.Preemption(pre.PreemptionConfig(signals=("SIGUSR2",), grace_s=0.2))
+    try:
+        p.install()
+        p._deliveries.append((int(signal.SIGUSR2), time.monotonic()))
+        p.uninstall()
+        p._notice()
+        assert p._fallback is None
+    finally:
         signal.signal(signal.SIGUSR2, before)
 
 

@@ -315,3 +315,32 @@ def test_dense_updates_keep_the_arithmetic_predictor_and_restore_link_by_link(
     loaded = store.load()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
     store.close()
+
+
+def test_many_small_tensors_decode_in_few_pool_tasks(tmp_path: Path) -> None:
+    """3,000 small tensors: the restore hands the pool a task per read and per batch of ready
+    chunks, not one per chunk (a task per 4 KiB chunk costs more than its decode, and the
+    loop over running tasks grew with their number)."""
+    from concurrent.futures import Executor, Future
+
+    class Counting(Executor):
+        def __init__(self, inner: Executor) -> None:
+            self.inner, self.tasks = inner, 0
+
+        def submit(self, fn, /, *args, **kwargs) -> Future:  # type: ignore[no-untyped-def, override]
+            self.tasks += 1
+            return self.inner.submit(fn, *args, **kwargs)
+
+    store = small_store(str(tmp_path / "s"))
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(64, generator=g) for i in range(3000)}
+    store.save(state, 1).wait()
+    doc = store.manifest(1)
+    reads = dec.ObjectReader(store.storage, doc, "t").plan(set(doc.chunks))
+    pool = Counting(store._pool)
+    targets = [np.empty(t.nbytes, np.uint8) for t in doc.tensors]
+    pipe.restore_arrays(store.storage, doc, pool, "test", targets)  # type: ignore[arg-type]
+    assert pool.tasks <= 2 * len(reads) + len(doc.chunks) // pipe.BATCH_JOBS + 1, pool.tasks
+    for entry, raw in zip(doc.tensors, targets):
+        assert raw.tobytes() == state[entry.path[len("state['") : -2]].numpy().tobytes()
+    store.close()

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import Any, Union
 
 import numpy as np
@@ -35,6 +36,11 @@ from lightning_incremental.core.storage import Storage
 
 _Dest = tuple[Union[np.ndarray, None], Union[Staged, None], int]  # flat bytes, or staged at offset
 READ_AHEAD = 32 << 20  # bytes of objects a restore holds at a time (see restore_arrays)
+# A pool task decodes chunks ready together up to this many bytes or chunks: one task per
+# small chunk would cost more in the pool's hand-offs than the decode (4 KiB tensors by the
+# ten thousand), while a batch this size still spreads a large read over every worker.
+BATCH_BYTES = 4 << 20
+BATCH_JOBS = 256
 
 
 def restore_arrays(
@@ -175,55 +181,67 @@ class _Schedule:
         self.held = 0  # bytes of reads issued and not yet released
 
     def run(self) -> None:
-        running: dict[Future[Any], tuple[str, int]] = {}
+        # Completions come through a queue (each future's done-callback puts it there), and
+        # small decodes go to the pool in batches: both keep the loop linear in the chunks — a
+        # ``wait(FIRST_COMPLETED)`` over every running future costs their number per call.
+        finished: SimpleQueue[Future[Any]] = SimpleQueue()
+        running: dict[Future[Any], tuple[str, Any]] = {}
         next_read = 0
         started: set[int] = set()
         decoded = 0
+
+        def submit(kind: str, what: Any) -> None:
+            if kind == "read":
+                future = self.pool.submit(self.reader.read, self.plans[what])
+            else:
+                future = self.pool.submit(self._decode_all, what)
+            running[future] = (kind, what)
+            future.add_done_callback(finished.put)
+
         try:
             while decoded < len(self.jobs):
-                decoding = sum(1 for kind, _ in running.values() if kind == "decode")
-                while next_read < len(self.order) and (
-                    self.held < self.read_ahead or (not decoding and not running)
-                ):
+                while next_read < len(self.order) and (self.held < self.read_ahead or not running):
                     i = self.order[next_read]
                     next_read += 1
                     _, start, end, _ = self.plans[i]
                     self.held += end - start
-                    running[self.pool.submit(self.reader.read, self.plans[i])] = ("read", i)
+                    submit("read", i)
                 if not running:
                     raise AssertionError("restore stalled: no read or decode can run")
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    kind, index = running.pop(fut)
-                    fut.result()  # re-raises the read's or decode's error
-                    if kind == "read":
-                        for link in [d for _, _, d in self.plans[index][3]]:
-                            if not self.users.get(link):
-                                self._release(link)  # an unused member of a coalesced read
-                                continue
-                            for j in self.waiting.pop(link, []):
-                                job = self.jobs[j]
-                                if j not in started and all(
-                                    x in self.reader.blobs for x in job.links
-                                ):
-                                    started.add(j)
-                                    running[self.pool.submit(self._decode, job)] = ("decode", j)
-                    else:
-                        decoded += 1
+                future = finished.get()
+                kind, what = running.pop(future)
+                future.result()  # re-raises the read's or decode's error
+                if kind == "read":
+                    ready: list[int] = []
+                    for link in [d for _, _, d in self.plans[what][3]]:
+                        if not self.users.get(link):
+                            self._release(link)  # an unused member of a coalesced read
+                            continue
+                        for j in self.waiting.pop(link, []):
+                            job = self.jobs[j]
+                            if j not in started and all(x in self.reader.blobs for x in job.links):
+                                started.add(j)
+                                ready.append(j)
+                    for batch in _batches(ready, self.jobs):
+                        submit("decode", batch)
+                else:
+                    decoded += len(what)
+                    for index in what:
                         for link in self.jobs[index].links:
                             self.users[link] -= 1
                             if not self.users[link]:
                                 self._release(link)
         except BaseException:
-            for fut in running:
-                fut.cancel()
-            for fut in running:
-                if not fut.cancelled():
-                    fut.exception()  # wait: no worker may still write into the targets
+            for future in running:
+                future.cancel()
+            for future in running:
+                if not future.cancelled():
+                    future.exception()  # wait: no worker may still write into the targets
             raise
 
-    def _decode(self, job: _Job) -> None:
-        job.run(self.reader.blobs, self.chunks, self.where)
+    def _decode_all(self, batch: list[int]) -> None:
+        for index in batch:
+            self.jobs[index].run(self.reader.blobs, self.chunks, self.where)
 
     def _release(self, link: str) -> None:
         if self.reader.blobs.pop(link, None) is None:
@@ -233,3 +251,21 @@ class _Schedule:
         if not self.members_left[i]:
             _, start, end, _ = self.plans[i]
             self.held -= end - start
+
+
+def _batches(ready: list[int], jobs: list[_Job]) -> list[list[int]]:
+    """Split the jobs ready together into pool tasks of at most :data:`BATCH_BYTES` decoded
+    (or :data:`BATCH_JOBS` jobs); a larger job is a task alone."""
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    size = 0
+    for index in ready:
+        job_size = jobs[index].size
+        if batch and (size + job_size > BATCH_BYTES or len(batch) >= BATCH_JOBS):
+            batches.append(batch)
+            batch, size = [], 0
+        batch.append(index)
+        size += job_size
+    if batch:
+        batches.append(batch)
+    return batches

@@ -1,4 +1,5 @@
-"""A manifest's stored bytes: canonical JSON with an XXH3-128 checksum of itself, read back
+"""A manifest's stored bytes: canonical JSON with an XXH3-128 checksum of itself (or, for many
+tensors, the compact form of :mod:`~lightning_incremental.core.format.compact`), read back
 through a cache of parsed manifests.
 
 The checksum covers the canonical serialisation (sorted keys, no spaces, no NaN), so a flipped
@@ -17,6 +18,7 @@ from typing import Any
 from lightning_incremental.core import codecs
 from lightning_incremental.core.codecs import chunk_hash
 from lightning_incremental.core.errors import ManifestError
+from lightning_incremental.core.format import compact
 from lightning_incremental.core.format.records import Manifest
 from lightning_incremental.core.format.validation import check_version, parse
 
@@ -26,8 +28,9 @@ def _canonical(body: dict[str, Any]) -> bytes:
 
 
 def dumps(manifest: Manifest) -> bytes:
-    """The stored bytes of ``manifest``: canonical JSON with its checksum."""
-    return sign(manifest.to_dict())
+    """The stored bytes of ``manifest``: canonical JSON with its checksum, or the compact form
+    for a manifest of many tensors (:func:`~lightning_incremental.core.format.compact.wanted`)."""
+    return sign(compact.encode(manifest) if compact.wanted(manifest) else manifest.to_dict())
 
 
 def sign(body: Mapping[str, Any]) -> bytes:
@@ -81,8 +84,8 @@ def loads(data: bytes, where: str) -> Manifest:
         if known is not None:
             _parsed.move_to_end(key)
             return known[0]
-    doc = _loads(data, where)
-    _remember(key, doc, len(data))
+    doc, size = _loads(data, where)
+    _remember(key, doc, size)
     return doc
 
 
@@ -96,6 +99,7 @@ def forget_parsed() -> None:
 
 
 def _remember(key: tuple[str, tuple[str, ...]], doc: Manifest, size: int) -> None:
+    # ``size``: of the JSON form (a compact manifest's tables), what its objects scale with
     global _parsed_bytes
     if size > PARSED_KEEP_BYTES:
         return
@@ -108,7 +112,7 @@ def _remember(key: tuple[str, tuple[str, ...]], doc: Manifest, size: int) -> Non
             _parsed_bytes -= _parsed.popitem(last=False)[1][1]
 
 
-def _loads(data: bytes, where: str) -> Manifest:
+def _loads(data: bytes, where: str) -> tuple[Manifest, int]:
     try:
         doc = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -121,7 +125,10 @@ def _loads(data: bytes, where: str) -> Manifest:
     checksum = doc.pop("checksum", None)
     if not isinstance(checksum, str) or chunk_hash(_canonical(doc)) != checksum:
         raise ManifestError(f"manifest {where} fails its checksum: it was modified or corrupted")
-    return parse(doc, where)
+    if compact.is_compact(doc):
+        expanded, size = compact.expand(doc, where)
+        return parse(expanded, where), size
+    return parse(doc, where), len(data)
 
 
 def _reject_constant(name: str) -> Any:
@@ -139,10 +146,12 @@ def seal(manifest: Manifest, where: str) -> tuple[bytes, Manifest]:
     """
     kinds = tuple(codecs.kinds())
     data = dumps(manifest)
-    doc = json.loads(data)
+    doc, size = json.loads(data), len(data)
     doc.pop("checksum")
+    if compact.is_compact(doc):
+        doc, size = compact.expand(doc, where)
     parsed = parse(doc, where)
-    _remember((chunk_hash(data), kinds), parsed, len(data))
+    _remember((chunk_hash(data), kinds), parsed, size)
     return data, parsed
 
 

@@ -23,7 +23,8 @@ its row-major bytes::
 The pieces must tile the tensor exactly
 (:func:`~lightning_incremental.core.format.pieces.check_tiling`). A manifest is written with the
 least version that holds it: 1 without lossy chunks or pieces, so every reader reads what an
-older writer wrote and what a non-sharded save writes.
+older writer wrote and what a non-sharded save writes. Version 4 is the same content in a compact
+form, for manifests of many tensors (:mod:`~lightning_incremental.core.format.compact`).
 
 Parsing validates everything a reader relies on (types, object paths inside the store, recipe
 closure, sizes, known codecs) and rejects anything else with a :class:`ManifestError`.
@@ -41,10 +42,11 @@ from lightning_incremental.core.format.layout import FORMAT
 from lightning_incremental.core.format.pieces import Box
 from lightning_incremental.core.format.tree import piece_key
 
-VERSION = 3  # the newest format version this library reads and writes
+VERSION = 4  # the newest format version this library reads and writes
 LOSSLESS_VERSION = 1  # what a manifest without lossy chunks or pieces is written as
 LOSSY_VERSION = 2  # the first version with lossy chunks
 PIECES_VERSION = 3  # the first version with sharded tensors (pieces)
+COMPACT_VERSION = 4  # the compact form of a manifest of many tensors (format/compact.py)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ STALL_TARGET = 0.1
 DURABLE_TARGET = 1.0
 RESTORE_TARGET = 1.2
 MANIFEST_TARGET_B = 64.0
+COPY_STALL_TARGET = 1.5  # the steady big-state stall, to a copy into existing buffers
+PEAK_MEMORY_TARGET_X = 2.1  # peak extra host memory of a save, a multiple of the state
 
 
 def record(
@@ -310,6 +312,7 @@ def big_sweep(nbytes: int, root: Path, repeats: int) -> list[dict[str, Any]]:
             copy,
             "copy into existing buffers",
             "s",
+            COPY_STALL_TARGET,
         ),
         record(
             "big",
@@ -358,6 +361,8 @@ def big_sweep(nbytes: int, root: Path, repeats: int) -> list[dict[str, Any]]:
                     plain_x,
                     "torch.save + fsync",
                     "x",
+                    PEAK_MEMORY_TARGET_X,
+                    absolute=True,
                 )
             )
     shutil.rmtree(store_dir, ignore_errors=True)
@@ -424,7 +429,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.tensors = args.tensors or ((500, 2000) if quick else (2000, 20000))
     args.big_gb = args.big_gb or ((0.064,) if quick else (1.0,))
     args.ranks = args.ranks or ((16, 256) if quick else (16, 256, 4096))
-    args.repeats = args.repeats or (1 if quick else 3)
+    if args.repeats is None:
+        args.repeats = 1 if quick else 3
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     args.sweeps = {s.strip() for s in args.sweeps.split(",") if s.strip()}
@@ -472,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     text = write_outputs(args.out, machine, settings, records, notes)
     print(text)
     if args.results:
-        update_docs(DOCS_PAGE, text)
+        update_docs(DOCS_PAGE, text, figure=(args.out / "scale.png").is_file())
         print(f"wrote {args.out}/scale.* and the results section of {DOCS_PAGE}")
     return 0
 

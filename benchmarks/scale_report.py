@@ -158,6 +158,7 @@ def write_outputs(
     try:
         write_png(records, out / "scale.png")
     except ImportError:
+        (out / "scale.png").unlink(missing_ok=True)  # an earlier run's figure is not this one's
         notes.append("the PNG was skipped: matplotlib is not installed (the bench extra)")
     document = {"machine": machine, "settings": settings, "notes": notes, "records": records}
     (out / "scale.json").write_text(json.dumps(_finite(document), indent=1))
@@ -166,13 +167,13 @@ def write_outputs(
     return text
 
 
-def update_docs(page: Path, report: str) -> None:
+def update_docs(page: Path, report: str, figure: bool = True) -> None:
     """Replace the generated section of ``page`` (between BEGIN and END, appended when absent)
-    with ``report`` minus its title; the hand-written text around it stays."""
+    with ``report`` minus its title; the hand-written text around it stays. ``figure``: link
+    the PNG (False when it was not written: the site's strict build fails on a missing file)."""
     body = report.split("\n", 1)[1].strip() if report.startswith("# ") else report.strip()
-    section = "\n".join(
-        [BEGIN, "", "![Cost against size](../performance/scale.png)", "", body, "", END]
-    )
+    image = ["![Cost against size](../performance/scale.png)", ""] if figure else []
+    section = "\n".join([BEGIN, "", *image, body, "", END])
     text = page.read_text(encoding="utf-8") if page.exists() else ""
     pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
     if pattern.search(text):

@@ -860,3 +860,35 @@ def test_fuzz_unflatten_raises_only_manifest_errors(node: Any) -> None:
         unflatten(node, [torch.zeros(1)])
     except (ManifestError, PickleNotAllowedError):
         pass
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64,
+     torch.uint8, torch.float8_e4m3fn],
+)  # fmt: skip
+def test_a_leafs_raw_bytes_are_a_view_of_its_data_in_every_dtype(dtype: torch.dtype) -> None:
+    from lightning_incremental.core.format.tree import Leaf
+
+    data = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(dtype)
+    leaf = Leaf(path="state['w']", data=data, dtype=str(dtype), shape=[2, 3, 4], device="cpu")
+    raw = leaf.raw()
+    assert raw.dtype == np.uint8 and raw.shape == (data.numel() * data.element_size(),)
+    assert raw.tobytes() == data.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert np.shares_memory(raw, data.view(torch.uint8).numpy()), "a view, not a copy"
+    empty = Leaf(path="e", data=torch.empty(0, 3, dtype=dtype), dtype="x", shape=[0, 3], device="c")
+    assert empty.raw().shape == (0,)
+
+
+def test_the_parameter_flag_is_what_isinstance_says() -> None:
+    from lightning_incremental.core.save.snapshot import flatten
+
+    marked = torch.zeros(2)
+    marked._is_param = True  # type: ignore[attr-defined]  # Parameter's instance check reads it
+    values = [torch.zeros(2), torch.nn.Parameter(torch.ones(2)), marked]
+    _, leaves, _ = flatten({str(i): v for i, v in enumerate(values)})
+    assert (
+        [leaf.parameter for leaf in leaves]
+        == [isinstance(v, torch.nn.Parameter) for v in values]
+        == [False, True, True]
+    )

@@ -174,8 +174,9 @@ class _Flattener:
             raise UnsupportedValueError(f"{where} is a quantized or nested tensor; not supported")
         if t.device.type == "meta":
             raise UnsupportedValueError(f"{where} is a meta tensor and holds no data to save")
+        storage = t.untyped_storage()
         alias = (  # the same view of the same storage, seen the same way: one leaf
-            t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else None,
+            storage.data_ptr() if storage.nbytes() else None,
             t.device,
             t.dtype,
             t.storage_offset(),

@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lightning_incremental.core.format.boxindex import BoxIndex
+
 
 class Box(NamedTuple):
     """A dense box of a tensor's index space: its first index and its extent, per dim."""
@@ -70,8 +72,9 @@ class Read(NamedTuple):
 # Exact-cover check (shared by plan_reads and check_tiling). Counting corners is linear in the
 # pieces and exponential in the dims they split: always used up to _CORNER_DIMS split dims
 # (2**6 = 64 corners a piece), beyond that while pieces * 2**dims <= _CORNER_BUDGET. Otherwise
-# the pairwise sweep, quadratic in the worst case, for at most _SWEEP_LIMIT pieces; more pieces
-# split along that many dims are refused (real sharding splits 1-3 dims).
+# a sweep meeting each piece with the ones a BoxIndex finds overlapping it (near-linear for
+# disjoint pieces), for at most _SWEEP_LIMIT pieces; more pieces split along that many dims are
+# refused (real sharding splits 1-3 dims).
 _CORNER_DIMS = 6
 _CORNER_BUDGET = 1 << 22
 _SWEEP_LIMIT = 1024
@@ -161,16 +164,15 @@ def _sweep_fault(region: Box, boxes: Sequence[Box]) -> _Fault | None:
     ndim = len(region.offsets)
     dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b in boxes}))
     order = sorted(range(len(boxes)), key=lambda i: boxes[i].offsets[dim])
-    active: list[int] = []
-    for i in order:
-        box = boxes[i]
-        start = box.offsets[dim]
-        active = [a for a in active if boxes[a].offsets[dim] + boxes[a].sizes[dim] > start]
-        for a in active:
-            common = intersect(box, boxes[a])
-            if common is not None:
-                return _Fault(common.offsets, _holding(boxes, common.offsets))
-        active.append(i)
+    place = {i: at for at, i in enumerate(order)}
+    index = BoxIndex(boxes)
+    for at, i in enumerate(order):
+        # the first box in the sweep before this one that meets it (one still active)
+        earlier = [a for a in index.meeting(boxes[i]) if place[a] < at]
+        if earlier:
+            common = intersect(boxes[i], boxes[min(earlier, key=place.__getitem__)])
+            assert common is not None
+            return _Fault(common.offsets, _holding(boxes, common.offsets))
     # disjoint boxes inside the region holding as many elements as it has: they cover it
     return None if sum(b.numel for b in boxes) == region.numel else _Fault(None, ())
 
@@ -197,6 +199,16 @@ def plan_reads(stored: Sequence[Box], wanted: Box) -> list[Read]:
         if common is None:
             continue
         reads.append(Read(index, relative(common, box), relative(common, wanted), common))
+    return checked_reads(stored, wanted, reads)
+
+
+def checked_reads(stored: Sequence[Box], wanted: Box, reads: list[Read]) -> list[Read]:
+    """``reads`` (of the pieces of ``stored`` that meet ``wanted``, the first of equal ones, in
+    their order in ``stored``) when they fill ``wanted`` exactly once.
+
+    Raises:
+        ValueError: overlapping pieces, or ``wanted`` not covered.
+    """
     fault = _cover_fault(wanted, [r.box for r in reads])
     if fault is None:
         return reads

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,6 +12,29 @@ import torch
 from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.storage import register_scheme, registered_schemes
 from tests.s3_server import s3_bucket, s3_defaults, s3_endpoint, s3_faults  # noqa: F401
+
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_put_back() -> Iterator[None]:
+    """A test's preemption installs end with it: an adapter a test never closes (an Accelerator,
+    a Trainer) leaves its handlers installed, and later tests of this process would find them —
+    their watcher threads, their handlers chained under new installs."""
+    from lightning_incremental.runtime import preemption
+
+    before = {signum: signal.getsignal(signum) for signum in _HANDLED}
+    yield
+    for signum, handler in before.items():
+        for _ in range(1000):  # each uninstall puts back the install below it
+            current = signal.getsignal(signum)
+            owner = preemption._installed(current)
+            if current == handler or owner is None:
+                break
+            owner.uninstall()
+        if signal.getsignal(signum) != handler:
+            signal.signal(signum, handler)
+
 
 STORE_BACKENDS = ("local", "memory", "s3")
 # LI_TEST_DEPTH=deep: the long randomized tests at their full depth (a soak before a release);

@@ -342,15 +342,21 @@ def test_a_hung_rank_is_found_by_the_watchdog_and_the_run_recovers(
 ) -> None:
     """Restart 1 of the ``stop`` run: rank 1 stops making progress at step 9 (its heartbeat
     goes on), rank 0 waits for it in a collective. The watchdogs name rank 1 (furthest behind)
-    after ``progress_timeout``, the processes end with exit code 87, the group restarts from the
-    newest checkpoint and the run ends bitwise equal to the reference (asserted above)."""
+    after ``progress_timeout`` (or, once a process that named it has ended, find the
+    coordination store gone), the processes end with exit code 87 (88), the group restarts from
+    the newest checkpoint and the run ends bitwise equal to the reference (asserted above)."""
     run = runs["stop"]
     (hang,) = [e for e in run["events"] if e["event"] == "signal" and e["kind"] == "hang"]
     found = [e for e in run["events"] if e["event"] == "watchdog" and e["restart"] == 1]
-    assert found, run["events"]
-    assert all("rank 1 made no training progress" in e["message"] for e in found), found
+    named = [e for e in found if "rank 1 made no training progress" in e["message"]]
+    assert named, found
+    # The first watchdog to name rank 1 ends its process; the coordination store may go with
+    # it before the other watchdog's check (the agent's SIGTERM is a preemption request, which
+    # the hung rank cannot honour at a step boundary): that one then says so, and blames no one.
+    others = [e for e in found if e not in named]
+    assert all("could not reach the coordination store" in e["message"] for e in others), found
     assert f"exitcode: {EXIT_PEER_HUNG}" in run["log"]
-    latency = min(e["time"] for e in found) - hang["time"]
+    latency = min(e["time"] for e in named) - hang["time"]
     assert 6.0 <= latency < 6.0 + 10.0, latency  # progress_timeout, plus a check interval
     assert started(run, 2)["resumed_from"] == 8
     print(f"\nhang: the watchdog ended the group {latency:.1f}s after rank 1 stopped progressing")

@@ -697,7 +697,7 @@ QUICK = settings(
 # Each example also takes the store over and wakes zombies. At full depth (LI_TEST_DEPTH=deep,
 # see tests/conftest.py) the two long machines take about 7 minutes on 2 cores; CI runs them at
 # a third of it (new examples every run).
-LONG = settings(QUICK, max_examples=650 if DEEP else 200, stateful_step_count=40)
+LONG = settings(QUICK, max_examples=650 if DEEP else 120, stateful_step_count=40)
 
 
 def test_store_state_machine() -> None:

@@ -10,6 +10,8 @@ import logging
 import os
 import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +21,13 @@ import pytest
 
 from lightning_incremental.core.errors import ConfigError
 from lightning_incremental.runtime import preemption as pre
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh interpreter (a process of its own to end), its output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def test_a_signal_asks_and_the_handler_before_it_still_runs() -> None:
@@ -149,9 +158,6 @@ def test_the_handler_takes_no_lock_and_starts_no_thread(tmp_path: Path) -> None:
     """A signal delivered while the main thread holds the request lock (another rank's request
     being recorded after the agreement) must not wait for it: the process reaches the step
     boundary at once (a handler that waited would hang until the timeout)."""
-    import subprocess
-    import sys
-
     code = (
         "import os, signal, threading\n"
         "from lightning_incremental.runtime import preemption as pre\n"
@@ -164,9 +170,7 @@ def test_the_handler_takes_no_lock_and_starts_no_thread(tmp_path: Path) -> None:
         "print('requested', p.requested, 'threads started in the handler', started)\n"
         "p.uninstall()\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
+    out = _python(code)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "requested True threads started in the handler 0" in out.stdout
 
@@ -240,9 +244,6 @@ def test_an_install_never_undone_does_not_end_the_process_under_a_newer_one() ->
     takes its last checkpoint, longer than the grace (allowed once agreed): the older install
     must not start a grace of its own — no step boundary of its adapter will ever come, and
     its countdown would end the process with 128 + signum in the middle of that checkpoint."""
-    import subprocess
-    import sys
-
     code = (
         "import os, signal, threading, time\n"
         "from lightning_incremental.runtime import preemption as pre\n"
@@ -256,9 +257,7 @@ def test_an_install_never_undone_does_not_end_the_process_under_a_newer_one() ->
         "time.sleep(2.0)  # the last checkpoint, longer than the grace\n"
         "print('alive', len(seen), old.requested)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
+    out = _python(code)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "alive 1 False" in out.stdout
 
@@ -266,9 +265,6 @@ def test_an_install_never_undone_does_not_end_the_process_under_a_newer_one() ->
 def test_a_delivery_before_a_newer_install_is_never_swallowed(tmp_path: Path) -> None:
     """A signal reaches the older install (its adapter done with) just before a newer one is
     installed: the newer one takes it over, timed at its delivery, and its grace runs."""
-    import subprocess
-    import sys
-
     code = (
         "import os, signal, time\n"
         "from lightning_incremental.runtime import preemption as pre\n"
@@ -281,9 +277,7 @@ def test_a_delivery_before_a_newer_install_is_never_swallowed(tmp_path: Path) ->
         "time.sleep(30)\n"
         "print('never ended')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
+    out = _python(code)
     assert out.returncode == 128 + signal.SIGUSR2, out.stdout + out.stderr
     assert "inherited True" in out.stdout and "never ended" not in out.stdout
     assert out.stderr.count("no step boundary was reached") == 1
@@ -412,9 +406,6 @@ def test_the_cloud_notice_poller_turns_a_notice_into_a_request(
 def test_a_signal_no_boundary_follows_still_ends_the_process(tmp_path: Path) -> None:
     """A signal is never swallowed: a process that never reaches a step boundary ends with
     128 + SIGTERM once the grace has passed."""
-    import subprocess
-    import sys
-
     code = (
         "import os, signal, time\n"
         "from lightning_incremental.runtime import preemption as pre\n"
@@ -424,9 +415,7 @@ def test_a_signal_no_boundary_follows_still_ends_the_process(tmp_path: Path) -> 
         "print('never ended')\n"
     )
     start = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
+    out = _python(code)
     assert out.returncode == 128 + signal.SIGTERM, out.stdout + out.stderr
     assert "no step boundary was reached within 0.5s" in out.stderr
     assert time.monotonic() - start < 20

@@ -100,13 +100,13 @@ def _tables(manifest: Manifest) -> dict[str, Any]:
     entries = manifest.tensors
     tensors: dict[str, Any] = {c: [getattr(t, c) for t in entries] for c in _TENSOR_COLUMNS}
     for flag in _FLAGS:
-        tensors[flag] = [int(getattr(t, flag)) for t in manifest.tensors]
+        tensors[flag] = [int(getattr(t, flag)) for t in entries]
     tensors["chunks"] = [
-        [chunk_index[d] for d in t.chunks] if t.pieces is None else None for t in manifest.tensors
+        [chunk_index[d] for d in t.chunks] if t.pieces is None else None for t in entries
     ]
     tensors["pieces"] = {
         str(i): [[p.offsets, p.sizes, [chunk_index[d] for d in p.chunks]] for p in t.pieces]
-        for i, t in enumerate(manifest.tensors)
+        for i, t in enumerate(entries)
         if t.pieces is not None
     }
     return {

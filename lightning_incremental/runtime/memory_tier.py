@@ -1,0 +1,356 @@
+"""The memory tier on one node: a rank's part of a step as files in node-local memory (tmpfs)
+that outlive the training process.
+
+A part is a directory ``s<step>-g<generation>-r<rank>`` under ``<memory_dir>/parts`` holding
+
+- ``data.bin``: every tensor's raw bytes, one after another (64-byte aligned) — restored by
+  viewing the file, no decoding and no unpickling;
+- ``index.json``: the state's skeleton (:mod:`lightning_incremental.core.format.tree`, the
+  engine's own) and each tensor's dtype, shape and offset;
+- ``header.json``: job, generation, world size, rank, step, and the size and xxh3-128 hash of
+  the two other files, checked when the part is read.
+
+It is written under a temporary name and made visible by one rename: a part is complete or
+absent. Anything the tier cannot do (a full tmpfs, any ``OSError``) is a warning and ``None``:
+the persistent store remains the tier of record; training never stops for the memory tier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_incremental.core.codecs.bytes import chunk_hash, chunk_hasher
+from lightning_incremental.core.format.tree import Leaf, torch_dtype, unflatten
+from lightning_incremental.core.save.snapshot import flatten
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+ENV = "LIGHTNING_INCREMENTAL_MEMORY_DIR"
+HEADER, INDEX, DATA = "header.json", "index.json", "data.bin"
+ALIGN = 64
+_NAME = re.compile(r"^s(\d+)-g(\d+)-r(\d+)$")
+
+
+class MemoryPartError(RuntimeError):
+    """A memory part that cannot be used: missing, torn, of another job, or its bytes do not
+    match their hash."""
+
+
+def default_dir(job: str) -> Path:
+    """``$LIGHTNING_INCREMENTAL_MEMORY_DIR`` when set, else
+    ``/dev/shm/lightning-incremental/<job>``."""
+    env = os.environ.get(ENV)
+    return Path(env) if env else Path("/dev/shm/lightning-incremental") / job
+
+
+@dataclass(frozen=True)
+class Held:
+    """One complete part a node holds, as its header says (what inventories are made of)."""
+
+    rank: int  # whose part
+    step: int
+    generation: int
+    job: str
+    world_size: int
+
+
+@dataclass
+class Snapshot:
+    """A state copied to host memory, ready to be written by another thread."""
+
+    skeleton: Any
+    leaves: list[Leaf]
+
+
+@dataclass
+class Part:
+    """A part's three files in memory: what a replica transfer moves."""
+
+    header: bytes
+    index: bytes
+    data: torch.Tensor  # uint8, 1-D (a private view of the file when read from disk)
+
+
+def snapshot(state: Any, *, allow_pickle: bool = False) -> Snapshot:
+    """Copy ``state`` to host memory with the engine's snapshot (on the caller's thread)."""
+    skeleton, leaves, _ = flatten(state, allow_pickle=allow_pickle)
+    return Snapshot(skeleton, leaves)
+
+
+class MemoryTier:
+    """The parts in ``directory`` of job ``job``, generation ``generation``, on a world of
+    ``world_size`` ranks."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        job: str,
+        generation: int,
+        world_size: int,
+        allow_pickle: bool = False,
+    ) -> None:
+        self.directory = Path(directory)
+        self.parts = self.directory / "parts"
+        self.job = job
+        self.generation = generation
+        self.world_size = world_size
+        self.allow_pickle = allow_pickle
+
+    def name(self, rank: int, step: int, generation: int | None = None) -> str:
+        gen = self.generation if generation is None else generation
+        return f"s{step:012d}-g{gen:06d}-r{rank:06d}"
+
+    # ------------------------------------------------------------------ writing
+
+    def write(self, snap: Snapshot, rank: int, step: int) -> bool:
+        """Write ``snap`` as ``rank``'s part of ``step``; False (after a warning) when the
+        memory tier cannot take it."""
+        index: list[dict[str, Any]] = []
+        hasher = chunk_hasher()
+        offset = 0
+        tmp = self._tmp(rank, step)
+        try:
+            tmp.mkdir(parents=True)
+            with open(tmp / DATA, "wb") as f:
+                for leaf in snap.leaves:
+                    pad = -offset % ALIGN
+                    if pad:
+                        f.write(bytes(pad))
+                        hasher.update(bytes(pad))
+                        offset += pad
+                    raw = leaf.raw()
+                    f.write(raw.data)
+                    hasher.update(raw.data)
+                    index.append(_entry(leaf, offset))
+                    offset += raw.nbytes
+            body = json.dumps({"skeleton": snap.skeleton, "leaves": index}).encode()
+            header = self._header(rank, step, body, offset, hasher.hexdigest())
+            return self._commit(tmp, rank, step, header, body)
+        except OSError as exc:
+            return self._failed(tmp, f"could not write rank {rank}'s part of step {step}", exc)
+
+    def write_part(self, part: Part) -> bool:
+        """Keep ``part`` (another node's, received as a replica) as it came; False (after a
+        warning) when it is malformed or the memory tier cannot take it."""
+        try:
+            head = _parse_header(part.header)
+            rank, step, generation = head["rank"], head["step"], head["generation"]
+        except MemoryPartError as exc:
+            warnings.warn(f"memory tier: a received part is unusable: {exc}", stacklevel=2)
+            return False
+        tmp = self._tmp(rank, step)
+        try:
+            tmp.mkdir(parents=True)
+            with open(tmp / DATA, "wb") as f:
+                f.write(_raw(part.data).data)
+            return self._commit(tmp, rank, step, part.header, part.index, generation)
+        except OSError as exc:
+            return self._failed(tmp, f"could not keep the replica of rank {rank}, step {step}", exc)
+
+    def _tmp(self, rank: int, step: int) -> Path:
+        return self.parts / f".tmp-{self.name(rank, step)}-{os.getpid()}"
+
+    def _header(self, rank: int, step: int, body: bytes, size: int, digest: str) -> bytes:
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "job": self.job,
+                "generation": self.generation,
+                "world_size": self.world_size,
+                "rank": rank,
+                "step": step,
+                "files": {
+                    INDEX: {"size": len(body), "hash": chunk_hash(body)},
+                    DATA: {"size": size, "hash": digest},
+                },
+            }
+        ).encode()
+
+    def _commit(
+        self,
+        tmp: Path,
+        rank: int,
+        step: int,
+        header: bytes,
+        body: bytes,
+        generation: int | None = None,
+    ) -> bool:
+        (tmp / INDEX).write_bytes(body)
+        (tmp / HEADER).write_bytes(header)
+        final = self.parts / self.name(rank, step, generation)
+        if final.exists():  # the same step of the same generation, written again
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        return True
+
+    def _failed(self, tmp: Path, what: str, exc: OSError) -> bool:
+        shutil.rmtree(tmp, ignore_errors=True)
+        warnings.warn(
+            f"memory tier: {what} in {self.directory}: {exc}. Recovery falls back to the "
+            "persistent store for this step; give the memory directory more room "
+            "(memory_dir, or a bigger /dev/shm) or turn the memory tier off.",
+            stacklevel=3,
+        )
+        return False
+
+    # ------------------------------------------------------------------ reading
+
+    def inventory(self) -> list[Held]:
+        """The complete parts held here, of any job, generation or world size (headers only)."""
+        held = []
+        for path in self._listing():
+            try:
+                head = _parse_header((path / HEADER).read_bytes())
+            except (OSError, MemoryPartError):
+                continue  # torn or foreign: not a part
+            held.append(
+                Held(
+                    head["rank"], head["step"], head["generation"], head["job"], head["world_size"]
+                )
+            )
+        return held
+
+    def load(self, rank: int, step: int, generation: int) -> Any:
+        """``rank``'s part of ``step`` as the state it was written from, every byte checked.
+
+        Raises:
+            MemoryPartError: the part is missing, not this job's, or its bytes changed.
+        """
+        return self.restore(self.part(rank, step, generation))
+
+    def part(self, rank: int, step: int, generation: int) -> Part:
+        """The files of ``rank``'s part of ``step`` (the data viewed, not copied).
+
+        Raises:
+            MemoryPartError: the part is missing or unreadable.
+        """
+        path = self.parts / self.name(rank, step, generation)
+        try:
+            header = (path / HEADER).read_bytes()
+            index = (path / INDEX).read_bytes()
+            with open(path / DATA, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    data = torch.empty(0, dtype=torch.uint8)
+                else:
+                    view = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+                    data = torch.frombuffer(view, dtype=torch.uint8)
+        except OSError as exc:
+            raise MemoryPartError(f"cannot read {path}: {exc}") from exc
+        return Part(header, index, data)
+
+    def restore(self, part: Part) -> Any:
+        """The state a part holds, after checking its header and hashes.
+
+        Raises:
+            MemoryPartError: of another job or world size, or its bytes do not match.
+        """
+        head = _parse_header(part.header)
+        if head["job"] != self.job or head["world_size"] != self.world_size:
+            raise MemoryPartError(
+                f"part of job {head['job']!r} on {head['world_size']} ranks, not of this job"
+            )
+        _check(INDEX, part.index, head)
+        _check(DATA, _raw(part.data), head)
+        body = json.loads(part.index)
+        leaves = body["leaves"]
+        tensors: list[Any] = [None] * (1 + max((int(e["slot"]) for e in leaves), default=-1))
+        for e in leaves:
+            tensors[int(e["slot"])] = _tensor(part.data, e)
+        return unflatten(body["skeleton"], tensors, allow_pickle=self.allow_pickle)
+
+    # ------------------------------------------------------------------ retention
+
+    def prune(self, ranks: Iterable[int], keep: set[int]) -> None:
+        """Delete the parts of ``ranks`` whose step is not in ``keep`` (and torn leftovers of
+        this process)."""
+        ranks = set(ranks)
+        for path in self._listing(every=True):
+            match = _NAME.match(path.name)
+            if match is None:
+                if path.name.endswith(f"-{os.getpid()}"):
+                    shutil.rmtree(path, ignore_errors=True)
+                continue
+            step, _, rank = (int(g) for g in match.groups())
+            if rank in ranks and step not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _listing(self, every: bool = False) -> list[Path]:
+        try:
+            entries = list(self.parts.iterdir())
+        except OSError:
+            return []
+        return [p for p in entries if every or _NAME.match(p.name)]
+
+
+def _entry(leaf: Leaf, offset: int) -> dict[str, Any]:
+    return {
+        "slot": leaf.slot,
+        "dtype": leaf.dtype,
+        "numpy": leaf.is_numpy,
+        "shape": leaf.shape,
+        "offset": offset,
+        "nbytes": leaf.nbytes,
+        "param": leaf.parameter,
+        "grad": leaf.requires_grad,
+    }
+
+
+def _tensor(data: torch.Tensor, e: dict[str, Any]) -> Any:
+    start, nbytes = int(e["offset"]), int(e["nbytes"])
+    raw = data[start : start + nbytes]
+    if e["numpy"]:
+        return raw.numpy().view(np.dtype(e["dtype"])).reshape(e["shape"])
+    dtype = torch_dtype(e["dtype"])
+    tensor = raw.view(dtype).reshape(e["shape"]) if nbytes else torch.empty(e["shape"], dtype=dtype)
+    if e["param"]:
+        return torch.nn.Parameter(tensor, requires_grad=bool(e["grad"]))
+    if e["grad"] and (tensor.is_floating_point() or tensor.is_complex()):
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _raw(data: torch.Tensor) -> np.ndarray:
+    return data.numpy() if data.numel() else np.empty(0, dtype=np.uint8)
+
+
+def _parse_header(raw: bytes) -> dict[str, Any]:
+    try:
+        head = json.loads(raw)
+    except ValueError as exc:
+        raise MemoryPartError(f"unreadable header: {exc}") from exc
+    ints = ("generation", "world_size", "rank", "step")
+    if (
+        not isinstance(head, dict)
+        or head.get("format") != FORMAT
+        or not isinstance(head.get("job"), str)
+        or not all(type(head.get(k)) is int and head[k] >= 0 for k in ints)
+        or not isinstance(head.get("files"), dict)
+    ):
+        raise MemoryPartError(f"not a memory part header of format {FORMAT}")
+    return head
+
+
+def _check(name: str, data: bytes | np.ndarray, head: dict[str, Any]) -> None:
+    expected = head["files"].get(name) or {}
+    size = len(data) if isinstance(data, bytes) else int(data.nbytes)
+    if size != expected.get("size") or chunk_hash(data) != expected.get("hash"):
+        raise MemoryPartError(
+            f"{name} of rank {head['rank']}'s part of step {head['step']} does not match its "
+            "hash: the memory copy changed after it was written"
+        )

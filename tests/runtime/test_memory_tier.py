@@ -1,0 +1,147 @@
+"""The memory tier on one node: a part round-trips bit-exactly, is complete or absent, is checked
+by hash on read, keeps only what retention asks for, and never raises for a full or broken
+directory."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_incremental.runtime import memory_tier as mt
+from lightning_incremental.runtime.memory_tier import Held, MemoryPartError, MemoryTier, snapshot
+
+
+def _state() -> dict:
+    w = torch.randn(4, 3)
+    return {
+        "state_dict": OrderedDict(
+            w=torch.nn.Parameter(w.clone()), b=torch.arange(5, dtype=torch.int64)
+        ),
+        "alias": None,
+        "half": torch.randn(7).to(torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(3.5),
+        "flags": torch.tensor([True, False, True]),
+        "np": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "meta": {"epoch": 2, "lr": 0.1, "name": "x", "t": (1, 2)},
+        "nan": float("nan"),
+    }
+
+
+def _tier(path: Path, generation: int = 1, job: str = "job") -> MemoryTier:
+    return MemoryTier(path, job=job, generation=generation, world_size=2)
+
+
+def _same(a: object, b: object) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and type(a) is type(b)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad
+        assert torch.equal(
+            a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)
+        )
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b
+    else:
+        assert a == b and type(a) is type(b)
+
+
+def test_a_part_round_trips_bit_exactly(tmp_path: Path) -> None:
+    tier, state = _tier(tmp_path), _state()
+    assert tier.write(snapshot(state), 1, 7)
+    assert tier.inventory() == [Held(1, 7, 1, "job", 2)]
+    _same(state, tier.load(1, 7, 1))
+
+
+def test_a_changed_byte_is_found_on_read(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.write(snapshot(_state()), 0, 3)
+    (data,) = (tmp_path / "parts").glob("*/data.bin")
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(MemoryPartError, match="does not match its hash"):
+        tier.load(0, 3, 1)
+
+
+def test_a_torn_write_is_not_a_part_and_other_jobs_are_refused(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.write(snapshot(_state()), 0, 3)
+    (tmp_path / "parts" / "s000000000004-g000001-r000000").mkdir()  # no header: torn
+    (tmp_path / "parts" / ".tmp-s5-123").mkdir()
+    assert [h.step for h in tier.inventory()] == [3]
+    other = _tier(tmp_path, job="other")
+    with pytest.raises(MemoryPartError, match="not of this job"):
+        other.load(0, 3, 1)
+
+
+def test_prune_keeps_only_the_asked_steps_of_its_ranks(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    snap = snapshot({"w": torch.ones(3)})
+    for step in (1, 2, 3):
+        tier.write(snap, 0, step)
+        tier.write(snap, 1, step)
+    tier.prune([0], {3})
+    assert sorted((h.rank, h.step) for h in tier.inventory()) == [(0, 3), (1, 1), (1, 2), (1, 3)]
+
+
+def test_a_part_written_again_replaces_the_old_one(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.write(snapshot({"w": torch.zeros(2)}), 0, 1)
+    tier.write(snapshot({"w": torch.ones(2)}), 0, 1)
+    assert torch.equal(tier.load(0, 1, 1)["w"], torch.ones(2))
+
+
+def test_a_received_part_is_kept_as_it_came(tmp_path: Path) -> None:
+    here, there = _tier(tmp_path / "a"), _tier(tmp_path / "b")
+    state = _state()
+    here.write(snapshot(state), 1, 9)
+    assert there.write_part(here.part(1, 9, 1))
+    _same(state, there.load(1, 9, 1))
+    with pytest.warns(UserWarning, match="a received part is unusable"):
+        assert not there.write_part(mt.Part(b"{}", b"", torch.empty(0, dtype=torch.uint8)))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_directory_that_refuses_writes_is_a_warning_not_an_error(tmp_path: Path) -> None:
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts").chmod(0o500)
+    try:
+        with pytest.warns(UserWarning, match="could not write rank 0's part of step 2"):
+            assert not _tier(tmp_path).write(snapshot({"w": torch.ones(2)}), 0, 2)
+    finally:
+        (tmp_path / "parts").chmod(0o700)
+
+
+def test_a_full_memory_is_a_warning_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = open
+
+    def full(path: object, mode: str = "r", *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        if str(path).endswith(mt.DATA) and "w" in mode:
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr("builtins.open", full)
+    tier = _tier(tmp_path)
+    with pytest.warns(UserWarning, match="No space left"):
+        assert not tier.write(snapshot({"w": torch.ones(2)}), 0, 2)
+    assert tier.inventory() == [] and list((tmp_path / "parts").iterdir()) == []
+
+
+def test_the_directory_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(mt.ENV, raising=False)
+    assert mt.default_dir("j1") == Path("/dev/shm/lightning-incremental/j1")
+    monkeypatch.setenv(mt.ENV, "/tmp/x")
+    assert mt.default_dir("j1") == Path("/tmp/x")

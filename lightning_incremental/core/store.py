@@ -26,6 +26,7 @@ from lightning_incremental.core.format.records import Manifest
 from lightning_incremental.core.load.loader import Selection
 from lightning_incremental.core.load.materialise import MapLocation
 from lightning_incremental.core.load.restore import check_keys
+from lightning_incremental.core.maintain.pool import attach, fork
 from lightning_incremental.core.maintain.retention import Plan
 from lightning_incremental.core.maintain.verify import verify_step
 from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
@@ -59,6 +60,11 @@ class CheckpointStore:
             runs retention. ``load`` needs no collective: each rank reads what it needs.
         collective_timeout_s: with ``distributed``, how long a save waits for the other ranks
             before it fails (a dead or hung rank). Default 600.
+        pool: the URL of a shared object pool: the store keeps its data objects there (stores
+            saving the same objects store them once) and its manifests, leases and fences at
+            ``url``. Recorded at ``url``: the store reopens with or without it
+            (:mod:`~lightning_incremental.core.maintain.pool`). ``pool_storage_options``
+            open it (default: ``storage_options``).
 
     Raises:
         ConfigError: an invalid option, URL or protocol; ``distributed`` without an initialised
@@ -73,6 +79,8 @@ class CheckpointStore:
         config: StoreConfig | None = None,
         distributed: bool = False,
         collective_timeout_s: float = 600.0,
+        pool: str | os.PathLike[str] | None = None,
+        pool_storage_options: dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
         if config is not None and not isinstance(config, StoreConfig):
@@ -82,6 +90,14 @@ class CheckpointStore:
         self.storage = url if isinstance(url, Storage) else open_storage(url, storage_options)
         if isinstance(self.storage, LocalStorage):
             self.storage.fsync = self.config.fsync
+        self.storage = attach(
+            self.storage,
+            pool,
+            pool_options=pool_storage_options,
+            options=storage_options,
+            fsync=self.config.fsync,
+            min_age_s=self.config.min_object_age_s,
+        )
         self.url = self.storage.url
         if not isinstance(distributed, bool):
             raise ConfigError(f"distributed must be True or False, got {distributed!r}")
@@ -347,6 +363,8 @@ class CheckpointStore:
     def delete(self, step: int) -> GcReport:
         """Delete one committed checkpoint, then every object no remaining checkpoint needs.
         Later checkpoints never depend on it: each manifest names every object it needs.
+        Deleting the newest steps lets their steps be saved again (steps need only be newer
+        than every step that remains).
 
         Raises:
             CheckpointNotFoundError: ``step`` is not committed.
@@ -355,6 +373,14 @@ class CheckpointStore:
         self.wait()
         self._check_open()
         return self._engine.maintainer.delete(step)
+
+    @staticmethod
+    def fork(src_url: str, dst_url: str, step: int | None = None, **options: Any) -> int:
+        """Start a store at ``dst_url`` from checkpoint ``step`` (default: the newest) of
+        ``src_url``, referencing its objects instead of copying them; returns the step. The
+        source step is pinned (its retention keeps it and its objects) until :func:`unpin`.
+        ``options``: those of :func:`~lightning_incremental.core.maintain.pool.fork`."""
+        return fork(src_url, dst_url, step, **options)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -536,3 +536,25 @@ def test_audit_records_the_code_commit_of_the_working_directory(tmp_path, monkey
         assert code_version() is None
     finally:
         code_version.cache_clear()
+
+
+def test_deleting_the_newest_steps_lets_them_be_saved_again(local_url: str) -> None:
+    state = make_state(0, rows=256)
+    with small_store(local_url) as store:
+        for step in (2, 4, 6):
+            state["model"]["w"][step : step + 2] += 1.0
+            store.save(state, step).wait()
+        store.delete(6)
+        store.delete(4)
+        state["model"]["w"][0:2] += 5.0
+        store.save(state, 4).wait()  # a run resumed from step 2 saves step 4 again
+        expected = {k: v.clone() for k, v in state["model"].items()}
+        with pytest.raises(StepError, match="not newer than step 4"):
+            store.save(state, 3)
+        store.delete(2)  # an older step: the newest stays the bound
+        with pytest.raises(StepError, match="not newer than step 4"):
+            store.save(state, 4)
+    with small_store(local_url) as store:
+        assert store.steps() == [4]
+        assert_state_equal(store.load(4)["model"], expected)
+        assert store.verify(4).ok

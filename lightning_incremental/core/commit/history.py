@@ -163,6 +163,20 @@ class History:
         steps = [s for s in self.steps() if s not in self.quarantined]
         return steps[-1] if steps else None
 
+    def forget(self, step: int) -> None:
+        """Committed ``step`` was deleted (no save pending): when it was the newest, the newest
+        step saved and committed is again the newest that remains, so it may be saved again."""
+        with self.lock:
+            self._current.pop(step, None)
+            if step not in (self.last_step, self.committed):
+                return
+            remaining = [s for s in self.steps() if s not in self.quarantined and s != step]
+            newest = remaining[-1] if remaining else None
+            if self.last_step == step:
+                self.last_step = newest
+            if self.committed == step:
+                self.committed = newest
+
     def check_step(self, step: Any) -> None:
         """Raises StepError unless ``step`` may be saved next (newer than every step saved)."""
         check_step_type(step)

@@ -57,6 +57,7 @@ from lightning_incremental.core.errors import (
 from lightning_incremental.core.format import canonical
 from lightning_incremental.core.format.records import Manifest
 from lightning_incremental.core.maintain.compact import rewrite_as_base
+from lightning_incremental.core.maintain.pins import read_pins
 from lightning_incremental.core.maintain.sweep import plan_clock, sweep
 from lightning_incremental.core.maintain.verify import verify_manifest
 from lightning_incremental.core.results import GcReport, SaveResult, VerifyReport
@@ -285,6 +286,12 @@ class Collector:
         fenced: list[int],
         planned_at: float,
     ) -> GcReport:
+        # Forks reference the pinned steps' objects (pins.py): kept whatever the plan says,
+        # and their objects live even if the step's manifest goes.
+        pins = read_pins(self.storage)
+        if pins:
+            kept = tuple(p.step for p in pins if p.step not in plan.drop)
+            plan = dataclasses.replace(plan, keep=plan.keep + kept)
         return collect(
             plan,
             storage=self.storage,
@@ -293,7 +300,7 @@ class Collector:
             fenced=fenced,
             read=self.history.read_version,
             intact=self.intact,
-            pinned=self.base.pinned(),
+            pinned=self.base.pinned().union(*(p.packs for p in pins)),
             planned_at=planned_at,
             min_age_s=self.min_age_s,
             guard=self.guard,
@@ -389,9 +396,11 @@ class Maintainer:
                 # restored) with no save pending: nothing names its objects any more, so they
                 # are not pinned; the next save writes a full base.
                 self.base.set(None)
-            return self.collector.run(
+            report = self.collector.run(
                 Plan(None, (), (target,), 0.0, False, thorough=False, writer=True)
             )
+            self.history.forget(target)
+            return report
 
     def compact(self) -> SaveResult | None:
         """Rewrite the newest checkpoint as a full base (:func:`~.compact.rewrite_as_base`), and

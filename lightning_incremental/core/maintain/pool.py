@@ -1,0 +1,302 @@
+"""Shared object pools and forks: where a store's data objects live, recorded in the store.
+
+A store opened with ``pool=URL`` writes its data objects (content-addressed, create-only) to
+the pool and keeps its manifests, leases and fences at its own URL. A fork
+(:func:`fork`) starts as a copy of one manifest of another store and reads the objects that
+manifest names where they are, without copying them. Either way the store records it in
+``links.json`` at its own URL (create-only), so it reopens as ``CheckpointStore(url)``:
+
+    {"format": "lightning-incremental-links", "pool": URL or null,
+     "sources": [URL, ...], "forked_from": {"url": URL, "step": N} or null}
+
+``sources`` are the locations, in order, whose ``packs/`` hold objects its manifests may name
+besides its own (or its pool's). A pool records its members in ``members/<id>.json`` (the
+member's URL and minimum object age): the pool's collection (:mod:`.pool_gc`) reads every
+member's manifests and pins from there.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_incremental.core.commit.fencing import Fencing
+from lightning_incremental.core.commit.history import History, read_manifest
+from lightning_incremental.core.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+)
+from lightning_incremental.core.format import canonical
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.maintain.pins import new_pin, parse_pin, pin_path
+from lightning_incremental.core.storage import LocalStorage, Storage, open_storage
+from lightning_incremental.core.storage.linked import LinkedStorage
+
+LINKS = "links.json"
+POOL_MARKER = "pool.json"
+MEMBER_DIR = "members"
+_LINKS_FORMAT = "lightning-incremental-links"
+_POOL_FORMAT = "lightning-incremental-pool"
+
+Url = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class Links:
+    pool: str | None
+    sources: tuple[str, ...]
+    forked_from: dict[str, Any] | None = None
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": _LINKS_FORMAT,
+            "pool": self.pool,
+            "sources": list(self.sources),
+            "forked_from": self.forked_from,
+        }
+        return json.dumps(doc, sort_keys=True).encode()
+
+
+def read_links(own: Storage) -> Links | None:
+    """The store's links record; None when it has none (a plain store).
+
+    Raises:
+        CorruptCheckpointError: the record is malformed.
+    """
+    try:
+        data = own.get(LINKS)
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("format") != _LINKS_FORMAT:
+            raise ValueError("not a links record")
+        pool, sources = doc.get("pool"), doc.get("sources", [])
+        if pool is not None and not isinstance(pool, str):
+            raise ValueError("pool is not a URL")
+        if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+            raise ValueError("sources is not a list of URLs")
+        return Links(pool, tuple(sources), doc.get("forked_from"))
+    except ValueError as exc:
+        raise CorruptCheckpointError(
+            f"{own.url}/{LINKS} is unreadable ({exc}): where this store's objects live is "
+            "unknown; restore the file"
+        ) from exc
+
+
+def open_location(url: str, options: dict[str, Any] | None, fsync: bool = True) -> Storage:
+    """The storage at ``url``; ``options`` apply to URLs, not local paths."""
+    storage = open_storage(url, options if "://" in str(url) else None)
+    if isinstance(storage, LocalStorage):
+        storage.fsync = fsync
+    return storage
+
+
+def member_path(url: str) -> str:
+    return f"{MEMBER_DIR}/{hashlib.sha256(url.encode()).hexdigest()[:32]}.json"
+
+
+def join_pool(pool: Storage, member_url: str, min_age_s: float) -> None:
+    """Record ``member_url`` as a member of ``pool`` (create-only: idempotent)."""
+    pool.put(POOL_MARKER, json.dumps({"format": _POOL_FORMAT, "layout": 1}).encode())
+    record = {"url": member_url, "min_object_age_s": min_age_s}
+    pool.put(member_path(member_url), json.dumps(record, sort_keys=True).encode())
+
+
+def members(pool: Storage) -> list[dict[str, Any]]:
+    """The member records of ``pool`` (one listing, one read each).
+
+    Raises:
+        OSError: the listing or a read failed. CorruptCheckpointError: a malformed record.
+    """
+    found = []
+    for path in pool.list(MEMBER_DIR):
+        try:
+            doc = json.loads(pool.get(path))
+        except FileNotFoundError:
+            continue
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"member record {path} of {pool.url}: {exc}") from exc
+        if not isinstance(doc, dict) or not isinstance(doc.get("url"), str):
+            raise CorruptCheckpointError(f"member record {path} of {pool.url} is malformed")
+        found.append(doc)
+    return found
+
+
+def attach(
+    own: Storage,
+    pool: Url | None,
+    *,
+    pool_options: dict[str, Any] | None,
+    options: dict[str, Any] | None,
+    fsync: bool,
+    min_age_s: float,
+) -> Storage:
+    """The storage a store at ``own`` works through: ``own`` itself for a plain store, else a
+    :class:`LinkedStorage` over its pool and sources (read from its links record; with
+    ``pool`` given and no record yet, the store joins that pool now).
+
+    Raises:
+        ConfigError: ``pool`` differs from the pool the store was created in; a store with
+            checkpoints of its own asked to join a pool.
+    """
+    links = read_links(own)
+    pool_url = None if pool is None else open_location(os.fspath(pool), pool_options).url
+    if pool_url is not None and links is None:
+        if own.list(mf.MANIFEST_DIR):
+            raise ConfigError(
+                f"{own.url} already holds checkpoints with their objects; it cannot join the "
+                f"pool {pool_url}. Fork it into a new store in the pool instead: "
+                f"CheckpointStore.fork(src, dst, pool={pool_url!r})"
+            )
+        links = Links(pool_url, ())
+        own.put(LINKS, links.to_bytes())
+        links = read_links(own)  # another process may have created it first
+        assert links is not None
+        own.put(mf.MARKER, mf.marker_bytes())
+    if links is None:
+        return own
+    if pool_url is not None and links.pool != pool_url:
+        raise ConfigError(
+            f"{own.url} keeps its objects in {links.pool or 'its own location'}, not in the pool "
+            f"{pool_url}; open it without pool= (its links record says where its objects are)"
+        )
+    objects = None
+    if links.pool is not None:
+        objects = open_location(links.pool, pool_options or options, fsync)
+        join_pool(objects, own.url, min_age_s)
+    sources = [open_location(url, options, fsync) for url in links.sources]
+    return LinkedStorage(own, objects, sources)
+
+
+def object_locations(storage: Storage) -> list[str]:
+    """The URLs whose ``packs/`` hold objects the store at ``storage`` may name, in read
+    order."""
+    if not isinstance(storage, LinkedStorage):
+        return [storage.url]
+    return [storage.objects.url, *(s.url for s in storage.sources)]
+
+
+def _history(storage: Storage) -> History:
+    return History(storage, Fencing(storage, functools.partial(read_manifest, storage)))
+
+
+def fork(
+    src: Url,
+    dst: Url,
+    step: int | None = None,
+    *,
+    pool: Url | None = None,
+    storage_options: dict[str, Any] | None = None,
+    src_storage_options: dict[str, Any] | None = None,
+    pool_storage_options: dict[str, Any] | None = None,
+    min_age_s: float = 900.0,
+) -> int:
+    """Make a new store at ``dst`` whose step ``step`` (default: the newest) is that of
+    ``src``, referencing ``src``'s objects instead of copying them; returns the step.
+
+    The source step is pinned first (a pin record in the source, :mod:`.pins`), then the pinned
+    objects are checked to exist, then ``dst`` records its links and gets a copy of the step's
+    manifest. ``dst`` joins ``pool`` (default: the source's pool, if it is in one).
+
+    Raises:
+        ConfigError: ``dst`` already holds a store; ``src`` is already forked into ``dst``.
+        CheckpointNotFoundError: no such step in ``src``, or its objects vanished (retention
+            removed it while the fork was made: nothing is left pinned then).
+    """
+    source = attach(
+        open_location(os.fspath(src), src_storage_options),
+        None,
+        pool_options=pool_storage_options,
+        options=src_storage_options,
+        fsync=True,
+        min_age_s=min_age_s,
+    )
+    target = open_location(os.fspath(dst), storage_options)
+    if read_links(target) is not None or target.list(mf.MANIFEST_DIR):
+        raise ConfigError(f"{target.url} already holds a store; fork into a new location")
+    history = _history(source)
+    chosen = history.resolve(step)
+    version = history.version(chosen)
+    data = source.get(mf.manifest_path(chosen, version))
+    doc = canonical.loads(data, f"step {chosen} of {source.url}")
+    pin = pin_path(target.url)
+    if not source.put(pin, new_pin(chosen, target.url, list(doc.packs)).to_bytes()):
+        raise ConfigError(
+            f"{source.url} is already forked into {target.url} (pin {pin}); remove the pin "
+            "with unpin() once that fork is gone, or fork into a new location"
+        )
+    if chosen not in history.visible() or any(not source.exists(p) for p in doc.packs):
+        source.delete(pin)
+        raise CheckpointNotFoundError(
+            f"step {chosen} of {source.url} was removed while it was being forked; fork a "
+            "step its retention keeps"
+        )
+    pool_url = os.fspath(pool) if pool is not None else None
+    if pool_url is None and isinstance(source, LinkedStorage) and source.objects is not source.own:
+        pool_url = source.objects.url
+    if pool_url is not None:
+        pool_url = open_location(pool_url, pool_storage_options).url
+    reads = [u for u in object_locations(source) if u not in (pool_url, target.url)]
+    origin = {"url": source.url, "step": chosen}
+    target.put(LINKS, Links(pool_url, tuple(dict.fromkeys(reads)), origin).to_bytes())
+    if pool_url is not None:
+        join_pool(open_location(pool_url, pool_storage_options), target.url, min_age_s)
+    target.put(mf.MARKER, mf.marker_bytes())
+    target.put(mf.manifest_path(chosen), data)
+    return chosen
+
+
+def unpin(
+    src: Url,
+    dst: Url,
+    *,
+    force: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    src_storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Remove the pin the fork at ``dst`` holds in ``src``.
+
+    Refused while a manifest of the fork still names an object that only ``src`` (or the
+    stores it reads from) holds, unless ``force``: the source's gc could then delete it.
+
+    Raises:
+        CheckpointNotFoundError: no such pin. ConfigError: the fork still needs the objects.
+    """
+    source = open_location(os.fspath(src), src_storage_options)
+    target_own = open_location(os.fspath(dst), storage_options)
+    path = pin_path(target_own.url)
+    try:
+        parse_pin(source.get(path), f"{path} of {source.url}")
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{source.url} holds no pin for {target_own.url}") from exc
+    if not force and read_links(target_own) is not None:
+        target = attach(
+            target_own,
+            None,
+            pool_options=None,
+            options=storage_options,
+            fsync=True,
+            min_age_s=0.0,
+        )
+        assert isinstance(target, LinkedStorage)
+        owned = (target.own, target.objects)
+        for name in target.list(mf.MANIFEST_DIR):
+            if mf.manifest_name(name.rsplit("/", 1)[-1]) is None:
+                continue
+            try:
+                doc = canonical.loads(target.get(name), f"{name} of {target.url}")
+            except FileNotFoundError:
+                continue
+            if any(not any(o.exists(p) for o in owned) for p in doc.packs):
+                raise ConfigError(
+                    f"{target.url} ({name}) still names objects held in {source.url}; "
+                    "delete those checkpoints of the fork (or compact it and gc it with "
+                    "keep_last=1) first, or pass force=True to drop the pin anyway"
+                )
+    source.delete(path)

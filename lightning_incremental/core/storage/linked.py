@@ -1,0 +1,113 @@
+"""LinkedStorage: a store whose data objects live elsewhere — in a shared object pool, and (for
+a fork) in the stores it was forked from.
+
+Everything that is not a data object (manifests, leases, fences, the marker, quarantine) goes
+to the store's own location. Data objects (``packs/...``) are written to ``objects`` (the pool,
+or the own location) and read from ``objects`` first, then from each of ``sources`` in order
+(the object locations of the stores a fork references).
+
+Deletion is structural: a data object is only ever listed and deleted in the store's own
+location. A member of a pool keeps no data objects of its own, so its ``gc`` finds none to
+remove; the pool's objects are removed by the pool's own collection alone
+(:mod:`~lightning_incremental.core.maintain.pool_gc`), and a source's by its own ``gc``, which
+honours the fork's pin.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+
+from lightning_incremental.core.storage.base import Storage
+
+OBJECT_DIR = "packs"  # the store layout's data objects (format.layout.PACK_DIR)
+
+
+def _is_object(path: str) -> bool:
+    return path.startswith(OBJECT_DIR + "/")
+
+
+class LinkedStorage(Storage):
+    """The storage of a pool member or a fork; see the module docstring.
+
+    Args:
+        own: the store's own location (its URL).
+        objects: where new data objects are written (a pool), or None: the own location.
+        sources: read-only locations of data objects the store's manifests may name.
+    """
+
+    def __init__(
+        self, own: Storage, objects: Storage | None = None, sources: Sequence[Storage] = ()
+    ) -> None:
+        self.own = own
+        self.objects = own if objects is None else objects
+        self.sources = tuple(sources)
+        self.url = own.url
+
+    def __repr__(self) -> str:
+        return f"LinkedStorage({self.own!r}, objects={self.objects.url!r})"
+
+    def _readers(self) -> tuple[Storage, ...]:
+        return (self.objects, *self.sources)
+
+    def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
+        target = self.objects if _is_object(path) else self.own
+        return target.put(path, data, overwrite=overwrite)
+
+    def put_parts(
+        self, path: str, parts: Sequence[bytes | memoryview], *, overwrite: bool = False
+    ) -> bool:
+        target = self.objects if _is_object(path) else self.own
+        return target.put_parts(path, parts, overwrite=overwrite)
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        if not _is_object(path):
+            return self.own.get(path, start, end)
+        return self._first("get", path, start, end)  # type: ignore[no-any-return]
+
+    def get_view(self, path: str, start: int, end: int) -> memoryview:
+        if not _is_object(path):
+            return self.own.get_view(path, start, end)
+        return self._first("get_view", path, start, end)  # type: ignore[no-any-return]
+
+    def exists(self, path: str) -> bool:
+        if not _is_object(path):
+            return self.own.exists(path)
+        return any(reader.exists(path) for reader in self._readers())
+
+    def size(self, path: str) -> int:
+        if not _is_object(path):
+            return self.own.size(path)
+        return self._first("size", path)  # type: ignore[no-any-return]
+
+    def mtime(self, path: str) -> float | None:
+        if not _is_object(path):
+            return self.own.mtime(path)
+        return self._first("mtime", path)  # type: ignore[no-any-return]
+
+    def list(self, prefix: str) -> builtins.list[str]:
+        return self.own.list(prefix)  # data objects too: only the own location's
+
+    def listdir(self, prefix: str) -> builtins.list[str]:
+        return self.own.listdir(prefix)
+
+    def delete(self, path: str) -> None:
+        self.own.delete(path)  # never the pool's or a source's
+
+    def _first(self, op: str, path: str, *args: object) -> object:
+        """``op`` on the first location that holds ``path``; FileNotFoundError when none."""
+        missing: FileNotFoundError | None = None
+        for reader in self._readers():
+            try:
+                return getattr(reader, op)(path, *args)
+            except FileNotFoundError as exc:
+                missing = missing or exc
+        assert missing is not None
+        raise missing
+
+    def where(self, path: str) -> str | None:
+        """The URL of the first location holding data object ``path``; None when none does."""
+        for reader in (self.own, *self._readers()):
+            if reader.exists(path):
+                return reader.url
+        return None

@@ -1,0 +1,203 @@
+"""A shared object pool and forks: objects written once across stores, membership recorded in
+the store, member gc that never deletes the pool's objects, a pool gc that marks from every
+member and refuses when one cannot be read, and forks that reference their source's objects
+under a pin the source's retention honours."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_incremental.core import CheckpointStore, ConfigError
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.maintain.pins import read_pins
+from lightning_incremental.core.maintain.pool import unpin
+from lightning_incremental.core.maintain.pool_gc import PoolMemberError, collect_pool
+from lightning_incremental.core.storage import LocalStorage
+from lightning_incremental.core.storage.linked import OBJECT_DIR
+from tests.conftest import assert_state_equal
+from tests.faulty import unreadable_directories
+
+OPTIONS: dict[str, Any] = {"chunk_size": 4096, "fsync": False, "min_object_age_s": 0.0}
+
+
+def packs(root: Path) -> set[str]:
+    base = root / "packs"
+    if not base.exists():
+        return set()
+    return {str(p.relative_to(root)).replace(os.sep, "/") for p in base.rglob("*.pack")}
+
+
+def base_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"backbone": torch.randn(64, 256, generator=g), "head": torch.zeros(16)},
+        "step": 0,
+    }
+
+
+def train(state: dict[str, Any], step: int) -> dict[str, Any]:
+    """A deterministic update of the head only (the backbone is frozen), plus an optimizer."""
+    head = state["model"]["head"] + torch.arange(16, dtype=torch.float32) * 0.01 * (step + 1)
+    return {
+        "model": {"backbone": state["model"]["backbone"], "head": head},
+        "optim": {"m": head * 0.9},
+        "step": step,
+    }
+
+
+def test_layout_constant_matches() -> None:
+    assert OBJECT_DIR == mf.PACK_DIR
+
+
+def test_members_write_shared_objects_once_and_reopen_without_the_pool(tmp_path: Path) -> None:
+    pool = tmp_path / "pool"
+    state = base_state()
+    for name in ("a", "b"):
+        with CheckpointStore(tmp_path / name, pool=pool, **OPTIONS) as store:
+            store.save(state, 1).wait()
+    assert packs(tmp_path / "a") == packs(tmp_path / "b") == set()
+    written = packs(pool)
+    assert written, "the objects are in the pool"
+    # Both saved the same bytes: one copy.
+    size = sum((pool / p).stat().st_size for p in written)
+    assert size < 1.2 * state["model"]["backbone"].nbytes
+    with CheckpointStore(tmp_path / "b") as again:  # no pool argument: recorded in the store
+        assert_state_equal(again.load(), state)
+        assert again.verify().ok
+    with pytest.raises(ConfigError, match="not in the pool"):
+        CheckpointStore(tmp_path / "a", pool=tmp_path / "other")
+    with CheckpointStore(tmp_path / "plain", **OPTIONS) as plain:
+        plain.save(state, 1).wait()
+    with pytest.raises(ConfigError, match="cannot join the pool"):
+        CheckpointStore(tmp_path / "plain", pool=pool)
+
+
+def test_member_gc_never_deletes_pool_objects_pool_gc_does(tmp_path: Path) -> None:
+    pool = tmp_path / "pool"
+    state = base_state()
+    with CheckpointStore(tmp_path / "a", pool=pool, **OPTIONS) as a:
+        for step in range(1, 4):
+            state = train(state, step)
+            a.save(state, step).wait()
+        before = packs(pool)
+        a.gc(keep_last=1)
+        assert a.steps() == [3]
+        assert packs(pool) == before, "a member's gc leaves the pool alone"
+    with CheckpointStore(tmp_path / "b", pool=pool, **OPTIONS) as b:
+        b.save(base_state(), 1).wait()
+    report = collect_pool(pool, min_age_s=0.0)
+    assert sorted(report.members) == sorted(str(tmp_path / n) for n in ("a", "b"))
+    assert report.removed_objects and set(report.removed_objects) < before
+    for name, step in (("a", 3), ("b", 1)):
+        with CheckpointStore(tmp_path / name) as store:
+            assert store.verify(step).ok
+    with CheckpointStore(tmp_path / "a") as a:
+        assert_state_equal(a.load(), state)
+
+
+def test_pool_gc_is_refused_while_a_member_cannot_be_read(tmp_path: Path) -> None:
+    pool = tmp_path / "pool"
+    state = base_state()
+    with CheckpointStore(tmp_path / "a", pool=pool, **OPTIONS) as a:
+        a.save(state, 1).wait()
+    with CheckpointStore(tmp_path / "b", pool=pool, **OPTIONS) as b:
+        b.save(train(state, 2), 2).wait()
+    before = packs(pool)
+    with unreadable_directories(str(tmp_path / "b" / "manifests")) as failed:
+        with pytest.raises(PoolMemberError, match="deleted nothing"):
+            collect_pool(pool, min_age_s=0.0)
+    assert failed
+    assert packs(pool) == before
+    shutil.rmtree(tmp_path / "b")  # a member deleted without leaving: its references unknown
+    with pytest.raises(PoolMemberError, match="cannot be read"):
+        collect_pool(pool, min_age_s=0.0)
+    assert packs(pool) == before
+
+
+def test_fork_references_the_source_and_survives_its_gc(tmp_path: Path) -> None:
+    src, dst, twin = tmp_path / "src", tmp_path / "fork", tmp_path / "twin"
+    state = base_state()
+    with CheckpointStore(src, **OPTIONS) as store:
+        for step in range(1, 4):
+            state = train(state, step)
+            store.save(state, step).wait()
+        at2 = store.load(2)
+    assert CheckpointStore.fork(str(src), str(dst), 2) == 2
+    assert packs(dst) == set(), "the fork copies no object"
+    [pin] = read_pins(LocalStorage(str(src)))
+    assert (pin.step, pin.by) == (2, str(dst))
+    # The fork resumes from step 2 as the source itself would.
+    with CheckpointStore(dst, **OPTIONS) as fork:
+        assert fork.steps() == [2]
+        resumed = fork.load()
+        assert_state_equal(resumed, at2)
+        result = fork.save(train(resumed, 3), 3).wait()
+        assert result.bytes_written < at2["model"]["backbone"].nbytes // 4
+    with CheckpointStore(twin, **OPTIONS) as reference:
+        reference.save(train(at2, 3), 3).wait()
+        expected = reference.load(3)
+    # The source moves on, compacts and collects everything it can.
+    with CheckpointStore(src, **OPTIONS) as store:
+        for step in range(4, 6):
+            state = train(state, step)
+            store.save(state, step).wait()
+        store.compact()
+        store.gc(keep_last=1)
+        assert 2 in store.steps(), "the pinned step is kept"
+    with CheckpointStore(dst) as fork:
+        assert fork.verify(2).ok and fork.verify(3).ok
+        assert_state_equal(fork.load(3), expected)
+        assert_state_equal(fork.load(2), at2)
+    # The pin goes only once the fork no longer needs the source.
+    with pytest.raises(ConfigError, match="still names objects"):
+        unpin(str(src), str(dst))
+    unpin(str(src), str(dst), force=True)
+    assert read_pins(LocalStorage(str(src))) == []
+    with CheckpointStore(src, **OPTIONS) as store:
+        store.gc(keep_last=1)
+        assert store.steps() == [5]
+    with CheckpointStore(dst) as fork:
+        assert not fork.verify(2).ok, "without the pin the source's gc removed what it needed"
+
+
+def test_fork_of_a_pool_member_joins_the_pool_and_pool_gc_keeps_it(tmp_path: Path) -> None:
+    pool = tmp_path / "pool"
+    state = base_state()
+    with CheckpointStore(tmp_path / "a", pool=pool, **OPTIONS) as a:
+        a.save(state, 1).wait()
+        a.save(train(state, 2), 2).wait()
+    CheckpointStore.fork(str(tmp_path / "a"), str(tmp_path / "f"), 1)
+    with CheckpointStore(tmp_path / "f", **OPTIONS) as f:
+        assert f.load(1)["model"]["head"].sum() == 0
+        f.save(train(state, 7), 7).wait()
+    with CheckpointStore(tmp_path / "a", **OPTIONS) as a:
+        a.save(train(state, 3), 3).wait()
+        a.gc(keep_last=1)
+        assert a.steps() == [1, 3]  # 1 is pinned
+    with CheckpointStore(tmp_path / "a", **OPTIONS) as a:
+        a.delete(1)  # the source drops its manifest; the pin still holds the objects
+    report = collect_pool(pool, min_age_s=0.0)
+    assert str(tmp_path / "f") in report.members
+    with CheckpointStore(tmp_path / "f") as f:
+        assert f.verify(1).ok and f.verify(7).ok
+        assert_state_equal(f.load(7), train(state, 7))
+    assert packs(tmp_path / "f") == set()
+
+
+def test_fork_of_a_plain_store_into_a_pool(tmp_path: Path) -> None:
+    state = base_state()
+    with CheckpointStore(tmp_path / "src", **OPTIONS) as store:
+        store.save(state, 5).wait()
+    CheckpointStore.fork(str(tmp_path / "src"), str(tmp_path / "f"), pool=str(tmp_path / "p"))
+    with CheckpointStore(tmp_path / "f", **OPTIONS) as f:
+        f.save(train(f.load(), 6), 6).wait()
+        assert f.verify(5).ok
+    assert packs(tmp_path / "f") == set() and packs(tmp_path / "p")
+    with pytest.raises(ConfigError, match="already holds a store"):
+        CheckpointStore.fork(str(tmp_path / "src"), str(tmp_path / "f"))

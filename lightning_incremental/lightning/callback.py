@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Union
 
@@ -21,8 +22,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_incremental.core import CheckpointStore, ConfigError, SaveResult
-from lightning_incremental.lightning import fit_checks, resume
+from lightning_incremental.lightning import fit_checks, memory, resume
 from lightning_incremental.lightning import sharded as _sharded
+from lightning_incremental.lightning.callback_views import Views
 from lightning_incremental.lightning.fit_state import (
     BetweenEpochs,
     Copies,
@@ -35,7 +37,6 @@ from lightning_incremental.lightning.resume import KEY, ResumeHook, ResumeSource
 from lightning_incremental.lightning.save_points import SaveNow, SavePoints
 from lightning_incremental.lightning.saver import Saver
 from lightning_incremental.lightning.schedule import Schedule
-from lightning_incremental.runtime.cadence import Cadence
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from lightning_incremental.runtime.options import RecoveryOptions
 from lightning_incremental.runtime.preemption import PreemptionConfig
@@ -48,7 +49,7 @@ DEFAULT_DIRNAME = "incremental_checkpoints"
 _PATH = Union[str, Path]
 
 
-class IncrementalCheckpoint(Copies, Checkpoint):
+class IncrementalCheckpoint(Views, Copies, Checkpoint):
     """Save the complete training state incrementally on a schedule; resume from it exactly.
 
     Each save writes what ``trainer.save_checkpoint`` would (weights, optimizers, schedulers,
@@ -123,6 +124,12 @@ class IncrementalCheckpoint(Copies, Checkpoint):
             :meth:`request_preemption`, every rank agrees at the next training batch's end,
             saves that step, waits for the commit and exits with code 143: a preemption costs
             no step, single-process or distributed.
+        memory_every_n_train_steps, memory_replicas, memory_dir: the memory tier (off by
+            default): every this many optimizer steps each rank's part of the checkpoint goes
+            to node-local memory (``memory_dir``; default ``$LIGHTNING_INCREMENTAL_MEMORY_DIR``,
+            else ``/dev/shm/lightning-incremental/<job>``) and onto ``memory_replicas`` other
+            nodes; a restarted job resumes from the newest step every rank agrees on when it is
+            at least the store's newest (see :mod:`~.memory`, :attr:`resumed_tier`).
 
     Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` every rank
     saves its own shards (the sharded state dicts of ``torch.distributed.checkpoint.state_dict``,
@@ -169,8 +176,16 @@ class IncrementalCheckpoint(Copies, Checkpoint):
         replica_check: str = "warn",
         recovery: RecoveryOptions | None = None,
         preemption: PreemptionConfig | bool = True,
+        memory_every_n_train_steps: int | None = None,
+        memory_replicas: int = 1,
+        memory_dir: _PATH | None = None,
     ) -> None:
         super().__init__()
+        self.memory = memory.MemoryOptions(
+            memory_every_n_train_steps,
+            memory_replicas,
+            None if memory_dir is None else str(memory_dir),
+        )
         self.preemption = PreemptionConfig.of(preemption)
         self.dirpath = fit_checks.dirpath(dirpath)
         self.schedule = Schedule.from_args(
@@ -228,50 +243,6 @@ class IncrementalCheckpoint(Copies, Checkpoint):
     @override
     def state_key(self) -> str:
         return self._generate_state_key(dirpath=self.dirpath)
-
-    @property
-    def every_n_train_steps(self) -> int:
-        return self.schedule.every_n_train_steps
-
-    @property
-    def every_n_epochs(self) -> int:
-        return self.schedule.every_n_epochs
-
-    @property
-    def train_time_interval(self) -> timedelta | None:
-        return self.schedule.train_time_interval
-
-    @property
-    def cadence(self) -> Cadence | None:
-        """This ``fit``'s adaptive interval (``max_overhead``/``expected_mtbf``): its choices."""
-        return self._fit.points.cadence
-
-    @property
-    def url(self) -> str | None:
-        """The store's location, resolved when ``fit`` starts."""
-        return self._fit.url
-
-    @property
-    def last_saved_step(self) -> int | None:
-        """The newest step saved (or being saved) by this callback, restored on resume."""
-        return self._last_saved_step
-
-    @property
-    def generation(self) -> int | None:
-        """The fencing generation this ``fit`` claimed (multi-process runs), else None."""
-        return self._fit.generation
-
-    @property
-    def resumed_from(self) -> int | None:
-        """The step this ``fit`` resumed from automatically, or None."""
-        return self._fit.resumed_step
-
-    @property
-    def results(self) -> list[tuple[SaveResult, float]]:
-        """This ``fit``'s committed saves (rank 0; sharded: every rank's part), each engine
-        :class:`~lightning_incremental.core.SaveResult` with the seconds training was blocked."""
-        saver = self._fit.saver
-        return list(saver.results) if saver is not None else []
 
     def request_preemption(self, reason: str = "requested by the script") -> None:
         """Save at the next batch's end and exit, as on SIGTERM; on any rank (they agree)."""
@@ -353,10 +324,16 @@ class IncrementalCheckpoint(Copies, Checkpoint):
             generation=fit.generation or 0,
         )
         fit_checks.fresh_unless_resuming(url, fit.newest, resume=self.resume)
+        pickles = self.store_config.allow_pickle
+        fit.memory = memory.start(
+            self.memory, trainer, url, fit.generation, sharded=fit.sharded, allow_pickle=pickles
+        )
         if self.resume:
-            fit.resume_hook = ResumeHook(
-                ResumeSource(url, fit.sharded, fit.reader(self._open_store), fit.resumed), trainer
+            from_memory = fit.memory and partial(fit.memory.resume, trainer, fit.newest)
+            source = ResumeSource(
+                url, fit.sharded, fit.reader(self._open_store), fit.resumed, from_memory
             )
+            fit.resume_hook = ResumeHook(source, trainer)
 
     @override
     def on_load_checkpoint(
@@ -417,6 +394,9 @@ class IncrementalCheckpoint(Copies, Checkpoint):
         decision = fit.points.after_batch(trainer.global_step, self._last_saved_step, now, loop)
         if decision is not None:
             self._save(trainer, decision)
+        if fit.memory is not None:
+            changed = trainer.global_step != fit.points.step_at_batch_start
+            fit.memory.after_batch(trainer, changed, fit.epoch_record)
 
     @override
     def on_validation_batch_end(

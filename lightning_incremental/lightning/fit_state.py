@@ -26,6 +26,7 @@ from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning import data_position as dp
 from lightning_incremental.lightning import resize, resume
 from lightning_incremental.lightning.fit_checks import replicated_state
+from lightning_incremental.lightning.memory import MemorySteps
 from lightning_incremental.lightning.preemption import PreemptionPoint
 from lightning_incremental.lightning.resume import ResumeHook
 from lightning_incremental.lightning.save_points import BatchCounts, Declined, SaveNow, SavePoints
@@ -52,6 +53,7 @@ class FitState:
     disabled: bool = False  # fast_dev_run
     newest: int | None = None  # the store's newest step when the fit started
     resumed_step: int | None = None
+    resumed_tier: str | None = None  # "memory", "peer" or "store"
     payload: dict[str, Any] | None = None  # per-rank state of the restored checkpoint
     restored: bool = False
     finish_restart: bool = False  # resumed mid-epoch: leave Lightning's restart mode
@@ -65,10 +67,11 @@ class FitState:
     watchdog: Watchdog | None = None
     sharded: bool = False  # the strategy shards the state (see _sharded.layout)
     remap: resize.Remap | None = None  # the resumed epoch's rest, cut for another world size
+    memory: MemorySteps | None = None  # the memory tier, when on
 
-    def resumed(self, step: int) -> None:
-        """The fit resumed from ``step`` of the store (told by ResumeHook)."""
-        self.resumed_step = step
+    def resumed(self, step: int, tier: str = "store") -> None:
+        """The fit resumed from ``step`` of ``tier`` (told by ResumeHook)."""
+        self.resumed_step, self.resumed_tier = step, tier
 
     def epoch_started(self, trainer: pl.Trainer) -> None:
         """A training epoch starts: record how it begins (to recreate it on a mid-epoch resume)."""
@@ -213,6 +216,9 @@ class FitState:
         hook, self.resume_hook = self.resume_hook, None
         if hook is not None:
             hook.remove()
+        memory, self.memory = self.memory, None
+        if memory is not None:
+            memory.close()
         if self.saver is not None:
             self.saver.close(raise_errors=raise_errors)
 

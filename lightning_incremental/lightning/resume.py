@@ -58,7 +58,9 @@ class ResumeSource:
     url: str  # the store, for messages
     sharded: bool  # every rank restores its own shards (see :mod:`~.sharded`)
     store_for_reading: Callable[[], AbstractContextManager[CheckpointStore]]
-    resumed: Callable[[int], None]  # told the step the fit resumes from
+    resumed: Callable[[int, str], None]  # told the step the fit resumes from, and its tier
+    # every rank at once: (step, checkpoint, tier) from the memory tier, or None (see ~.memory)
+    memory: Callable[[], tuple[int, dict[str, Any], str] | None] | None = None
 
 
 class ResumeHook:
@@ -78,17 +80,21 @@ class ResumeHook:
         if loaded is None:
             original(None)
             return
-        step, checkpoint = loaded
-        where = f"{self._source.url} (step {step})"
+        _, checkpoint, where = loaded
         rank_zero_info(f"Restoring states from the checkpoint path at {where}")
         saved = checkpoint.get(KEY)
         if isinstance(saved, dict) and saved.get("ranks") and saved["ranks"][0].get("boundary"):
             _compat.between_epochs(checkpoint)  # also what earlier versions saved mid-bookkeeping
         _compat.set_loaded_checkpoint(self._trainer, checkpoint, where)
 
-    def _load_newest(self) -> tuple[int, dict[str, Any]] | None:
-        """Rank 0 picks the newest readable step; every rank loads that step (collective)."""
+    def _load_newest(self) -> tuple[int, dict[str, Any], str] | None:
+        """The memory tier's agreed step, else: rank 0 picks the newest readable step; every
+        rank loads that step (collective)."""
         trainer, source = self._trainer, self._source
+        found = source.memory() if source.memory is not None else None
+        if found is not None:
+            source.resumed(found[0], found[2])
+            return found[0], found[1], f"the memory tier (step {found[0]})"
         strategy = trainer.strategy
         url = source.url
         checkpoint: dict[str, Any] | None = None
@@ -128,12 +134,12 @@ class ResumeHook:
         assert checkpoint is not None
         if sharded:  # these strategies restore after setup, and not through Lightning's hooks
             _sharded.apply(trainer, checkpoint)
-        source.resumed(step)
+        source.resumed(step, "store")
         rank_zero_info(
             f"IncrementalCheckpoint: resuming from step {step} (epoch {checkpoint.get('epoch')}) "
             f"of {url}"
         )
-        return step, checkpoint
+        return step, checkpoint, f"{url} (step {step})"
 
 
 def _live(trainer: pl.Trainer) -> dict[str, Any]:

@@ -315,9 +315,13 @@ def _tensor(data: torch.Tensor, e: dict[str, Any]) -> Any:
     start, nbytes = int(e["offset"]), int(e["nbytes"])
     raw = data[start : start + nbytes]
     if e["numpy"]:
-        return raw.numpy().view(np.dtype(e["dtype"])).reshape(e["shape"])
+        return raw.numpy().view(np.dtype(e["dtype"])).reshape(e["shape"]).copy()
     dtype = torch_dtype(e["dtype"])
-    tensor = raw.view(dtype).reshape(e["shape"]) if nbytes else torch.empty(e["shape"], dtype=dtype)
+    # A tensor of its own, not a view into the part: some of torch's functions misread views at
+    # an offset (torch.set_rng_state crashes on one), and the part's file is deleted later.
+    tensor = torch.empty(e["shape"], dtype=dtype)
+    if nbytes:
+        tensor.reshape(-1).view(torch.uint8).copy_(raw)
     if e["param"]:
         return torch.nn.Parameter(tensor, requires_grad=bool(e["grad"]))
     if e["grad"] and (tensor.is_floating_point() or tensor.is_complex()):

@@ -1,0 +1,233 @@
+"""Moving memory parts between nodes over the job's own ``torch.distributed``: a gloo group on
+host buffers (no server of our own).
+
+- :func:`exchange`: the sends and receives of one round, in two phases (sizes, then bytes), all
+  posted at once so that no order of ranks can deadlock;
+- :class:`Replicator`: the per-step background work of a rank — write its part to its node's
+  memory, send it to the same local rank on the next ``replicas`` nodes of the ring (and keep
+  what the previous nodes send), then agree (one all-reduce) whether every rank's part of the
+  step is now held by ``replicas + 1`` nodes: only then is the step *recoverable*, and older
+  parts are deleted. A failed transfer is a warning; replication stops for the rest of the run
+  (the ranks may disagree on where the exchange broke) and recovery falls back to the store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_incremental.runtime.memory_agree import Plan
+from lightning_incremental.runtime.memory_tier import MemoryTier, Part, Snapshot
+
+log = logging.getLogger(__name__)
+
+_META, _DATA = 1, 2  # message tags within one exchange
+
+
+def ring(
+    rank: int, world_size: int, ranks_per_node: int, replicas: int
+) -> tuple[list[int], list[int]]:
+    """Where ``rank`` sends its part and whose parts it keeps: the same local rank on the next
+    (previous) ``replicas`` nodes, fewer when the job has fewer other nodes."""
+    nodes = max(1, world_size // max(1, ranks_per_node))
+    copies = min(replicas, nodes - 1)
+    step = ranks_per_node
+    dsts = [(rank + step * k) % world_size for k in range(1, copies + 1)]
+    srcs = [(rank - step * k) % world_size for k in range(1, copies + 1)]
+    return dsts, srcs
+
+
+def exchange(
+    sends: Mapping[int, Part | None], receives: Sequence[int], group: Any
+) -> dict[int, Part | None]:
+    """Send each ``sends[dst]`` (None: nothing to send) and receive from each rank in
+    ``receives`` (global ranks); every rank of the round calls it. Raises what the collective
+    raises (a timeout, a dead peer)."""
+    dist = torch.distributed
+    sizes = {src: torch.zeros(3, dtype=torch.int64) for src in receives}
+    works = []
+    outgoing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for dst, part in sends.items():
+        if part is None:
+            length = torch.zeros(3, dtype=torch.int64)
+        else:
+            meta = torch.frombuffer(bytearray(part.header + part.index), dtype=torch.uint8)
+            outgoing[dst] = (meta, part.data)
+            length = torch.tensor([len(part.header), len(part.index), part.data.numel()])
+        works.append(dist.isend(length, dst=dst, group=group, tag=0))
+    works += [dist.irecv(sizes[src], src=src, group=group, tag=0) for src in receives]
+    for work in works:
+        work.wait()
+    works = []
+    incoming: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+    for src, size in sizes.items():
+        head, index, data = (int(x) for x in size)
+        if head == 0:
+            continue
+        meta, buf = (
+            torch.empty(head + index, dtype=torch.uint8),
+            torch.empty(data, dtype=torch.uint8),
+        )
+        incoming[src] = (meta, buf, head)
+        works.append(dist.irecv(meta, src=src, group=group, tag=_META))
+        if data:
+            works.append(dist.irecv(buf, src=src, group=group, tag=_DATA))
+    for dst, (meta, data) in outgoing.items():
+        works.append(dist.isend(meta, dst=dst, group=group, tag=_META))
+        if data.numel():
+            works.append(dist.isend(data, dst=dst, group=group, tag=_DATA))
+    for work in works:
+        work.wait()
+    received: dict[int, Part | None] = {src: None for src in receives}
+    for src, (meta, buf, head) in incoming.items():
+        raw = meta.numpy().tobytes()
+        received[src] = Part(raw[:head], raw[head:], buf)
+    return received
+
+
+def fetch_plan(plan: Plan, tier: MemoryTier, rank: int, group: Any) -> Part | None:
+    """Move the parts ``plan`` says a peer sends: this rank sends what it holds for others and
+    receives its own part when its node has none. Returns the part received (else None).
+    Every rank calls it (the transfers are collective). Raises what the collective raises, or
+    ``MemoryPartError`` when a part this rank must send is unreadable (the receiver then gets
+    nothing and says so)."""
+    assert plan.step is not None
+    sends: dict[int, Part | None] = {}
+    error: Exception | None = None
+    for owner, source in enumerate(plan.sources):
+        if source == rank and owner != rank:
+            try:
+                sends[owner] = tier.part(owner, plan.step, plan.generation)
+            except Exception as exc:  # the receiver learns it from an empty part
+                sends[owner], error = None, exc
+    source = plan.sources[rank]
+    received = exchange(sends, [source] if source != rank else [], group)
+    if error is not None:
+        raise error
+    return received.get(source) if source != rank else None
+
+
+@dataclass
+class _Job:
+    step: int
+    snap: Snapshot
+
+
+class Replicator:
+    """One rank's memory steps: :meth:`submit` hands a snapshot over (waiting for the previous
+    step's work first); a named daemon thread writes, replicates and prunes it."""
+
+    def __init__(
+        self,
+        tier: MemoryTier,
+        *,
+        rank: int,
+        world_size: int,
+        ranks_per_node: int,
+        replicas: int,
+        group: Any = None,
+    ) -> None:
+        self.tier = tier
+        self.rank = rank
+        self.group = group
+        self.dsts, self.srcs = ring(rank, world_size, ranks_per_node, replicas)
+        if group is None:
+            self.dsts, self.srcs = [], []
+        self.recoverable: int | None = None  # the newest step held by replicas + 1 nodes
+        self.written: int | None = None  # this rank's newest part in its node's memory
+        self.replicating = bool(self.dsts)
+        self._job: _Job | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="li-memory-tier", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, snap: Snapshot) -> None:
+        """Write and replicate ``snap`` as this rank's part of ``step`` in the background."""
+        with self._cond:
+            while self._job is not None and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return
+            self._job = _Job(step, snap)
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the submitted step is done; False when ``timeout`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._job is None or self._closed, timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish the step in hand (within ``timeout``) and stop the thread."""
+        self.wait(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=1.0)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._job is not None or self._closed)
+                if self._job is None:
+                    return
+                job = self._job
+            try:
+                self._step(job)
+            except Exception as exc:  # a bug here must not stop training: say it, stop tier
+                warnings.warn(f"memory tier: step {job.step} failed: {exc!r}", stacklevel=1)
+                self.replicating = False
+            finally:
+                with self._cond:
+                    self._job = None
+                    self._cond.notify_all()
+
+    def _step(self, job: _Job) -> None:
+        tier, step = self.tier, job.step
+        ok = tier.write(job.snap, self.rank, step)
+        job.snap = Snapshot(None, [])  # the host copy is no longer needed
+        if ok:
+            self.written = step
+        if self.replicating:
+            ok = self._replicate(step, ok)
+        elif self.dsts:
+            ok = False  # replication stopped: no step is recoverable any more
+        if ok:
+            self.recoverable = step
+        keep = {s for s in (self.recoverable, self.written) if s is not None}
+        tier.prune([self.rank, *self.srcs], keep)
+
+    def _replicate(self, step: int, ok: bool) -> bool:
+        tier = self.tier
+        try:
+            part = tier.part(self.rank, step, tier.generation) if ok else None
+            received = exchange({dst: part for dst in self.dsts}, self.srcs, self.group)
+            for src, got in received.items():
+                ok = ok and got is not None and _of(got, src, step) and tier.write_part(got)
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.group)
+            return bool(flag.item())
+        except Exception as exc:  # a dead peer, a timeout: the store remains
+            self.replicating = False
+            warnings.warn(
+                f"memory tier: replicating step {step} to ranks {self.dsts} failed: {exc}. "
+                "Memory steps are no longer replicated in this run; recovery from a lost node "
+                "falls back to the persistent store.",
+                stacklevel=1,
+            )
+            return False
+
+
+def _of(part: Part, rank: int, step: int) -> bool:
+    try:
+        head = json.loads(part.header)
+    except ValueError:
+        return False
+    return isinstance(head, dict) and head.get("rank") == rank and head.get("step") == step

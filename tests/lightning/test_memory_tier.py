@@ -1,0 +1,67 @@
+"""IncrementalCheckpoint's memory tier in one process, on a real Trainer: a crashed fit resumes
+from the newest memory step (newer than the store's) bit-identically; a memory copy whose bytes
+changed is refused and the store is used; the tier is off by default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_incremental.core import ConfigError
+from lightning_incremental.runtime.memory_tier import ENV
+from tests.jobs.lightning_job import fit
+from tests.lightning.test_callback import assert_bit_identical, final_state
+
+ARGS = {"every_n_train_steps": 5, "save_on_exception": False}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    module, trainer, _ = fit(tmp_path_factory.mktemp("reference") / "store", **ARGS)
+    return final_state(module, trainer)
+
+
+def _parts(memory: Path) -> list[str]:
+    return sorted(p.name for p in (memory / "parts").iterdir())
+
+
+def test_a_crashed_fit_resumes_from_memory_bit_identically(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    store, memory = tmp_path / "store", tmp_path / "memory"
+    args = {**ARGS, "memory_every_n_train_steps": 1, "memory_dir": memory}
+    fit(store, crash_at=7, **args)  # the crash comes before step 7's memory step
+    assert _parts(memory) == ["s000000000006-g000001-r000000"]  # only the newest is kept
+    module, trainer, ckpt = fit(store, **args)
+    assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, "memory")  # the store holds step 5
+    assert_bit_identical(final_state(module, trainer), uninterrupted)
+    assert [name[:13] for name in _parts(memory)] == ["s000000000023"]  # 24 ends an epoch
+
+
+def test_a_changed_memory_copy_is_refused_and_the_store_used(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    store, memory = tmp_path / "store", tmp_path / "memory"
+    args = {**ARGS, "memory_every_n_train_steps": 2, "memory_dir": memory}
+    fit(store, crash_at=7, **args)
+    (data,) = memory.glob("parts/*/data.bin")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning, match="memory step 6 could not be restored.*does not match"):
+        module, trainer, ckpt = fit(store, **args)
+    assert (ckpt.resumed_from, ckpt.resumed_tier) == (5, "store")
+    assert_bit_identical(final_state(module, trainer), uninterrupted)
+
+
+def test_the_memory_tier_is_off_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, str(tmp_path / "memory"))
+    store = tmp_path / "store"
+    fit(store, crash_at=7, **ARGS)
+    _, _, ckpt = fit(store, trainer={"max_steps": 8}, **ARGS)
+    assert (ckpt.resumed_from, ckpt.resumed_tier) == (5, "store")
+    assert not (tmp_path / "memory").exists()
+    with pytest.raises(ConfigError, match="memory_every_n_train_steps"):
+        fit(store, memory_every_n_train_steps=0)

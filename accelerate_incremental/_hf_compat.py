@@ -157,6 +157,13 @@ def last_checkpoint(output_dir: str) -> str | None:
     return found
 
 
+def hub_strategy(trainer: Any) -> str:
+    """``args.hub_strategy`` as its value (``"every_save"``, ``"checkpoint"``, ...): it is a
+    ``HubStrategy`` enum, whose ``str`` is ``"HubStrategy.CHECKPOINT"``."""
+    strategy = getattr(trainer.args, "hub_strategy", "every_save")
+    return str(getattr(strategy, "value", strategy))
+
+
 # --- the preemption path: a step-end callback, the JIT checkpoint standing aside
 
 

@@ -15,8 +15,12 @@ the Trainer's saves (``Trainer._save_checkpoint``, hooked through
 
 The store is the source of truth. A marker is written before its save commits; a resume checks
 that its step committed (auto-resume only ever picks committed steps). Store data is deleted
-only when ``save_total_limit`` is set, for the steps whose folders the Trainer's rotation removed,
-and only while no save is in flight (the engine never deletes an object a kept checkpoint needs).
+when ``save_total_limit`` is set, for the steps whose folders the Trainer's rotation removed,
+only while no save is in flight (the engine never deletes an object a kept checkpoint needs);
+and when a run resumed from an older checkpoint first saves, for the abandoned run's newer steps,
+together with their folders (steps only increase in a store). A second save request for the
+step just saved (the Trainer's JIT checkpoint right after a ``save_steps`` save) is a no-op that
+waits for the first.
 
 Resuming from a marker folder restores everything from the store, bit-exact and verified, at
 the points where the Trainer restores its own files: the weights together with the optimizer
@@ -26,8 +30,10 @@ of a mid-epoch resume were skipped). A folder the Trainer wrote itself still loa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import warnings
 import weakref
 from collections.abc import Callable
@@ -50,6 +56,10 @@ from lightning_incremental.runtime.preemption import PreemptionConfig
 log = logging.getLogger("lightning_incremental")
 FORMAT = "accelerate_incremental.trainer/1"
 _OWNED: weakref.WeakSet[Any] = weakref.WeakSet()  # accelerators a Trainer created
+_ABSENT = (
+    "its save never committed (the run stopped first), or the step was deleted since "
+    "(retention, a gc, or a later run resumed from an older checkpoint)"
+)
 
 
 def own_accelerator(accelerator: Any) -> None:
@@ -101,15 +111,15 @@ class TrainerCheckpointer:
     ) -> None:
         self.trainer = trainer
         self.auto_resume = auto_resume
-        self._open = lambda: CheckpointStore(
+        self.store = CheckpointStore(
             dirpath, storage_options=storage_options, optimizer_state=optimizer_state, **options
         )
-        self.store = self._open()
         self.url = str(self.store.url)
         self._failures = FailurePolicy("Trainer checkpoints", self.url, max_consecutive_failures)
         self._handles: list[SaveHandle] = []  # the main process's saves not collected yet
         self._processes: list[Any] | None = None  # the random states of the resumed checkpoint
         self._newest_step: int | None = None  # the newest step in the store (main process)
+        self._last_saved: int | None = None  # the step this train() saved last (every process)
         self.generation: int | None = None
         if fencing.should_claim(trainer.args.world_size):
             self.generation = coordinated(
@@ -136,6 +146,7 @@ class TrainerCheckpointer:
     def _train(self, own: Callable[..., Any]) -> Callable[..., Any]:
         def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
             own_accelerator(self.trainer.accelerator)
+            self._last_saved = None
             self.preemption.start()
             try:
                 result = own(self.resume_point(resume_from_checkpoint), *args, **kwargs)
@@ -167,12 +178,16 @@ class TrainerCheckpointer:
         )
         if chosen is None:
             return asked
-        announce(
-            self.trainer,
-            f"resuming the Trainer from {chosen} (step {markers.read(chosen).step} of "  # type: ignore[union-attr]
-            f"{self.url}, its newest committed checkpoint); pass "
-            "train(resume_from_checkpoint=False) to start afresh",
+        line = (
+            f"RESUMING the Trainer from {chosen} (step {markers.read(chosen).step} of "  # type: ignore[union-attr]
+            f"{self.url}, its newest committed checkpoint), NOT starting afresh; pass "
+            "train(resume_from_checkpoint=False) to start afresh"
         )
+        if self.trainer.is_world_process_zero():
+            rule = "=" * 78
+            log.warning("%s\naccelerate_incremental: %s\n%s", rule, line, rule)
+            if asked is None:  # by itself: a notebook shows warnings where it hides logs
+                warnings.warn(f"accelerate_incremental: {line}", UserWarning, stacklevel=3)
         return chosen
 
     def _newest(self, last_folder: bool) -> str | None:
@@ -188,11 +203,12 @@ class TrainerCheckpointer:
                 return last
             if last is not None:
                 log.warning(
-                    "accelerate_incremental: %s records step %s, whose save never committed to "
-                    "%s (the run stopped first); resuming from the newest committed one instead",
+                    "accelerate_incremental: %s records step %s, which is not in %s: %s; "
+                    "resuming from the newest committed one instead",
                     last,
                     marker.step if marker else None,
                     self.url,
+                    _ABSENT,
                 )
         if not committed:
             return None
@@ -219,6 +235,12 @@ class TrainerCheckpointer:
                     announce(trainer, "hyper-parameter search trials save full checkpoints")
                 return own(model, trial, *args, **kwargs)
             step = trainer.state.global_step
+            if step == self._last_saved:
+                # asked again for the step just saved (the Trainer's JIT checkpoint right after
+                # a save_steps save): the same state, so the first save stands; wait for it
+                if trainer.is_world_process_zero():
+                    self._failures.collect(self._handles, block=True)
+                return None
             real_save_model = trainer.save_model
 
             def save_model(output_dir: Any = None, _internal_call: bool = False) -> None:
@@ -241,6 +263,8 @@ class TrainerCheckpointer:
                 _hf_compat.run_dir(trainer), _hf_compat.checkpoint_prefix(), step
             )
             self.save(step, folder)
+            self._last_saved = step
+            return None
 
         return _save_checkpoint
 
@@ -280,27 +304,37 @@ class TrainerCheckpointer:
         return handle
 
     def _replace_newer(self, step: int) -> None:
-        """A run resumed from an older checkpoint saves steps the store already holds: as the
-        Trainer overwrites those ``checkpoint-N`` folders, the store's checkpoints from ``step``
-        on are deleted first (steps only increase in a store), with a warning."""
+        """A run resumed from an older checkpoint reaches a step the store already holds (or
+        one below a step it holds): steps only increase in a store, so at this first save the
+        store's checkpoints from ``step`` on, those of the abandoned run, are deleted, and with
+        them their ``checkpoint-N`` folders (which would name deleted steps), with a warning."""
         if self._newest_step is None:
             self._newest_step = max(self.store.steps(), default=-1)
         if step > self._newest_step:
             return
         newer = [s for s in self.store.steps() if s >= step]
+        run_dir = _hf_compat.run_dir(self.trainer)
+        prefix = _hf_compat.checkpoint_prefix()
+        folders = []
+        for old in newer[1:] if newer and newer[0] == step else newer:  # step's: just written
+            folder = markers.folder_of(run_dir, prefix, old)
+            with contextlib.suppress(ValueError):  # an unreadable record: not ours to remove
+                found = markers.read(folder)
+                if found is not None and found.store == self.url and found.step == old:
+                    folders.append(folder)
         log.warning(
             "accelerate_incremental: saving step %s of a run resumed from an older checkpoint: "
-            "deleting the store's checkpoints %s of the abandoned run from %s first, as the "
-            "Trainer overwrites their folders",
+            "deleting the abandoned run's newer checkpoints %s from %s and their folders %s "
+            "(steps only increase in a store)",
             step,
             newer,
             self.url,
+            [os.path.basename(f) for f in folders],
         )
+        for folder in folders:  # first: a folder never names a deleted step
+            shutil.rmtree(folder)
         for old in reversed(newer):
             self.store.delete(old)
-        # the store remembers the steps it saw as saved: a fresh one starts from what is left
-        self.store.close()
-        self.store = self._open()
 
     def _settle(self, *, block: bool) -> None:
         """Collect finished saves (all with ``block``); warn about failed ones, or raise at
@@ -348,9 +382,9 @@ class TrainerCheckpointer:
         committed = self.store.steps()
         if found.step not in committed:
             raise ValueError(
-                f"{folder} records step {found.step}, whose save never committed to {self.url} "
-                f"(the run stopped first); committed steps: {committed}. Resume from one of "
-                "those folders, or with resume_from_checkpoint=True (the newest committed)"
+                f"{folder} records step {found.step}, which is not in {self.url}: {_ABSENT}; "
+                f"committed steps: {committed}. Resume from one of those folders, or with "
+                "resume_from_checkpoint=True (the newest committed)"
             )
         return found
 

@@ -70,8 +70,8 @@ def refusals(trainer: Any) -> list[str]:
     if _hf_compat.fsdp_enabled(trainer):
         found.append("FSDP is enabled (sharded Trainer checkpoints are not covered yet)")
     args = trainer.args
-    strategy = str(getattr(args, "hub_strategy", "every_save"))
-    if args.push_to_hub and strategy.endswith(("checkpoint", "all_checkpoints")):
+    strategy = _hf_compat.hub_strategy(trainer)
+    if args.push_to_hub and strategy in ("checkpoint", "all_checkpoints"):
         found.append(
             f"push_to_hub with hub_strategy={strategy!r} uploads checkpoint folders to resume from "
             "the Hub, which would hold only a marker (use hub_strategy='every_save' or 'end')"

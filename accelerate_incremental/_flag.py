@@ -46,6 +46,7 @@ _KEYS = {
     "optimizer_state",
     "max_overhead",
     "expected_mtbf",
+    "materialize",
 }
 _NOT_PATHS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
 

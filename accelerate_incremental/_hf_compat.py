@@ -50,6 +50,7 @@ import functools
 import importlib.abc
 import importlib.util
 import inspect
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -162,6 +163,45 @@ def hub_strategy(trainer: Any) -> str:
     ``HubStrategy`` enum, whose ``str`` is ``"HubStrategy.CHECKPOINT"``."""
     strategy = getattr(trainer.args, "hub_strategy", "every_save")
     return str(getattr(strategy, "value", strategy))
+
+
+def pretrained_model(trainer: Any) -> Any:
+    """The Trainer's model unwrapped, when it is a ``PreTrainedModel`` without adapters (what
+    ``from_pretrained`` loads); else None."""
+    from transformers import PreTrainedModel
+
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    if isinstance(model, PreTrainedModel) and not getattr(model, "_hf_peft_config_loaded", False):
+        return model
+    return None
+
+
+def write_small_files(trainer: Any, output_dir: str) -> None:
+    """Write what ``Trainer._save`` writes into a checkpoint folder besides the weights, on the
+    main process: the model's ``config.json`` and ``generation_config.json`` (and remote code),
+    as ``save_pretrained`` writes them, the processing class's files (tokenizer, processor) and
+    ``training_args.bin``."""
+    import torch
+    from transformers.trainer import TRAINING_ARGS_NAME
+
+    model = pretrained_model(trainer)
+    if model is not None:
+        # what save_pretrained records in the config before writing it
+        model.config.dtype = str(model.dtype).split(".")[1]
+        model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
+        if model.is_remote_code():
+            from transformers.dynamic_module_utils import custom_object_save
+
+            custom_object_save(model, output_dir, config=model.config)
+        model.config.save_pretrained(output_dir)
+        if model.can_generate():
+            model.generation_config.save_pretrained(output_dir)
+    processing = trainer.processing_class
+    if processing is None:
+        processing = getattr(trainer.data_collator, "tokenizer", None)
+    if processing is not None:
+        processing.save_pretrained(output_dir)
+    torch.save(trainer.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
 
 # --- the preemption path: a step-end callback, the JIT checkpoint standing aside

@@ -157,7 +157,8 @@ def attach(accelerator: Any, config: dict[str, Any]) -> IncrementalCheckpointer 
         return existing
     if not _compat.models(accelerator):
         return None
-    return enable(accelerator, **config)
+    # materialize is a Trainer setting (its checkpoint-N folders): nothing to do here
+    return enable(accelerator, **{k: v for k, v in config.items() if k != "materialize"})
 
 
 def run_script(script: str, script_args: list[str]) -> None:

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from accelerate_incremental import _hf_compat
+from accelerate_incremental import _trainer_files as files
 from accelerate_incremental import _trainer_markers as markers
 from accelerate_incremental._trainer_preemption import TrainerPreemption
 from lightning_incremental.core import CheckpointStore, SaveHandle
@@ -93,8 +94,14 @@ class TrainerCheckpointer:
             defaults of :class:`~lightning_incremental.runtime.preemption.PreemptionConfig`;
             False: nothing): at SIGTERM (SIGINT, SLURM's requeue signal), every process saves
             the step all reach next and exits 143 once it committed (:mod:`~._trainer_preemption`).
+        materialize: ``"last"``, ``"best"`` or True (both): when ``train()`` ends, those
+            folders also get the model's weights as ``save_pretrained`` writes them, from the
+            store, so ``from_pretrained(folder)`` loads them (:mod:`~._trainer_files`).
         storage_options, optimizer_state, max_consecutive_failures, **options: as for
             :class:`~accelerate_incremental.IncrementalCheckpointer`.
+
+    Raises:
+        ConfigError: a bad ``materialize`` or store option.
     """
 
     def __init__(
@@ -107,10 +114,12 @@ class TrainerCheckpointer:
         optimizer_state: str = "exact",
         max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
         preemption: PreemptionConfig | bool = True,
+        materialize: Any = False,
         **options: Any,
     ) -> None:
         self.trainer = trainer
         self.auto_resume = auto_resume
+        self.materialize = files.materialize_option(materialize)
         self.store = CheckpointStore(
             dirpath, storage_options=storage_options, optimizer_state=optimizer_state, **options
         )
@@ -155,6 +164,11 @@ class TrainerCheckpointer:
                 self.preemption.stop()
                 raise
             self.preemption.at_train_end()  # exits 143 after a preemption
+            if self.materialize:
+                if self.trainer.is_world_process_zero():
+                    for folder in files.materialize(self.trainer, self.store, self.materialize):
+                        announce(self.trainer, f"wrote the model's weights into {folder}")
+                collectives.barrier()
             return result
 
         return train
@@ -217,7 +231,8 @@ class TrainerCheckpointer:
         found = markers.read(folder)
         if found is None or found.store != self.url or found.step != step:
             saved = self.store.load(step, keys="trainer_state")["trainer_state"]
-            markers.write(folder, self.url, step)
+            os.makedirs(folder, exist_ok=True)
+            files.write_folder(self.trainer, folder, self.url, step)
             with open(os.path.join(folder, _hf_compat.state_file()), "w", encoding="utf-8") as fh:
                 fh.write(saved)
         return folder
@@ -250,7 +265,7 @@ class TrainerCheckpointer:
                 if trainer.args.push_to_hub:  # the upload needs the weights as files
                     real_save_model(output_dir, _internal_call)
                 if trainer.args.should_save:
-                    markers.write(output_dir, self.url, step)
+                    files.write_folder(trainer, output_dir, self.url, step)
 
             def nothing(output_dir: Any) -> None:
                 os.makedirs(output_dir, exist_ok=True)

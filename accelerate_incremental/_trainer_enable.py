@@ -51,6 +51,7 @@ _PASSED = {
     "optimizer_state",
     "max_consecutive_failures",
     "preemption",
+    "materialize",
 }
 _RECOVERY = {
     "watchdog",
@@ -132,8 +133,9 @@ def enable_trainer(
     flag enabled, it returns the checkpointer it has. ``kwargs``: ``auto_resume`` (default True:
     ``train()`` resumes from the newest committed checkpoint), ``storage_options``,
     ``optimizer_state``, ``max_consecutive_failures``, ``preemption`` (default True: a SIGTERM
-    saves the step every process reaches next, then they exit 143) and store options
-    (``full_every``, ...).
+    saves the step every process reaches next, then they exit 143), ``materialize`` (``"last"``,
+    ``"best"`` or True: when ``train()`` ends, those ``checkpoint-N`` folders also get the
+    model's weights, so ``from_pretrained`` loads them) and store options (``full_every``, ...).
 
     Raises:
         ValueError: a Trainer this integration cannot cover (DeepSpeed, FSDP, an unsupported
@@ -177,7 +179,8 @@ def _start(trainer: Any, config: dict[str, Any]) -> TrainerCheckpointer:
         trainer,
         f"Trainer checkpoints go to {checkpointer.url} (incremental), at the Trainer's own "
         f"save_strategy={str(trainer.args.save_strategy).rsplit('.', 1)[-1].lower()!r}; "
-        f"{trainer.args.output_dir}/checkpoint-N folders hold a marker and trainer_state.json",
+        f"{trainer.args.output_dir}/checkpoint-N folders hold a marker and the Trainer's small "
+        "files (config, tokenizer, trainer_state.json), not the weights",
     )
     return checkpointer
 

@@ -32,6 +32,13 @@ from lightning_incremental.core import (
 from lightning_incremental.core.format.records import Manifest
 from lightning_incremental.core.maintain.export import FORMATS, export_state
 from lightning_incremental.core.maintain.export_dcp import export_dcp
+from lightning_incremental.core.maintain.export_hf import (
+    DEFAULT_MAX_SHARD_SIZE,
+    check_source_folder,
+    copy_beside,
+    export_hf,
+    parse_size,
+)
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_ERROR = 0, 1, 2, 3, 4
 
@@ -103,13 +110,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("b", type=int)
     p = command("export", _export, "write a checkpoint as a plain file that needs no library")
     p.add_argument("step", nargs="?", type=int, help="step (default: the newest)")
-    p.add_argument("--to", required=True, type=Path, help="file (for dcp: directory) to write")
+    p.add_argument(
+        "--to", required=True, type=Path, help="file (for dcp and hf: directory) to write"
+    )
     p.add_argument(
         "--format",
-        choices=(*FORMATS, "dcp"),
+        choices=(*FORMATS, "dcp", "hf"),
         default="torch",
         help="dcp: a torch.distributed.checkpoint directory, written piece by piece (a sharded "
-        "checkpoint's tensors are never held whole); loads onto any layout with DCP",
+        "checkpoint's tensors are never held whole); loads onto any layout with DCP. hf: a "
+        "Hugging Face Trainer checkpoint's model weights as save_pretrained writes them "
+        "(model.safetensors, or shards and their index), for from_pretrained(DIR) once the "
+        "model's config.json is beside them (--from-folder, or --to the checkpoint-N folder)",
+    )
+    p.add_argument(
+        "--from-folder",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="hf: copy the small files (config.json, tokenizer, ...) of this checkpoint-N folder "
+        "into --to; its record must name the exported step",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default=str(DEFAULT_MAX_SHARD_SIZE),
+        metavar="SIZE",
+        help="hf: the largest weight file (bytes, or e.g. 5GB, 500MB; default 50GB, as "
+        "save_pretrained); past it the weights are sharded with an index",
     )
     p.add_argument(
         "--keys",
@@ -389,6 +416,8 @@ def _diff(store: CheckpointStore, args: argparse.Namespace, console: Console) ->
 def _export(store: CheckpointStore, args: argparse.Namespace, console: Console) -> int:
     manifest = store.manifest(args.step)
     step = manifest.step
+    if args.format == "hf":
+        return _export_hf(store, args, console, step)
     if args.format == "dcp":
         keys = tuple(args.keys) if args.keys else None
         written = export_dcp(
@@ -405,6 +434,48 @@ def _export(store: CheckpointStore, args: argparse.Namespace, console: Console) 
             doc["keys"] = list(state)
     if not args.json:
         console.print(f"exported step {step} to {args.to} ({args.format}, {_mb(written)} MB)")
+    _emit(console, args, doc, None)
+    return EXIT_OK
+
+
+#: The record a Hugging Face Trainer's checkpoint-N folder holds (the store and the step) and
+#: the folder's README: never copied by ``--from-folder``.
+_TRAINER_RECORD = "incremental_checkpoint.json"
+_TRAINER_README = "README.md"
+
+
+def _export_hf(
+    store: CheckpointStore, args: argparse.Namespace, console: Console, step: int
+) -> int:
+    limit = parse_size(args.max_shard_size)
+    folder = args.from_folder
+    if folder is not None:
+        check_source_folder(folder, step, _TRAINER_RECORD)
+    key = args.keys[0] if args.keys else "model"
+    if args.keys and len(args.keys) != 1:
+        raise ConfigError("--format hf exports one key (the model's state dict), e.g. --keys model")
+    # a checkpoint without the key: a ConfigError naming the keys it has
+    weights = store.load(step, map_location="cpu", keys=[key])[key]
+    files, written = export_hf(weights, args.to, max_shard_size=limit)
+    del weights
+    copied = copy_beside(folder, args.to, {_TRAINER_RECORD, _TRAINER_README}) if folder else []
+    doc: dict[str, Any] = {
+        "step": step,
+        "to": str(args.to),
+        "format": "hf",
+        "bytes": written,
+        "files": files,
+        "copied": copied,
+    }
+    if not args.json:
+        console.print(
+            f"exported step {step} to {args.to} (hf, {', '.join(files)}, {_mb(written)} MB)"
+        )
+        if folder is None and not (Path(args.to) / "config.json").is_file():
+            console.print(
+                f"from_pretrained({str(args.to)!r}) also needs the model's config.json beside "
+                "the weights: copy it from the checkpoint-N folder (--from-folder does)"
+            )
     _emit(console, args, doc, None)
     return EXIT_OK
 

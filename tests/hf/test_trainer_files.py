@@ -1,9 +1,11 @@
-"""The Trainer integration's checkpoint folders: the refusal of ``hub_strategy`` uploads of
-checkpoints; the Trainer's JIT checkpoint right after a save; a run resumed from an older
-checkpoint."""
+"""The Trainer integration's checkpoint folders and what they hold: the Trainer's small files in
+every folder, ``materialize`` and ``export --format hf`` for ``from_pretrained``; the refusal of
+``hub_strategy`` uploads of checkpoints; the Trainer's JIT checkpoint right after a save; a run
+resumed from an older checkpoint."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -13,10 +15,30 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
 
-from accelerate_incremental import _hf_compat, _trainer_enable, enable_trainer
-from lightning_incremental.core import CheckpointStore
-from tests.hf.trainers import tiny_trainer
+import torch
+
+from accelerate_incremental import _flag, _hf_compat, _trainer_enable, enable_trainer
+from accelerate_incremental._trainer_markers import NAME
+from lightning_incremental import cli
+from lightning_incremental.core import CheckpointStore, ConfigError
+from tests.hf.trainers import tiny_trainer, weights
+
+SMALL_FILES = {"config.json", "generation_config.json", "training_args.bin", "README.md"}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a
+    )
+
+
+def _pretrained(folder: Path) -> dict[str, torch.Tensor]:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(str(folder))
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("strategy", ["checkpoint", "all_checkpoints"])
@@ -34,6 +56,61 @@ def test_hub_strategies_uploading_checkpoints_are_refused(tmp_path: Path, strate
     ):
         assert _trainer_enable.from_flag(trainer, {"dirpath": str(tmp_path / "store")}) is None
     assert "_save_checkpoint" not in vars(trainer)  # its own folders
+
+
+def test_small_files_materialize_and_export_load_with_from_pretrained(tmp_path: Path) -> None:
+    """Every folder holds the Trainer's small files; materialize="last" gives the last folder
+    real weights; export --format hf (one file, then shards and an index) of an older step loads
+    bit-exactly beside the small files of its folder."""
+    store, out = tmp_path / "store", tmp_path / "out"
+    trainer = tiny_trainer(out)
+    enable_trainer(trainer, str(store), materialize="last")
+    trainer.train()
+    for step in (5, 10):
+        names = {p.name for p in (out / f"checkpoint-{step}").iterdir()}
+        assert SMALL_FILES - {"README.md"} | {NAME, "trainer_state.json"} <= names
+    first = out / "checkpoint-5"
+    assert "model.safetensors" not in {p.name for p in first.iterdir()}
+    readme = (first / "README.md").read_text()
+    assert f"lightning-incremental export {store} 5 --format hf --to {first}" in readme
+    with pytest.raises(OSError):  # transformers' own message; the README is beside it
+        _pretrained(first)
+    # materialize="last": the last folder loads as the run ended, bit-exactly
+    assert (out / "checkpoint-10" / "model.safetensors").is_file()
+    assert not (out / "checkpoint-10" / "README.md").exists()
+    assert _equal(_pretrained(out / "checkpoint-10"), weights(trainer))
+    saved = CheckpointStore(store).load(5, keys="model")["model"]
+
+    whole = tmp_path / "whole"
+    code = cli.main(["export", str(store), "5", "--format", "hf", "--to", str(whole),
+                     "--from-folder", str(first)])  # fmt: skip
+    assert code == 0
+    assert {"model.safetensors", "config.json", "training_args.bin"} <= set(os.listdir(whole))
+    assert NAME not in os.listdir(whole)
+    assert _equal(_pretrained(whole), {k: saved[k] for k in _pretrained(whole)})
+
+    sharded = tmp_path / "sharded"
+    code = cli.main(["export", str(store), "5", "--format", "hf", "--to", str(sharded),
+                     "--from-folder", str(first), "--max-shard-size", "20KB"])  # fmt: skip
+    assert code == 0
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and shards <= set(os.listdir(sharded))
+    assert "model.safetensors" not in os.listdir(sharded)
+    assert _equal(_pretrained(sharded), _pretrained(whole))
+    # the folder of another step is refused
+    assert cli.main(["export", str(store), "10", "--format", "hf", "--to", str(sharded),
+                     "--from-folder", str(first)]) == cli.EXIT_USAGE  # fmt: skip
+
+
+def test_materialize_from_the_launch_flag_json_and_checked(tmp_path: Path) -> None:
+    config_file = tmp_path / "incremental.json"
+    config_file.write_text(json.dumps({"dirpath": str(tmp_path / "s"), "materialize": "best"}))
+    config = _flag.file_settings(str(config_file), "--config")
+    checkpointer = _trainer_enable.from_flag(tiny_trainer(tmp_path / "out"), config)
+    assert checkpointer is not None and checkpointer.materialize == ("best",)
+    with pytest.raises(ConfigError, match="materialize must be"):
+        enable_trainer(tiny_trainer(tmp_path / "out2"), str(tmp_path / "s2"), materialize="every")
 
 
 def test_a_jit_checkpoint_right_after_a_save_of_that_step_is_a_no_op(

@@ -64,7 +64,7 @@ def export_state(state: dict[str, Any], to: str | os.PathLike[str], fmt: str) ->
     if fmt in ("torch", "lightning"):
         torch.save(state, tmp)
     else:
-        _write_safetensors(_named_tensors(state), tmp)
+        write_safetensors(_named_tensors(state), tmp)
     os.replace(tmp, path)
     return path.stat().st_size
 
@@ -100,7 +100,12 @@ def _tensors(value: Any, prefix: str, path: tuple[Any, ...]) -> Any:
             yield from _tensors(item, f"{prefix}.{index}" if prefix else str(index), (*path, index))
 
 
-def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``tensors`` (by name) to the safetensors file ``path``, durably.
+
+    Raises:
+        UnsupportedValueError: a dtype safetensors cannot hold, naming the tensor.
+    """
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     blobs = []
     offset = 0

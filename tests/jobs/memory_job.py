@@ -1,0 +1,116 @@
+"""A Lightning DDP job over two torchrun agents (two nodes, one process each) with the memory tier
+every step and the store every 10 steps, for ``tests/multiprocess/test_memory_tier.py``.
+
+``python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 ... tests/jobs/memory_job.py
+--dir D --out O [--kill RANK:STEP]``, each agent with its own
+``LIGHTNING_INCREMENTAL_MEMORY_DIR``.
+
+The first incarnation first trains an uninterrupted reference (memory tier off, its own store)
+and saves each rank's final weights to ``O/ref_rank<r>.pt``; then the run under test starts.
+``--kill RANK:STEP`` SIGKILLs RANK's training process when it reaches STEP, once in the job (its
+agent restarts the group). Each agent counts its own restarts (one whose workers stop for
+another node's failure does not count it), so files, not ``TORCHELASTIC_RESTART_COUNT``,
+say what already happened. The incarnation that finishes writes ``O/final_rank<r>.pt``. Events
+(starts with ``resumed_from`` and ``resumed_tier``, the kill, the end) go to ``O/events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_incremental import IncrementalCheckpoint
+from tests.jobs.lightning_job import TinyModel, weights
+from tests.jobs.torchrun_job import TIMINGS, Events
+
+
+class Kill(L.Callback):
+    def __init__(self, rank: int, step: int, events: Events, once: Path) -> None:
+        self.rank, self.step, self.events, self.once = rank, step, events, once
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            try:
+                self.once.touch(exist_ok=False)
+            except FileExistsError:
+                return
+            self.events("kill", step=self.step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Record(L.Callback):
+    def __init__(self, ckpt: IncrementalCheckpoint, events: Events) -> None:
+        self.ckpt, self.events = ckpt, events
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.events(
+            "started",
+            step=trainer.global_step,
+            resumed_from=self.ckpt.resumed_from,
+            resumed_tier=self.ckpt.resumed_tier,
+        )
+
+
+def fit(store: Path, out: Path, callbacks: list[L.Callback], **memory: Any) -> L.Trainer:
+    L.seed_everything(0, verbose=False)
+    ckpt = IncrementalCheckpoint(store, every_n_train_steps=10, **TIMINGS, **memory)
+    trainer = L.Trainer(
+        max_epochs=2,
+        limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        strategy="ddp",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
+        callbacks=[ckpt, *[cb(ckpt) for cb in callbacks]],
+    )
+    module = TinyModel(batch_size=2)  # 16 steps an epoch on each of the two ranks
+    trainer.fit(module)
+    torch.save(weights(module), out / f"{store.name}_rank{trainer.global_rank}.pt")
+    return trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kill", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out, root = Path(args.out), Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    events = Events(out)
+    if not all((out / f"ref_rank{r}.pt").exists() for r in (0, 1)):
+        fit(root / "ref", out, [])
+    kills = []
+    if args.kill:
+        rank, step = (int(x) for x in args.kill.split(":"))
+        kills.append(lambda _: Kill(rank, step, events, out / "killed"))
+    trainer = fit(
+        root / "final",
+        out,
+        [lambda ckpt: Record(ckpt, events), *kills],
+        memory_every_n_train_steps=1,
+    )
+    events("finished", step=trainer.global_step)
+    trainer.strategy.barrier()
+    logging.shutdown()
+    os._exit(0)  # without gloo's teardown at exit (see torchrun_job)
+
+
+if __name__ == "__main__":
+    main()

@@ -252,12 +252,15 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
         """Wait for the saves running in the background; returns their results (and logs their
         figures). Only global rank 0 saves (elsewhere this returns ``[]``), except in a sharded
         run, where every rank saves its shards and gets its own figures. A failed save is
-        warned about (see ``max_consecutive_failures``).
+        warned about (see ``max_consecutive_failures``). Also waits for this rank's memory
+        step in flight (written and replicated).
 
         Raises:
             CheckpointError: ``max_consecutive_failures`` saves in a row failed, or this writer
                 was fenced off by a newer generation of the job.
         """
+        if self._fit.memory is not None:
+            self._fit.memory.replicator.wait()
         if (saver := self._fit.saver) is None:
             return []
         results = saver.collect(block=True)

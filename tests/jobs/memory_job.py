@@ -2,16 +2,18 @@
 every step and the store every 10 steps, for ``tests/multiprocess/test_memory_tier.py``.
 
 ``python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 ... tests/jobs/memory_job.py
---dir D --out O [--kill RANK:STEP]``, each agent with its own
+--dir D --out O [--kill RANK:STEP[:wipe] ...]``, each agent with its own
 ``LIGHTNING_INCREMENTAL_MEMORY_DIR``.
 
 The first incarnation first trains an uninterrupted reference (memory tier off, its own store)
 and saves each rank's final weights to ``O/ref_rank<r>.pt``; then the run under test starts.
-``--kill RANK:STEP`` SIGKILLs RANK's training process when it reaches STEP, once in the job (its
-agent restarts the group). Each agent counts its own restarts (one whose workers stop for
-another node's failure does not count it), so files, not ``TORCHELASTIC_RESTART_COUNT``,
-say what already happened. The incarnation that finishes writes ``O/final_rank<r>.pt``. Events
-(starts with ``resumed_from`` and ``resumed_tier``, the kill, the end) go to ``O/events.jsonl``.
+Each ``--kill`` SIGKILLs RANK's training process when it reaches STEP, once in the job, after
+its memory step in flight is replicated (its agent restarts the group); with ``wipe`` it first
+empties its node's memory directory, as a replacement node would find it. Each agent counts its
+own restarts (one whose workers stop for another node's failure does not count it), so files,
+not ``TORCHELASTIC_RESTART_COUNT``, say what already happened. The incarnation that finishes
+writes ``O/final_rank<r>.pt``. Events (starts with ``resumed_from``, ``resumed_tier`` and the
+node's memory directory, the kills, the end) go to ``O/events.jsonl``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -31,13 +34,16 @@ if __package__ in (None, ""):  # run as a script: make the packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_incremental import IncrementalCheckpoint
+from lightning_incremental.runtime.memory_tier import ENV
 from tests.jobs.lightning_job import TinyModel, weights
 from tests.jobs.torchrun_job import TIMINGS, Events
 
 
 class Kill(L.Callback):
-    def __init__(self, rank: int, step: int, events: Events, once: Path) -> None:
-        self.rank, self.step, self.events, self.once = rank, step, events, once
+    def __init__(self, ckpt: IncrementalCheckpoint, spec: str, events: Events, out: Path) -> None:
+        rank, step, *wipe = spec.split(":")
+        self.ckpt, self.rank, self.step, self.wipe = ckpt, int(rank), int(step), bool(wipe)
+        self.events, self.once = events, out / f"killed-{step}"
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
@@ -45,7 +51,10 @@ class Kill(L.Callback):
                 self.once.touch(exist_ok=False)
             except FileExistsError:
                 return
-            self.events("kill", step=self.step)
+            self.ckpt.wait()
+            if self.wipe:
+                shutil.rmtree(os.environ[ENV])
+            self.events("kill", step=self.step, wiped=self.wipe)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -59,6 +68,7 @@ class Record(L.Callback):
             step=trainer.global_step,
             resumed_from=self.ckpt.resumed_from,
             resumed_tier=self.ckpt.resumed_tier,
+            node=os.environ[ENV],
         )
 
 
@@ -88,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--kill", default=None)
+    parser.add_argument("--kill", action="append", default=[])
     args = parser.parse_args()
     torch.set_num_threads(1)
     out, root = Path(args.out), Path(args.dir)
@@ -96,10 +106,7 @@ def main() -> None:
     events = Events(out)
     if not all((out / f"ref_rank{r}.pt").exists() for r in (0, 1)):
         fit(root / "ref", out, [])
-    kills = []
-    if args.kill:
-        rank, step = (int(x) for x in args.kill.split(":"))
-        kills.append(lambda _: Kill(rank, step, events, out / "killed"))
+    kills = [lambda ckpt, spec=spec: Kill(ckpt, spec, events, out) for spec in args.kill]
     trainer = fit(
         root / "final",
         out,

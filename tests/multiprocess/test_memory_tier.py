@@ -1,8 +1,14 @@
 """The memory tier end to end: two torchrun agents as two nodes (``--nnodes=2``, one process each,
-each with its own memory directory), memory every step, store every 10 steps. One node's
-training process is SIGKILLed at step 25; its agent restarts the group, which resumes from the
-memory tier at step 24 or 25 (the store holds step 20) and ends bit-identical to an
-uninterrupted run of the same job (trained first, in the same launch)."""
+each with its own memory directory), memory every step, store every 10 steps, one launch:
+
+- one node's training process is SIGKILLed at step 25; its agent restarts the group, which
+  resumes from the memory tier at step 24 (the store holds step 20);
+- at step 29 one node's training process empties its memory directory (a replacement node) and
+  is SIGKILLed; the group resumes at step 28, that rank's part received from the other node's
+  replica;
+
+and the run ends bit-identical to an uninterrupted run of the same job (trained first, in the
+same launch)."""
 
 from __future__ import annotations
 
@@ -35,13 +41,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _agent(tmp: Path, node: int, port: int, kill: str) -> subprocess.Popen[bytes]:
+def _agent(tmp: Path, node: int, port: int) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=memory",
         f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120", "--max-restarts=3",
         "--monitor-interval=0.1", str(JOB), "--dir", str(tmp / "stores"), "--out",
-        str(tmp / "out"), "--kill", kill,
+        str(tmp / "out"), "--kill", "1:25", "--kill", "0:29:wipe",
     ]  # fmt: skip
     env = dict(
         os.environ,
@@ -62,14 +68,14 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("memory_tier")
     port = _free_port()
     started = time.monotonic()
-    nodes = [_agent(tmp, 0, port, kill="1:25")]
+    nodes = [_agent(tmp, 0, port)]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the first agent hosts the rendezvous
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 break
         time.sleep(0.1)
-    nodes.append(_agent(tmp, 1, port, kill="1:25"))
+    nodes.append(_agent(tmp, 1, port))
     try:
         rcs = [node.wait(timeout=TIMEOUT_S) for node in nodes]
     finally:
@@ -81,21 +87,43 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     logs = "".join((tmp / f"node{n}.log").read_text() for n in (0, 1))
     assert rcs == [0, 0], logs[-8000:]
     events = [json.loads(line) for line in (tmp / "out" / "events.jsonl").read_text().splitlines()]
-    print(f"\nmemory tier, two nodes, kill at step 25: {time.monotonic() - started:.1f} s in all")
+    kills = [e for e in events if e["event"] == "kill"]
+    for kill in kills:
+        back = min(
+            e["time"] for e in events if e["event"] == "started" and e["time"] > kill["time"]
+        )
+        again = back - kill["time"]
+        print(f"\nmemory tier: killed at step {kill['step']}, training again {again:.1f} s later")
+    print(f"memory tier, two nodes, two kills: {time.monotonic() - started:.1f} s in all")
     return {"tmp": tmp, "events": events, "logs": logs}
 
 
-def test_a_killed_process_resumes_from_memory_bit_identically(killed: dict[str, Any]) -> None:
-    events, out = killed["events"], killed["tmp"] / "out"
-    assert [e["step"] for e in events if e["event"] == "kill"] == [25]
+def _incarnations(events: list[dict[str, Any]]) -> list[dict[int, dict[str, Any]]]:
+    """Each incarnation's start events, by rank (starts come in pairs)."""
     starts = [e for e in events if e["event"] == "started"]
-    assert {(e["rank"], e["resumed_from"]) for e in starts[:2]} == {(0, None), (1, None)}
+    return [{e["rank"]: e for e in starts[i : i + 2]} for i in range(0, len(starts), 2)]
+
+
+def test_killed_processes_resume_from_memory_and_a_peer_bit_identically(
+    killed: dict[str, Any],
+) -> None:
+    events, out = killed["events"], killed["tmp"] / "out"
+    assert [(e["step"], e["wiped"]) for e in events if e["event"] == "kill"] == [
+        (25, False),
+        (29, True),
+    ]
+    first, after_kill, after_wipe = _incarnations(events)
+    assert {r: e["resumed_from"] for r, e in first.items()} == {0: None, 1: None}
+    # step 24: the store holds 20; each rank reads its own node's memory, unless the restart
+    # put the ranks on the other nodes (then each receives its part from the node that has it)
+    same_nodes = all(after_kill[r]["node"] == first[r]["node"] for r in (0, 1))
+    for start in after_kill.values():
+        assert start["resumed_from"] == 24, start
+        assert start["resumed_tier"] == ("memory" if same_nodes else "peer"), start
+    for start in after_wipe.values():  # a node with empty memory: its rank's part from a peer
+        assert (start["resumed_from"], start["resumed_tier"]) == (28, "peer"), start
     finished = [e for e in events if e["event"] == "finished"]
     assert {e["rank"] for e in finished} == {0, 1} and {e["step"] for e in finished} == {32}
-    final_starts = starts[-2:]  # the incarnation that finished
-    assert {e["rank"] for e in final_starts} == {0, 1}
-    for start in final_starts:  # the store holds step 20: memory gave 24 or 25
-        assert start["resumed_tier"] == "memory" and start["resumed_from"] in (24, 25), start
     assert "of the memory tier" in killed["logs"]
     for rank in (0, 1):
         final = torch.load(out / f"final_rank{rank}.pt")

@@ -18,7 +18,8 @@ Accelerate's ``-m/--module`` makes every process it starts run ``python -m accel
    the Trainer class is hooked when the script itself imports ``transformers.trainer``.
 4. The script runs as ``__main__``, as ``python train.py [script args]`` would run it:
    ``sys.argv``, ``__file__``, ``sys.path[0]`` (the script's directory), exit status,
-   exceptions and signals are the script's own.
+   exceptions and signals are the script's own. At exit, after the stores drained, a gloo
+   process group the script left is destroyed (:func:`end_gloo_group`).
 
 Without ``--dirpath`` / ``--config`` the environment variables ``ACCELERATE_INCREMENTAL`` /
 ``ACCELERATE_INCREMENTAL_CONFIG`` give the store; the flags take precedence over them.
@@ -27,6 +28,7 @@ Without ``--dirpath`` / ``--config`` the environment variables ``ACCELERATE_INCR
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import os
 import runpy
@@ -171,8 +173,21 @@ def run_script(script: str, script_args: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def end_gloo_group() -> None:
+    """At interpreter exit (an ``atexit`` hook, after the stores drained their saves): destroy a
+    gloo default process group the script left, while the interpreter is whole. Left to
+    interpreter teardown, gloo's worker threads can end a process that finished with
+    ``terminate called without an active exception`` (exit 134), which ``accelerate launch``
+    reports as a failed run. Other backends are left as they are."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """The module's entry point: parse, install, run the script."""
     config, script, script_args = parse(sys.argv[1:] if argv is None else argv)
     install(config)
+    atexit.register(end_gloo_group)  # first registered: runs after the script's own hooks
     run_script(script, script_args)

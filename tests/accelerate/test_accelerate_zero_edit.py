@@ -166,6 +166,39 @@ def test_module_runs_the_script_as_main(tmp_path: Path) -> None:
     assert "ValueError: from the script" in failed.stderr
 
 
+def test_a_gloo_group_the_script_left_is_destroyed_at_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left to interpreter teardown, gloo's threads can abort a process that finished (exit 134:
+    a failed launch); the module registers, before the script runs, an exit hook that destroys
+    a gloo group while the interpreter is whole."""
+    import atexit
+
+    import torch.distributed as dist
+
+    registered: list[Any] = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(_launch, "install", lambda config: None)
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method={(tmp_path / 'rdv').as_uri()!r}, rank=0,"
+        " world_size=1)\n"
+    )
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        _launch.main(["--dirpath", str(tmp_path / "s"), str(script)])
+        assert dist.is_initialized()
+        assert registered == [_launch.end_gloo_group]
+        registered[0]()
+        assert not dist.is_initialized()
+        registered[0]()  # nothing left: nothing to do
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------- real launches
 
 

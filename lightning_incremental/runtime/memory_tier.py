@@ -231,7 +231,38 @@ class MemoryTier:
         Raises:
             MemoryPartError: the part is missing, not this job's, or its bytes changed.
         """
-        return self.restore(self.part(rank, step, generation))
+        path = self.parts / self.name(rank, step, generation)
+        try:
+            head = self._check_header((path / HEADER).read_bytes())
+            index = (path / INDEX).read_bytes()
+            _check(INDEX, index, head)
+            leaves = json.loads(index)["leaves"]
+            tensors = _slots(leaves)
+            hasher, offset = chunk_hasher(), 0
+            size = int(head["files"][DATA]["size"])
+            with open(path / DATA, "rb", buffering=0) as f:  # straight into each tensor
+                if os.fstat(f.fileno()).st_size != size:
+                    raise MemoryPartError(f"{path / DATA} is not {size} bytes long")
+                for e in sorted(leaves, key=lambda e: int(e["offset"])):
+                    holder, raw = _allocate(e)
+                    skip = int(e["offset"]) - offset
+                    if skip < 0:
+                        raise MemoryPartError(f"overlapping tensors in {path / INDEX}")
+                    hasher.update(_read(f, skip))
+                    if raw.nbytes and f.readinto(raw.data) != raw.nbytes:
+                        raise MemoryPartError(f"{path / DATA} is shorter than its index says")
+                    hasher.update(raw.data)
+                    offset = int(e["offset"]) + raw.nbytes
+                    tensors[int(e["slot"])] = _finish(holder, e)
+                hasher.update(_read(f, size - offset))
+            if hasher.hexdigest() != head["files"][DATA]["hash"]:
+                raise MemoryPartError(
+                    f"{DATA} of rank {rank}'s part of step {step} does not match its hash: the "
+                    "memory copy changed after it was written"
+                )
+        except OSError as exc:
+            raise MemoryPartError(f"cannot read {path}: {exc}") from exc
+        return unflatten(json.loads(index)["skeleton"], tensors, allow_pickle=self.allow_pickle)
 
     def part(self, rank: int, step: int, generation: int) -> Part:
         """The files of ``rank``'s part of ``step`` (the data viewed, not copied).
@@ -260,19 +291,26 @@ class MemoryTier:
         Raises:
             MemoryPartError: of another job or world size, or its bytes do not match.
         """
-        head = _parse_header(part.header)
-        if head["job"] != self.job or head["world_size"] != self.world_size:
-            raise MemoryPartError(
-                f"part of job {head['job']!r} on {head['world_size']} ranks, not of this job"
-            )
+        head = self._check_header(part.header)
         _check(INDEX, part.index, head)
         _check(DATA, _raw(part.data), head)
         body = json.loads(part.index)
         leaves = body["leaves"]
-        tensors: list[Any] = [None] * (1 + max((int(e["slot"]) for e in leaves), default=-1))
+        tensors = _slots(leaves)
         for e in leaves:
-            tensors[int(e["slot"])] = _tensor(part.data, e)
+            start = int(e["offset"])
+            holder, raw = _allocate(e)
+            raw[:] = _raw(part.data[start : start + raw.nbytes])
+            tensors[int(e["slot"])] = _finish(holder, e)
         return unflatten(body["skeleton"], tensors, allow_pickle=self.allow_pickle)
+
+    def _check_header(self, raw: bytes) -> dict[str, Any]:
+        head = _parse_header(raw)
+        if head["job"] != self.job or head["world_size"] != self.world_size:
+            raise MemoryPartError(
+                f"part of job {head['job']!r} on {head['world_size']} ranks, not of this job"
+            )
+        return head
 
     # ------------------------------------------------------------------ retention
 
@@ -311,22 +349,40 @@ def _entry(leaf: Leaf, offset: int) -> dict[str, Any]:
     }
 
 
-def _tensor(data: torch.Tensor, e: dict[str, Any]) -> Any:
-    start, nbytes = int(e["offset"]), int(e["nbytes"])
-    raw = data[start : start + nbytes]
+def _slots(leaves: list[dict[str, Any]]) -> list[Any]:
+    return [None] * (1 + max((int(e["slot"]) for e in leaves), default=-1))
+
+
+def _allocate(e: dict[str, Any]) -> tuple[Any, np.ndarray]:
+    """A tensor (or array) of its own for an index entry, and its bytes as a flat uint8 view.
+    Not a view into the part: some of torch's functions misread views at an offset
+    (``torch.set_rng_state`` crashes on one), and the part's file is deleted later."""
+    nbytes = int(e["nbytes"])
     if e["numpy"]:
-        return raw.numpy().view(np.dtype(e["dtype"])).reshape(e["shape"]).copy()
-    dtype = torch_dtype(e["dtype"])
-    # A tensor of its own, not a view into the part: some of torch's functions misread views at
-    # an offset (torch.set_rng_state crashes on one), and the part's file is deleted later.
-    tensor = torch.empty(e["shape"], dtype=dtype)
-    if nbytes:
-        tensor.reshape(-1).view(torch.uint8).copy_(raw)
+        raw = np.empty(nbytes, dtype=np.uint8)
+        return raw, raw
+    tensor = torch.empty(e["shape"], dtype=torch_dtype(e["dtype"]))
+    if tensor.numel() * tensor.element_size() != nbytes:
+        raise MemoryPartError(f"an index entry's size does not match its shape: {e}")
+    raw = tensor.reshape(-1).view(torch.uint8).numpy() if nbytes else np.empty(0, np.uint8)
+    return tensor, raw
+
+
+def _finish(holder: Any, e: dict[str, Any]) -> Any:
+    if e["numpy"]:
+        return holder.view(np.dtype(e["dtype"])).reshape(e["shape"])
     if e["param"]:
-        return torch.nn.Parameter(tensor, requires_grad=bool(e["grad"]))
-    if e["grad"] and (tensor.is_floating_point() or tensor.is_complex()):
-        tensor.requires_grad_(True)
-    return tensor
+        return torch.nn.Parameter(holder, requires_grad=bool(e["grad"]))
+    if e["grad"] and (holder.is_floating_point() or holder.is_complex()):
+        holder.requires_grad_(True)
+    return holder
+
+
+def _read(f: Any, n: int) -> bytes:
+    data = f.read(n) if n > 0 else b""
+    if len(data) != max(n, 0):
+        raise MemoryPartError(f"{f.name} is shorter than its index says")
+    return data
 
 
 def _raw(data: torch.Tensor) -> np.ndarray:

@@ -72,6 +72,11 @@ def test_a_changed_byte_is_found_on_read(tmp_path: Path) -> None:
     data.write_bytes(bytes(raw))
     with pytest.raises(MemoryPartError, match="does not match its hash"):
         tier.load(0, 3, 1)
+    with pytest.raises(MemoryPartError, match="does not match its hash"):
+        tier.restore(tier.part(0, 3, 1))  # a part received from a peer is checked alike
+    data.write_bytes(bytes(raw[:-1]))
+    with pytest.raises(MemoryPartError, match=r"is not \d+ bytes long"):
+        tier.load(0, 3, 1)
 
 
 def test_a_torn_write_is_not_a_part_and_other_jobs_are_refused(tmp_path: Path) -> None:

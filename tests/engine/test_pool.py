@@ -16,7 +16,7 @@ import torch
 from lightning_incremental.core import CheckpointStore, ConfigError
 from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.maintain.pins import read_pins
-from lightning_incremental.core.maintain.pool import unpin
+from lightning_incremental.core.maintain.pool import leave, unpin
 from lightning_incremental.core.maintain.pool_gc import PoolMemberError, collect_pool
 from lightning_incremental.core.storage import LocalStorage
 from lightning_incremental.core.storage.linked import OBJECT_DIR
@@ -201,3 +201,32 @@ def test_fork_of_a_plain_store_into_a_pool(tmp_path: Path) -> None:
     assert packs(tmp_path / "f") == set() and packs(tmp_path / "p")
     with pytest.raises(ConfigError, match="already holds a store"):
         CheckpointStore.fork(str(tmp_path / "src"), str(tmp_path / "f"))
+
+
+def test_unpin_is_refused_while_a_fork_of_the_fork_needs_the_source(tmp_path: Path) -> None:
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    state = base_state()
+    with CheckpointStore(a, **OPTIONS) as store:
+        store.save(state, 1).wait()
+    CheckpointStore.fork(a, b)
+    CheckpointStore.fork(b, c)
+    with CheckpointStore(b, **OPTIONS) as fork:  # b stops naming a's objects
+        fork.save(train(state, 2), 2).wait()
+        fork.compact()
+        fork.delete(1)
+    with pytest.raises(ConfigError, match="the pin of its fork"):
+        unpin(a, b)
+    with CheckpointStore(c) as grandchild:
+        assert grandchild.verify(1).ok
+
+
+def test_a_deleted_member_leaves_the_pool(tmp_path: Path) -> None:
+    pool = tmp_path / "pool"
+    with CheckpointStore(tmp_path / "a", pool=pool, **OPTIONS) as a:
+        a.save(base_state(), 1).wait()
+    with pytest.raises(ConfigError, match="still holds checkpoints"):
+        leave(str(pool), str(tmp_path / "a"))
+    shutil.rmtree(tmp_path / "a")
+    leave(str(pool), str(tmp_path / "a"))
+    report = collect_pool(pool, min_age_s=0.0)
+    assert report.members == [] and report.removed_objects

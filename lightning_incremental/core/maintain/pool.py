@@ -33,7 +33,13 @@ from lightning_incremental.core.errors import (
 )
 from lightning_incremental.core.format import canonical
 from lightning_incremental.core.format import layout as mf
-from lightning_incremental.core.maintain.pins import new_pin, parse_pin, pin_path
+from lightning_incremental.core.maintain.pins import (
+    PIN_DIR,
+    new_pin,
+    parse_pin,
+    pin_path,
+    read_pins,
+)
 from lightning_incremental.core.storage import LocalStorage, Storage, open_storage
 from lightning_incremental.core.storage.linked import LinkedStorage
 
@@ -102,10 +108,14 @@ def member_path(url: str) -> str:
 
 
 def join_pool(pool: Storage, member_url: str, min_age_s: float) -> None:
-    """Record ``member_url`` as a member of ``pool`` (create-only: idempotent)."""
+    """Record ``member_url`` as a member of ``pool`` (create-only: idempotent; one request when
+    it is recorded already)."""
+    path = member_path(member_url)
+    if pool.exists(path):
+        return
     pool.put(POOL_MARKER, json.dumps({"format": _POOL_FORMAT, "layout": 1}).encode())
     record = {"url": member_url, "min_object_age_s": min_age_s}
-    pool.put(member_path(member_url), json.dumps(record, sort_keys=True).encode())
+    pool.put(path, json.dumps(record, sort_keys=True).encode())
 
 
 def members(pool: Storage) -> list[dict[str, Any]]:
@@ -286,6 +296,9 @@ def unpin(
         )
         assert isinstance(target, LinkedStorage)
         owned = (target.own, target.objects)
+        named: list[tuple[str, list[str]]] = [
+            (f"the pin of its fork {p.by}", list(p.packs)) for p in read_pins(target_own)
+        ]
         for name in target.list(mf.MANIFEST_DIR):
             if mf.manifest_name(name.rsplit("/", 1)[-1]) is None:
                 continue
@@ -293,10 +306,36 @@ def unpin(
                 doc = canonical.loads(target.get(name), f"{name} of {target.url}")
             except FileNotFoundError:
                 continue
-            if any(not any(o.exists(p) for o in owned) for p in doc.packs):
+            named.append((name, list(doc.packs)))
+        for what, paths in named:  # forks of the fork reference what it references
+            if any(not any(o.exists(p) for o in owned) for p in paths):
                 raise ConfigError(
-                    f"{target.url} ({name}) still names objects held in {source.url}; "
+                    f"{target.url} ({what}) still names objects held in {source.url}; "
                     "delete those checkpoints of the fork (or compact it and gc it with "
                     "keep_last=1) first, or pass force=True to drop the pin anyway"
                 )
     source.delete(path)
+
+
+def leave(
+    pool: Url,
+    member: Url,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    member_options: dict[str, Any] | None = None,
+) -> None:
+    """Remove ``member``'s record from ``pool`` (a member deleted for good, so that the
+    pool's collection can run again).
+
+    Raises:
+        ConfigError: the member still holds checkpoints (they reference the pool's objects).
+        OSError: the member's location cannot be listed.
+    """
+    where = open_location(os.fspath(pool), storage_options)
+    own = open_location(os.fspath(member), member_options)
+    if own.list(mf.MANIFEST_DIR) or own.list(PIN_DIR):
+        raise ConfigError(
+            f"{own.url} still holds checkpoints or pins that reference objects of the pool "
+            f"{where.url}; delete the store (its checkpoints) first"
+        )
+    where.delete(member_path(own.url))

@@ -82,8 +82,8 @@ class _Marker:
         return PoolMemberError(
             f"pool gc of {self.pool.url} deleted nothing: member {url} cannot be read ({exc}); "
             "what it references is unknown. Make it readable (storage options per member "
-            "URL), or if the member was deleted for good, remove its record "
-            f"{self.pool.url}/members/... naming it"
+            "URL), or if the member was deleted for good, remove its record with "
+            f"`lightning-incremental pool-leave {self.pool.url} {url}`"
         )
 
     def one_pass(self) -> bool:

@@ -1,0 +1,280 @@
+"""A stateful property test of stores sharing an object pool, and forks, under collection and
+faults.
+
+Hypothesis drives several stores — members of one pool, plain stores, forks of either (into the
+pool or not, forks of forks) — through random sequences of: save (after a load, so that chunks
+are referenced, not written), a manifest write that fails before or after it landed, a pool gc
+in the middle of a save (between its objects and its manifest), member gc with any
+``keep_last`` and no minimum age, delete, compaction, unpin, time passing (every object older
+than any minimum age), and pool gc with or without a minimum age, or while a member's listing
+fails (refused, nothing deleted).
+
+Invariant, after every step, for every store: each visible step was saved (or forked) and
+restores its exact bytes — no visible step of any member ever loses an object.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from lightning_incremental.core import CheckpointError, CheckpointStore, ConfigError
+from lightning_incremental.core.maintain.pool import unpin
+from lightning_incremental.core.maintain.pool_gc import PoolMemberError, collect_pool
+from lightning_incremental.core.storage import Storage, open_storage
+from tests.conftest import DEEP, assert_state_equal
+from tests.faulty import FaultyStorage, unreadable_directories
+
+OPTIONS: dict[str, Any] = {
+    "chunk_size": 1024,
+    "pack_size": 4096,
+    "full_every": 3,
+    "fsync": False,
+    "workers": 1,
+    "min_object_age_s": 0.0,
+}
+MAX_STORES = 7
+BACKBONE = torch.randn(16, 256, generator=torch.Generator().manual_seed(7))  # frozen, shared
+
+
+class Intercept(FaultyStorage):
+    """Runs ``before_manifest`` once, on the save's thread, just before its manifest write."""
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.before_manifest: Any = None
+
+    def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
+        hook, self.before_manifest = self.before_manifest, None
+        if hook is not None and path.startswith("manifests/"):
+            hook()
+        elif hook is not None:
+            self.before_manifest = hook
+        return super().put(path, data, overwrite=overwrite)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.expected: dict[str, dict[int, dict[str, Any]]] = {}  # store -> step -> state
+        self.next_step: dict[str, int] = {}
+        self.forks: list[tuple[str, str]] = []  # (source, fork)
+        self.refusals = 0
+
+    @initialize(root=st.just(None))
+    def start(self, root: None) -> None:
+        import tempfile
+
+        self.root = Path(tempfile.mkdtemp(prefix="li-pool-"))
+        self.pool = str(self.root / "pool")
+        for name, pooled in (("m0", True), ("m1", True), ("p0", False), ("p1", False)):
+            self.expected[name] = {}
+            self.next_step[name] = 1
+            self.open(name, pool=self.pool if pooled else None).close()
+
+    def remove(self) -> None:
+        import shutil
+
+        if hasattr(self, "root"):
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def url(self, name: str) -> str:
+        return str(self.root / name)
+
+    def open(self, name: str, pool: str | None = None, **extra: Any) -> CheckpointStore:
+        return CheckpointStore(self.url(name), pool=pool, **{**OPTIONS, **extra})
+
+    def pool_objects(self) -> dict[str, float]:
+        base = Path(self.pool, "packs")
+        return {str(p): p.stat().st_mtime for p in base.rglob("*.pack")} if base.exists() else {}
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(
+        data=st.data(),
+        change=st.sampled_from(["head", "backbone"]),
+        disturb=st.sampled_from(["none", "none", "pool_gc", "fail_before", "fail_after"]),
+    )
+    def save(self, data: st.DataObject, change: str, disturb: str) -> None:
+        for name in data.draw(
+            st.lists(st.sampled_from(sorted(self.expected)), min_size=1, max_size=3)
+        ):
+            self.save_one(name, change, disturb)
+
+    def save_one(self, name: str, change: str, disturb: str) -> None:
+        step = self.next_step[name]
+        self.next_step[name] += 1
+        storage = Intercept(open_storage(self.url(name), None))
+        store = CheckpointStore(storage, **OPTIONS)
+        try:
+            state: dict[str, Any]
+            if store.steps():
+                state = store.load()
+            else:
+                state = {"model": {"backbone": BACKBONE.clone(), "head": torch.zeros(64)}}
+            state = {"model": dict(state["model"]), "step": step}
+            state["model"]["head"] = state["model"]["head"] + step
+            if change == "backbone":
+                state["model"]["backbone"] = state["model"]["backbone"].clone()
+                state["model"]["backbone"][step % 16] += 1.0
+            if disturb == "pool_gc":  # objects written, manifest not yet: they are young
+                storage.before_manifest = lambda: collect_pool(self.pool, min_age_s=900.0)
+            elif disturb != "none":
+                storage.fail("manifest", when=disturb.removeprefix("fail_"))
+            try:
+                store.save(state, step).wait()
+            except CheckpointError:
+                assert disturb.startswith("fail_")
+        finally:
+            storage.clear()
+            try:
+                store.close()
+            except CheckpointError:
+                pass
+        with self.open(name) as again:
+            if step in again.steps():
+                self.expected[name][step] = state
+
+    @rule(data=st.data(), keep=st.integers(1, 3))
+    def gc(self, data: st.DataObject, keep: int) -> None:
+        self.member_gc(data.draw(st.sampled_from(sorted(self.expected))), keep)
+
+    def member_gc(self, name: str, keep: int) -> None:
+        with self.open(name) as store:
+            store.gc(keep_last=keep)
+            self.forget(name, store.steps())
+
+    @rule(data=st.data())
+    def delete(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(self.expected)))
+        with self.open(name) as store:
+            steps = store.steps()
+            if steps:
+                store.delete(data.draw(st.sampled_from(steps)))
+            self.forget(name, store.steps())
+
+    @rule(data=st.data())
+    def compact(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(self.expected)))
+        with self.open(name) as store:
+            if store.steps():
+                store.compact()
+                store.gc()
+
+    @precondition(lambda self: len(self.expected) < MAX_STORES)
+    @rule(data=st.data(), into=st.sampled_from(["default", "pool", "plain"]))
+    def fork(self, data: st.DataObject, into: str) -> None:
+        sources = sorted(n for n, steps in self.expected.items() if steps)
+        if not sources:
+            return
+        src = data.draw(st.sampled_from(sources))
+        step = data.draw(st.sampled_from(sorted(self.expected[src])[-2:]))  # not just 1
+        dst = f"f{len(self.expected)}"
+        pool = self.pool if into == "pool" else None
+        CheckpointStore.fork(self.url(src), self.url(dst), step, pool=pool, min_age_s=0.0)
+        self.expected[dst] = {step: self.expected[src][step]}
+        self.next_step[dst] = self.next_step[src]
+        self.forks.append((src, dst))
+
+    @precondition(lambda self: bool(self.forks))
+    @rule(data=st.data(), change=st.sampled_from(["head", "backbone"]))
+    def source_moves_on(self, data: st.DataObject, change: str) -> None:
+        """A forked store saves past its chains' length and keeps only its newest step."""
+        src, _ = data.draw(st.sampled_from(self.forks))
+        for _ in range(OPTIONS["full_every"] + 1):
+            self.save_one(src, change, "none")
+        self.member_gc(src, 1)
+
+    @precondition(lambda self: bool(self.forks))
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        src, dst = data.draw(st.sampled_from(self.forks))
+        try:
+            unpin(self.url(src), self.url(dst))
+        except ConfigError:
+            return  # the fork still needs its source: refused
+        self.forks.remove((src, dst))
+
+    @rule()
+    def age(self) -> None:
+        """Time passes: every object is older than any minimum age."""
+        then = time.time() - 10_000
+        for path in self.root.rglob("*.pack"):
+            os.utime(path, (then, then))
+
+    @rule(how=st.sampled_from(["no_age", "min_age", "member_unlistable", "pool_unlistable"]))
+    def pool_gc(self, how: str) -> None:
+        if how in ("no_age", "min_age"):
+            collect_pool(self.pool, min_age_s=0.0 if how == "no_age" else 900.0)
+            return
+        before = self.pool_objects()
+        target = self.root / "m1" / "manifests" if how == "member_unlistable" else None
+        broken = str(target) if target is not None else str(Path(self.pool, "members"))
+        if target is not None and not target.exists():
+            return
+        with unreadable_directories(broken):
+            with pytest.raises((PoolMemberError, OSError)):
+                collect_pool(self.pool, min_age_s=0.0)
+        assert self.pool_objects() == before, "a refused pool gc deleted objects"
+
+    def forget(self, name: str, visible: list[int]) -> None:
+        self.expected[name] = {s: v for s, v in self.expected[name].items() if s in visible}
+
+    # ------------------------------------------------------------------ invariant
+
+    @invariant()
+    def no_visible_step_loses_an_object(self) -> None:
+        """Every object of every visible step is there; the newest restores exactly (a full
+        load of every step after every rule costs more than the rest of the test)."""
+        if not hasattr(self, "root"):
+            return
+        for name, steps in self.expected.items():
+            with self.open(name) as store:
+                visible = store.steps()
+                assert set(visible) <= set(steps), f"{name}: unknown steps {visible}"
+                for step in visible:
+                    missing = [p for p in store.manifest(step).packs if not store.storage.exists(p)]
+                    assert not missing, f"{name} step {step} lost {missing}"
+                if visible:
+                    assert_state_equal(store.load(visible[-1]), steps[visible[-1]])
+                self.forget(name, visible)
+
+    def teardown(self) -> None:
+        """At the end every visible step restores its exact bytes."""
+        try:
+            if hasattr(self, "root"):
+                for name, steps in self.expected.items():
+                    with self.open(name) as store:
+                        for step in store.steps():
+                            assert_state_equal(store.load(step), steps[step])
+        finally:
+            self.remove()
+
+
+QUICK = settings(
+    max_examples=12,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+def test_pool_state_machine() -> None:
+    PoolMachine.TestCase.settings = QUICK
+    PoolMachine.TestCase().runTest()
+
+
+@pytest.mark.slow
+def test_pool_state_machine_long() -> None:
+    PoolMachine.TestCase.settings = settings(
+        QUICK, max_examples=300 if DEEP else 60, stateful_step_count=40
+    )
+    PoolMachine.TestCase().runTest()

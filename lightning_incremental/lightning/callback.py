@@ -127,7 +127,7 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
         memory_every_n_train_steps, memory_replicas, memory_dir: the memory tier (off by
             default): every this many optimizer steps each rank's part of the checkpoint goes
             to node-local memory (``memory_dir``; default ``$LIGHTNING_INCREMENTAL_MEMORY_DIR``,
-            else ``/dev/shm/lightning-incremental/<job>``) and onto ``memory_replicas`` other
+            else ``/dev/shm/lightning-incremental``) and onto ``memory_replicas`` other
             nodes; a restarted job resumes from the newest step every rank agrees on when it is
             at least the store's newest (see :mod:`~.memory`, :attr:`resumed_tier`).
 
@@ -458,9 +458,12 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
             self._save(trainer, decision)
         assert fit.saver is not None
         fit.saver.collect(block=True)
-        report = trainer.strategy.broadcast(fit.saver.failure_report(), src=0)
+        final = fit.saver.last_committed == trainer.global_step
+        report, final = trainer.strategy.broadcast((fit.saver.failure_report(), final), src=0)
         if report is not None:  # every rank ends the same way: warns, or raises at the limit
             fit.saver.raise_failures(report)
+        elif final and fit.memory is not None:  # the store holds the end: free the node's memory
+            fit.memory.finish()
 
     @override
     def on_exception(

@@ -217,8 +217,8 @@ class FitState:
         if hook is not None:
             hook.remove()
         memory, self.memory = self.memory, None
-        if memory is not None:
-            memory.close()
+        if memory is not None:  # a failed fit does not wait long for a peer that may be gone
+            memory.close(60.0 if finished else 5.0)
         if self.saver is not None:
             self.saver.close(raise_errors=raise_errors)
 

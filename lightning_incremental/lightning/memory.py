@@ -80,7 +80,7 @@ class MemorySteps:
         self.every = int(options.every_n_train_steps or 1)
         world = trainer.world_size
         self.job = job_of(url)
-        directory = Path(options.directory) if options.directory else default_dir(self.job)
+        directory = Path(options.directory) if options.directory else default_dir()
         self.tier = MemoryTier(
             directory, job=self.job, generation=0, world_size=world, allow_pickle=allow_pickle
         )
@@ -166,8 +166,14 @@ class MemorySteps:
         )
         return plan.step, checkpoint, plan.tier_used
 
-    def close(self) -> None:
+    def finish(self) -> None:
+        """Training ended and the store holds its last step: delete this rank's parts (its own
+        and the replicas it keeps) from the node's memory."""
         self.replicator.close()
+        self.tier.prune([self.rank, *self.replicator.srcs], keep=set())
+
+    def close(self, timeout: float = 60.0) -> None:
+        self.replicator.close(timeout)
 
 
 def start(

@@ -1,7 +1,7 @@
 """The memory tier on one node: a rank's part of a step as files in node-local memory (tmpfs)
 that outlive the training process.
 
-A part is a directory ``s<step>-g<generation>-r<rank>`` under ``<memory_dir>/parts`` holding
+A part is a directory ``s<step>-g<generation>-r<rank>`` under ``<memory_dir>/<job>`` holding
 
 - ``data.bin``: every tensor's raw bytes, one after another (64-byte aligned) — restored by
   viewing the file, no decoding and no unpickling;
@@ -50,11 +50,11 @@ class MemoryPartError(RuntimeError):
     match their hash."""
 
 
-def default_dir(job: str) -> Path:
-    """``$LIGHTNING_INCREMENTAL_MEMORY_DIR`` when set, else
-    ``/dev/shm/lightning-incremental/<job>``."""
+def default_dir() -> Path:
+    """``$LIGHTNING_INCREMENTAL_MEMORY_DIR`` when set, else ``/dev/shm/lightning-incremental``
+    (each job's parts go to a directory of their own in it)."""
     env = os.environ.get(ENV)
-    return Path(env) if env else Path("/dev/shm/lightning-incremental") / job
+    return Path(env) if env else Path("/dev/shm/lightning-incremental")
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class MemoryTier:
         allow_pickle: bool = False,
     ) -> None:
         self.directory = Path(directory)
-        self.parts = self.directory / "parts"
+        self.parts = self.directory / job  # jobs sharing a directory never meet
         self.job = job
         self.generation = generation
         self.world_size = world_size
@@ -315,8 +315,8 @@ class MemoryTier:
     # ------------------------------------------------------------------ retention
 
     def prune(self, ranks: Iterable[int], keep: set[int]) -> None:
-        """Delete the parts of ``ranks`` whose step is not in ``keep`` (and torn leftovers of
-        this process)."""
+        """Delete this job's parts of ``ranks`` whose step is not in ``keep`` (and torn
+        leftovers of this process); another job's parts in the same directory stay."""
         ranks = set(ranks)
         for path in self._listing(every=True):
             match = _NAME.match(path.name)
@@ -325,8 +325,14 @@ class MemoryTier:
                     shutil.rmtree(path, ignore_errors=True)
                 continue
             step, _, rank = (int(g) for g in match.groups())
-            if rank in ranks and step not in keep:
+            if rank in ranks and step not in keep and self._ours(path):
                 shutil.rmtree(path, ignore_errors=True)
+
+    def _ours(self, path: Path) -> bool:
+        try:
+            return bool(_parse_header((path / HEADER).read_bytes())["job"] == self.job)
+        except (OSError, MemoryPartError):
+            return False
 
     def _listing(self, every: bool = False) -> list[Path]:
         try:

@@ -1,6 +1,7 @@
 """IncrementalCheckpoint's memory tier in one process, on a real Trainer: a crashed fit resumes
-from the newest memory step (newer than the store's) bit-identically; a memory copy whose bytes
-changed is refused and the store is used; the tier is off by default."""
+from the newest memory step (newer than the store's) bit-identically and frees the memory once
+the store holds the end; another job's memory is ignored; a memory copy whose bytes changed is
+refused and the store is used; the tier is off by default."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
 
 
 def _parts(memory: Path) -> list[str]:
-    return sorted(p.name for p in (memory / "parts").iterdir())
+    return sorted(p.name for p in memory.glob("*/s*"))  # every job's
 
 
 def test_a_crashed_fit_resumes_from_memory_bit_identically(
@@ -37,7 +38,16 @@ def test_a_crashed_fit_resumes_from_memory_bit_identically(
     module, trainer, ckpt = fit(store, **args)
     assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, "memory")  # the store holds step 5
     assert_bit_identical(final_state(module, trainer), uninterrupted)
-    assert [name[:13] for name in _parts(memory)] == ["s000000000023"]  # 24 ends an epoch
+    assert _parts(memory) == []  # the store holds the last step: the memory is freed
+
+
+def test_another_jobs_memory_is_ignored(tmp_path: Path) -> None:
+    memory = tmp_path / "memory"
+    args = {**ARGS, "memory_every_n_train_steps": 1, "memory_dir": memory}
+    fit(tmp_path / "one", crash_at=7, **args)
+    _, _, ckpt = fit(tmp_path / "other", trainer={"max_steps": 3}, **args)
+    assert (ckpt.resumed_from, ckpt.resumed_tier) == (None, None)
+    assert _parts(memory) == ["s000000000006-g000001-r000000"]  # the other job's, untouched
 
 
 def test_a_changed_memory_copy_is_refused_and_the_store_used(
@@ -46,7 +56,7 @@ def test_a_changed_memory_copy_is_refused_and_the_store_used(
     store, memory = tmp_path / "store", tmp_path / "memory"
     args = {**ARGS, "memory_every_n_train_steps": 2, "memory_dir": memory}
     fit(store, crash_at=7, **args)
-    (data,) = memory.glob("parts/*/data.bin")
+    (data,) = memory.glob("*/*/data.bin")
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     data.write_bytes(bytes(raw))

@@ -5,6 +5,7 @@ directory."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def test_a_part_round_trips_bit_exactly(tmp_path: Path) -> None:
 def test_a_changed_byte_is_found_on_read(tmp_path: Path) -> None:
     tier = _tier(tmp_path)
     tier.write(snapshot(_state()), 0, 3)
-    (data,) = (tmp_path / "parts").glob("*/data.bin")
+    (data,) = tier.parts.glob("*/data.bin")
     raw = bytearray(data.read_bytes())
     raw[0] ^= 1
     data.write_bytes(bytes(raw))
@@ -82,10 +83,12 @@ def test_a_changed_byte_is_found_on_read(tmp_path: Path) -> None:
 def test_a_torn_write_is_not_a_part_and_other_jobs_are_refused(tmp_path: Path) -> None:
     tier = _tier(tmp_path)
     tier.write(snapshot(_state()), 0, 3)
-    (tmp_path / "parts" / "s000000000004-g000001-r000000").mkdir()  # no header: torn
-    (tmp_path / "parts" / ".tmp-s5-123").mkdir()
+    (tier.parts / "s000000000004-g000001-r000000").mkdir()  # no header: torn
+    (tier.parts / ".tmp-s5-123").mkdir()
     assert [h.step for h in tier.inventory()] == [3]
-    other = _tier(tmp_path, job="other")
+    other = _tier(tmp_path, job="other")  # a part of "job" found where "other" keeps its own
+    name = "s000000000003-g000001-r000000"
+    shutil.copytree(tier.parts / name, other.parts / name)
     with pytest.raises(MemoryPartError, match="not of this job"):
         other.load(0, 3, 1)
 
@@ -96,8 +99,14 @@ def test_prune_keeps_only_the_asked_steps_of_its_ranks(tmp_path: Path) -> None:
     for step in (1, 2, 3):
         tier.write(snap, 0, step)
         tier.write(snap, 1, step)
+    other = _tier(tmp_path, job="other")  # another job in the same directory
+    other.write(snap, 0, 2)
     tier.prune([0], {3})
     assert sorted((h.rank, h.step) for h in tier.inventory()) == [(0, 3), (1, 1), (1, 2), (1, 3)]
+    assert other.inventory() == [Held(0, 2, 1, "other", 2)]
+    shutil.copytree(other.parts / other.name(0, 2), tier.parts / other.name(0, 2))
+    tier.prune([0], set())  # a part of another job found here is not this job's to delete
+    assert [h.job for h in tier.inventory() if h.rank == 0] == ["other"]
 
 
 def test_a_part_written_again_replaces_the_old_one(tmp_path: Path) -> None:
@@ -119,13 +128,13 @@ def test_a_received_part_is_kept_as_it_came(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_a_directory_that_refuses_writes_is_a_warning_not_an_error(tmp_path: Path) -> None:
-    (tmp_path / "parts").mkdir()
-    (tmp_path / "parts").chmod(0o500)
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job").chmod(0o500)
     try:
         with pytest.warns(UserWarning, match="could not write rank 0's part of step 2"):
             assert not _tier(tmp_path).write(snapshot({"w": torch.ones(2)}), 0, 2)
     finally:
-        (tmp_path / "parts").chmod(0o700)
+        (tmp_path / "job").chmod(0o700)
 
 
 def test_a_full_memory_is_a_warning_not_an_error(
@@ -142,11 +151,11 @@ def test_a_full_memory_is_a_warning_not_an_error(
     tier = _tier(tmp_path)
     with pytest.warns(UserWarning, match="No space left"):
         assert not tier.write(snapshot({"w": torch.ones(2)}), 0, 2)
-    assert tier.inventory() == [] and list((tmp_path / "parts").iterdir()) == []
+    assert tier.inventory() == [] and list(tier.parts.iterdir()) == []
 
 
 def test_the_directory_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(mt.ENV, raising=False)
-    assert mt.default_dir("j1") == Path("/dev/shm/lightning-incremental/j1")
+    assert mt.default_dir() == Path("/dev/shm/lightning-incremental")
     monkeypatch.setenv(mt.ENV, "/tmp/x")
-    assert mt.default_dir("j1") == Path("/tmp/x")
+    assert mt.default_dir() == Path("/tmp/x")

@@ -230,3 +230,36 @@ def test_a_deleted_member_leaves_the_pool(tmp_path: Path) -> None:
     leave(str(pool), str(tmp_path / "a"))
     report = collect_pool(pool, min_age_s=0.0)
     assert report.members == [] and report.removed_objects
+
+
+def test_pool_gc_costs_grow_linearly_in_members_and_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = {"n": 0}
+
+    def counted(name: str) -> None:
+        real = getattr(LocalStorage, name)
+
+        def wrapper(self: LocalStorage, *args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(LocalStorage, name, wrapper)
+
+    def cost(members: int) -> int:
+        pool = tmp_path / f"pool{members}"
+        for i in range(members):
+            with CheckpointStore(tmp_path / f"m{members}-{i}", pool=pool, **OPTIONS) as store:
+                state = base_state()
+                for step in (1, 2, 3):
+                    state = train(state, step + i)
+                    store.save(state, step).wait()
+                store.gc(keep_last=1)  # leaves garbage in the pool
+        calls["n"] = 0
+        collect_pool(pool, min_age_s=0.0)
+        return calls["n"]
+
+    for name in ("list", "get", "exists", "size", "mtime", "delete", "put"):
+        counted(name)
+    small, large = cost(2), cost(8)
+    assert large <= 4 * small + 10, (small, large)  # 4x the members and objects: 4x the calls

@@ -43,7 +43,7 @@ from accelerate_incremental import _hf_compat
 from accelerate_incremental import _trainer_files as files
 from accelerate_incremental import _trainer_markers as markers
 from accelerate_incremental._trainer_preemption import TrainerPreemption
-from lightning_incremental.core import CheckpointStore, SaveHandle
+from lightning_incremental.core import CheckpointStore, ConfigError, SaveHandle
 from lightning_incremental.core.commit import fencing
 from lightning_incremental.runtime import collectives, rng
 from lightning_incremental.runtime.coordinate import coordinated
@@ -120,6 +120,12 @@ class TrainerCheckpointer:
         self.trainer = trainer
         self.auto_resume = auto_resume
         self.materialize = files.materialize_option(materialize)
+        if self.materialize and _hf_compat.pretrained_model(trainer) is None:
+            raise ConfigError(
+                "materialize writes weights for from_pretrained, but the Trainer's model is not a "
+                "transformers PreTrainedModel (or carries adapters): leave materialize off and "
+                "use `lightning-incremental export STORE STEP --format hf` or trainer.save_model()"
+            )
         self.store = CheckpointStore(
             dirpath, storage_options=storage_options, optimizer_state=optimizer_state, **options
         )
@@ -164,11 +170,14 @@ class TrainerCheckpointer:
                 self.preemption.stop()
                 raise
             self.preemption.at_train_end()  # exits 143 after a preemption
-            if self.materialize:
-                if self.trainer.is_world_process_zero():
-                    for folder in files.materialize(self.trainer, self.store, self.materialize):
-                        announce(self.trainer, f"wrote the model's weights into {folder}")
-                collectives.barrier()
+            if self.materialize:  # every process gets the main one's result or its error
+                written = coordinated(
+                    lambda: files.materialize(self.trainer, self.store, self.materialize),
+                    what=f"write the model's weights of {self.materialize} checkpoints",
+                    is_coordinator=self.trainer.is_world_process_zero(),
+                )
+                for folder in written:
+                    announce(self.trainer, f"wrote the model's weights into {folder}")
             return result
 
         return train

@@ -64,11 +64,12 @@ def readme(store: str, step: int, folder: str) -> str:
 
 
 def write_folder(trainer: Any, folder: str, store: str, step: int) -> None:
-    """On the main process: the small files, the README and the marker of ``folder``."""
-    _hf_compat.write_small_files(trainer, folder)
+    """On the main process: the marker of ``folder`` (first: a folder cut short still says where
+    its checkpoint is), the README and the small files."""
+    markers.write(folder, store, step)
     with open(os.path.join(folder, README), "w", encoding="utf-8") as fh:
         fh.write(readme(store, step, folder))
-    markers.write(folder, store, step)
+    _hf_compat.write_small_files(trainer, folder)
 
 
 def chosen(trainer: Any, kinds: tuple[str, ...], url: str) -> dict[str, markers.Marker]:

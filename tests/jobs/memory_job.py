@@ -43,7 +43,7 @@ class Kill(L.Callback):
     def __init__(self, ckpt: IncrementalCheckpoint, spec: str, events: Events, out: Path) -> None:
         rank, step, *wipe = spec.split(":")
         self.ckpt, self.rank, self.step, self.wipe = ckpt, int(rank), int(step), bool(wipe)
-        self.events, self.once = events, out / f"killed-{step}"
+        self.events, self.once = events, out / f"killed-{rank}-{step}"
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:

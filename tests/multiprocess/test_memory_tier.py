@@ -6,6 +6,8 @@ each with its own memory directory), memory every step, store every 10 steps, on
 - at step 29 one node's training process empties its memory directory (a replacement node) and
   is SIGKILLed; the group resumes at step 28, that rank's part received from the other node's
   replica;
+- at step 31 both nodes' processes empty their memory and are SIGKILLed (both nodes lost): the
+  group resumes from the store's step 30;
 
 and the run ends bit-identical to an uninterrupted run of the same job (trained first, in the
 same launch)."""
@@ -47,7 +49,8 @@ def _agent(tmp: Path, node: int, port: int) -> subprocess.Popen[bytes]:
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=memory",
         f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120", "--max-restarts=3",
         "--monitor-interval=0.1", str(JOB), "--dir", str(tmp / "stores"), "--out",
-        str(tmp / "out"), "--kill", "1:25", "--kill", "0:29:wipe",
+        str(tmp / "out"), "--kill", "1:25", "--kill", "0:29:wipe", "--kill", "0:31:wipe",
+        "--kill", "1:31:wipe",
     ]  # fmt: skip
     env = dict(
         os.environ,
@@ -94,7 +97,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         )
         again = back - kill["time"]
         print(f"\nmemory tier: killed at step {kill['step']}, training again {again:.1f} s later")
-    print(f"memory tier, two nodes, two kills: {time.monotonic() - started:.1f} s in all")
+    print(f"memory tier, two nodes, three faults: {time.monotonic() - started:.1f} s in all")
     return {"tmp": tmp, "events": events, "logs": logs}
 
 
@@ -104,15 +107,13 @@ def _incarnations(events: list[dict[str, Any]]) -> list[dict[int, dict[str, Any]
     return [{e["rank"]: e for e in starts[i : i + 2]} for i in range(0, len(starts), 2)]
 
 
-def test_killed_processes_resume_from_memory_and_a_peer_bit_identically(
+def test_killed_processes_resume_from_memory_a_peer_or_the_store_bit_identically(
     killed: dict[str, Any],
 ) -> None:
     events, out = killed["events"], killed["tmp"] / "out"
-    assert [(e["step"], e["wiped"]) for e in events if e["event"] == "kill"] == [
-        (25, False),
-        (29, True),
-    ]
-    first, after_kill, after_wipe = _incarnations(events)
+    kills = [(e["step"], e["wiped"]) for e in events if e["event"] == "kill"]
+    assert kills == [(25, False), (29, True), (31, True), (31, True)]
+    first, after_kill, after_wipe, after_both = _incarnations(events)
     assert {r: e["resumed_from"] for r, e in first.items()} == {0: None, 1: None}
     # step 24: the store holds 20; each rank reads its own node's memory, unless the restart
     # put the ranks on the other nodes (then each receives its part from the node that has it)
@@ -122,6 +123,8 @@ def test_killed_processes_resume_from_memory_and_a_peer_bit_identically(
         assert start["resumed_tier"] == ("memory" if same_nodes else "peer"), start
     for start in after_wipe.values():  # a node with empty memory: its rank's part from a peer
         assert (start["resumed_from"], start["resumed_tier"]) == (28, "peer"), start
+    for start in after_both.values():  # no memory anywhere: the store
+        assert (start["resumed_from"], start["resumed_tier"]) == (30, "store"), start
     finished = [e for e in events if e["event"] == "finished"]
     assert {e["rank"] for e in finished} == {0, 1} and {e["step"] for e in finished} == {32}
     assert "of the memory tier" in killed["logs"]

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from lightning_incremental import cli_pool
 from lightning_incremental.core import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -50,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors = Console(stderr=True, highlight=False)
     try:
         options = _storage_options(args.storage_option)
+        if getattr(args, "standalone", False):  # opens its own locations (cli_pool)
+            return int(args.run(None, args, console))
         extra = (
             {"min_object_age_s": args.min_age} if getattr(args, "min_age", None) is not None else {}
         )
@@ -99,8 +102,12 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
         return p
 
-    command("ls", _ls, "list committed checkpoints")
-    p = command("inspect", _inspect, "tensors, changes since the parent, and the audit trail")
+    command("ls", cli_pool.pool_aware_ls(_ls), "list committed checkpoints (or a pool's members)")
+    p = command(
+        "inspect",
+        cli_pool.pool_aware_inspect(_inspect),
+        "tensors, changes since the parent, the audit trail, where the objects lie",
+    )
     p.add_argument("step", nargs="?", type=int, help="step (default: the newest)")
     p = command("verify", _verify, "read and check every object of checkpoints")
     p.add_argument("step", nargs="?", type=int, help="step (default: the newest)")
@@ -165,6 +172,7 @@ def _parser() -> argparse.ArgumentParser:
         "store's min_object_age_s, 900); lower it only when no process writes to the store",
     )
     p.add_argument("--dry-run", action="store_true")
+    cli_pool.register(command)
     return parser
 
 

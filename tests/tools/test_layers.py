@@ -50,6 +50,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     CORE: (8, "store"),
     "lightning_incremental.runtime": (9, "runtime"),
     "lightning_incremental.cli": (10, "cli"),
+    "lightning_incremental.cli_pool": (10, "cli"),
     "lightning_incremental.lightning": (10, "lightning"),
     "accelerate_incremental": (10, "accelerate"),
     "lightning_incremental": (11, "root"),
@@ -59,6 +60,7 @@ SIZED = (  # the modules held to the size bound
     "lightning_incremental.runtime",
     "lightning_incremental.lightning",
     "lightning_incremental.cli",
+    "lightning_incremental.cli_pool",
     "accelerate_incremental",
 )
 ANYWHERE = {"lightning_incremental._version"}  # the version: a leaf every layer may read

@@ -110,6 +110,7 @@ class MemoryTier:
         self.generation = generation
         self.world_size = world_size
         self.allow_pickle = allow_pickle
+        self.failures = 0  # writes that failed (each warned or logged)
 
     def name(self, rank: int, step: int, generation: int | None = None) -> str:
         gen = self.generation if generation is None else generation
@@ -200,12 +201,18 @@ class MemoryTier:
 
     def _failed(self, tmp: Path, what: str, exc: OSError) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
-        warnings.warn(
+        message = (
             f"memory tier: {what} in {self.directory}: {exc}. Recovery falls back to the "
             "persistent store for this step; give the memory directory more room "
-            "(memory_dir, or a bigger /dev/shm) or turn the memory tier off.",
-            stacklevel=3,
+            "(memory_dir, or a bigger /dev/shm) or turn the memory tier off."
         )
+        self.failures += 1
+        if self.failures == 1:  # not once a step: the first, then every 100th, then logs
+            warnings.warn(message + " (later failures: logged)", stacklevel=3)
+        elif self.failures % 100 == 0:
+            warnings.warn(f"{message} ({self.failures} failures so far)", stacklevel=3)
+        else:
+            log.warning(message)
         return False
 
     # ------------------------------------------------------------------ reading

@@ -2,8 +2,9 @@
 
 Rules, in order:
 
-1. Keep the newest ``keep_last`` visible checkpoints (all when None), plus ``keep``, minus
-   ``drop`` (what ``delete`` names).
+1. Keep the newest ``keep_last`` visible checkpoints (all when None), plus ``keep``, plus the
+   steps forks pinned (:mod:`.pins`), minus ``drop`` (what ``delete`` names). A pinned step's
+   objects stay whatever becomes of it: a fork's checkpoints name them.
 2. Never leave the store without an intact checkpoint: when checkpoints are to be removed and no
    kept one is intact, the newest intact one is kept as well; when none is intact at all, no
    checkpoint is removed. ``thorough`` checks read every object (``verify``); otherwise the

@@ -263,3 +263,31 @@ def test_pool_gc_costs_grow_linearly_in_members_and_objects(
         counted(name)
     small, large = cost(2), cost(8)
     assert large <= 4 * small + 10, (small, large)  # 4x the members and objects: 4x the calls
+
+
+@pytest.mark.parametrize("kind", ["memory", "s3"])
+def test_pool_and_fork_on_other_backends(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    from tests.conftest import backend_url
+
+    with backend_url(kind, request, tmp_path) as root:
+        pool, a, b, f = (f"{root}/{n}" for n in ("pool", "a", "b", "f"))
+        state = base_state()
+        for url in (a, b):
+            with CheckpointStore(url, pool=pool, **OPTIONS) as store:
+                store.save(state, 1).wait()
+                store.save(train(state, 2), 2).wait()
+        CheckpointStore.fork(a, f, 1)
+        with CheckpointStore(a, **OPTIONS) as store:
+            store.gc(keep_last=1)
+            assert store.steps() == [1, 2]  # 1 is pinned
+        with CheckpointStore(b, **OPTIONS) as store:
+            store.gc(keep_last=1)
+            assert store.steps() == [2]
+        report = collect_pool(pool, min_age_s=0.0)
+        assert len(report.members) == 3
+        for url, step, expected in ((f, 1, state), (b, 2, train(state, 2))):
+            with CheckpointStore(url) as store:
+                assert store.verify(step).ok
+                assert_state_equal(store.load(step), expected)

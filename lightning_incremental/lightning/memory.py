@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_incremental.core import ConfigError
+from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning import resume
 from lightning_incremental.lightning.resume import FORMAT, KEY
@@ -95,6 +96,7 @@ class MemorySteps:
                 backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S)
             )
         per_node = max(1, int(trainer.num_devices))
+        self.pool = BufferPool()  # one snapshot's buffers, reused step after step
         self.replicator = Replicator(
             self.tier,
             rank=self.rank,
@@ -102,6 +104,7 @@ class MemorySteps:
             ranks_per_node=per_node,
             replicas=options.replicas,
             group=self.group,
+            pool=self.pool,
         )
         nodes = max(1, world // per_node)
         if world > 1 and options.replicas > nodes - 1:
@@ -120,7 +123,9 @@ class MemorySteps:
         checkpoint = _compat.dump_checkpoint(trainer)
         own = resume.rank_state(trainer, False, epoch_record)
         checkpoint[KEY] = {"format": FORMAT, "world_size": trainer.world_size, "ranks": [own]}
-        self.replicator.submit(step, snapshot(checkpoint, allow_pickle=self.tier.allow_pickle))
+        self.replicator.wait()  # the previous step's buffers back in the pool: one set, reused
+        snap = snapshot(checkpoint, allow_pickle=self.tier.allow_pickle, pool=self.pool)
+        self.replicator.submit(step, snap)
 
     def resume(self, trainer: pl.Trainer, newest_persistent: int | None) -> Any:
         """Every rank together: ``(step, checkpoint)`` from the memory tier, or None for the store

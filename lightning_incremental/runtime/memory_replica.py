@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.runtime.memory_agree import Plan
 from lightning_incremental.runtime.memory_tier import MemoryTier, Part, Snapshot
 
@@ -133,8 +134,10 @@ class Replicator:
         ranks_per_node: int,
         replicas: int,
         group: Any = None,
+        pool: BufferPool | None = None,
     ) -> None:
         self.tier = tier
+        self.pool = pool  # where a written snapshot's buffers go back, for the next one
         self.rank = rank
         self.group = group
         self.dsts, self.srcs = ring(rank, world_size, ranks_per_node, replicas)
@@ -192,7 +195,9 @@ class Replicator:
     def _step(self, job: _Job) -> None:
         tier, step = self.tier, job.step
         ok = tier.write(job.snap, self.rank, step)
-        job.snap = Snapshot(None, [])  # the host copy is no longer needed
+        if self.pool is not None:  # the host copy is no longer needed: the next step reuses it
+            self.pool.give([leaf.data for leaf in job.snap.leaves])
+        job.snap = Snapshot(None, [])
         if ok:
             self.written = step
         if self.replicating:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.codecs.bytes import chunk_hash, chunk_hasher
 from lightning_incremental.core.format.tree import Leaf, torch_dtype, unflatten
 from lightning_incremental.core.save.snapshot import flatten
@@ -85,9 +86,10 @@ class Part:
     data: torch.Tensor  # uint8, 1-D (a private view of the file when read from disk)
 
 
-def snapshot(state: Any, *, allow_pickle: bool = False) -> Snapshot:
-    """Copy ``state`` to host memory with the engine's snapshot (on the caller's thread)."""
-    skeleton, leaves, _ = flatten(state, allow_pickle=allow_pickle)
+def snapshot(state: Any, *, allow_pickle: bool = False, pool: BufferPool | None = None) -> Snapshot:
+    """Copy ``state`` to host memory with the engine's snapshot (on the caller's thread), into
+    buffers recycled from ``pool`` when given (pinned for CUDA tensors)."""
+    skeleton, leaves, _ = flatten(state, allow_pickle=allow_pickle, pool=pool)
     return Snapshot(skeleton, leaves)
 
 

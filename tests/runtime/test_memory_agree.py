@@ -115,3 +115,17 @@ def test_every_rank_computes_the_same_plan_whatever_the_order(
 ) -> None:
     shuffled = [invs[i] for i in order]
     assert _agree(invs, ws=3, gen=gen) == _agree(shuffled, ws=3, gen=gen)
+
+
+def test_the_ring_sends_to_the_same_local_rank_on_the_next_nodes() -> None:
+    from lightning_incremental.runtime.memory_replica import ring
+
+    # 3 nodes of 2 ranks: rank 1 (node 0) sends to rank 3 (node 1), keeps rank 5's (node 2)
+    assert ring(1, 6, 2, 1) == ([3], [5])
+    assert ring(1, 6, 2, 2) == ([3, 5], [5, 3])
+    assert ring(0, 6, 2, 5) == ([2, 4], [4, 2])  # at most the other nodes
+    assert ring(0, 2, 2, 1) == ([], [])  # one node: nowhere to send
+    for rank in range(8):  # every part is kept by exactly `replicas` other nodes
+        dsts, _ = ring(rank, 8, 2, 2)
+        assert len({d // 2 for d in dsts} | {rank // 2}) == 3
+        assert all(rank in ring(d, 8, 2, 2)[1] for d in dsts)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -253,10 +254,10 @@ class MemoryTier:
                 if os.fstat(f.fileno()).st_size != size:
                     raise MemoryPartError(f"{path / DATA} is not {size} bytes long")
                 for e in sorted(leaves, key=lambda e: int(e["offset"])):
-                    holder, raw = _allocate(e)
                     skip = int(e["offset"]) - offset
-                    if skip < 0:
-                        raise MemoryPartError(f"overlapping tensors in {path / INDEX}")
+                    if skip < 0 or int(e["offset"]) + int(e["nbytes"]) > size:
+                        raise MemoryPartError(f"{path / INDEX} names bytes outside its data")
+                    holder, raw = _allocate(e)
                     hasher.update(_read(f, skip))
                     if raw.nbytes and f.readinto(raw.data) != raw.nbytes:
                         raise MemoryPartError(f"{path / DATA} is shorter than its index says")
@@ -308,6 +309,8 @@ class MemoryTier:
         tensors = _slots(leaves)
         for e in leaves:
             start = int(e["offset"])
+            if start < 0 or start + int(e["nbytes"]) > part.data.numel():
+                raise MemoryPartError("a received part's index names bytes outside its data")
             holder, raw = _allocate(e)
             raw[:] = _raw(part.data[start : start + raw.nbytes])
             tensors[int(e["slot"])] = _finish(holder, e)
@@ -376,9 +379,10 @@ def _allocate(e: dict[str, Any]) -> tuple[Any, np.ndarray]:
     if e["numpy"]:
         raw = np.empty(nbytes, dtype=np.uint8)
         return raw, raw
-    tensor = torch.empty(e["shape"], dtype=torch_dtype(e["dtype"]))
-    if tensor.numel() * tensor.element_size() != nbytes:
+    dtype = torch_dtype(e["dtype"])
+    if math.prod(e["shape"]) * dtype.itemsize != nbytes:  # checked before allocating
         raise MemoryPartError(f"an index entry's size does not match its shape: {e}")
+    tensor = torch.empty(e["shape"], dtype=dtype)
     raw = tensor.reshape(-1).view(torch.uint8).numpy() if nbytes else np.empty(0, np.uint8)
     return tensor, raw
 

@@ -161,3 +161,26 @@ def test_the_directory_comes_from_the_environment(monkeypatch: pytest.MonkeyPatc
     assert mt.default_dir() == Path("/dev/shm/lightning-incremental")
     monkeypatch.setenv(mt.ENV, "/tmp/x")
     assert mt.default_dir() == Path("/tmp/x")
+
+
+def test_an_index_that_names_bytes_outside_the_data_is_refused(tmp_path: Path) -> None:
+    """Even when its hash matches (a writer's bug, not a flipped bit): nothing is allocated for
+    it or read past the data."""
+    import json
+
+    from lightning_incremental.core.codecs.bytes import chunk_hash
+
+    tier = _tier(tmp_path)
+    tier.write(snapshot({"w": torch.ones(4)}), 0, 1)
+    (part,) = tier.parts.iterdir()
+    index = json.loads((part / mt.INDEX).read_text())
+    index["leaves"][0]["offset"] = 1 << 40
+    body = json.dumps(index).encode()
+    (part / mt.INDEX).write_bytes(body)
+    head = json.loads((part / mt.HEADER).read_text())
+    head["files"][mt.INDEX] = {"size": len(body), "hash": chunk_hash(body)}
+    (part / mt.HEADER).write_text(json.dumps(head))
+    with pytest.raises(MemoryPartError, match="names bytes outside its data"):
+        tier.load(0, 1, 1)
+    with pytest.raises(MemoryPartError, match="names bytes outside its data"):
+        tier.restore(tier.part(0, 1, 1))

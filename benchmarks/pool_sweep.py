@@ -54,7 +54,7 @@ def _state(model: TinyLM, optimizer: torch.optim.Optimizer | None) -> dict[str, 
     return out
 
 
-def child(mode: str, run: int, root: Path, cfg: ModelConfig) -> None:
+def child(mode: str, run: int, root: Path, cfg: ModelConfig, steps: int = STEPS) -> None:
     """One run of the sweep (a process of its own)."""
     model = _model(cfg, run)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -69,7 +69,7 @@ def child(mode: str, run: int, root: Path, cfg: ModelConfig) -> None:
         CheckpointStore.fork(str(root / "base"), str(root / f"run{run}"), pool=root / "objects")
         store = CheckpointStore(root / f"run{run}")
         store.load(keys="model")  # the base checkpoint: the first save's delta base
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         train_step(model, optimizer, batches())
         state = _state(model, optimizer)
         if store is None:

@@ -23,6 +23,6 @@ def test_forks_store_the_base_once(tmp_path: Path) -> None:
         if mode == "fork":
             pool_sweep.base_store(root, TINY)
         for run in range(2):
-            pool_sweep.child(mode, run, root, TINY)
+            pool_sweep.child(mode, run, root, TINY, steps=1)
         sizes[mode] = stored(root)
     assert sizes["fork"] < 0.75 * sizes["separate"], sizes

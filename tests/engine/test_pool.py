@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_incremental.core import CheckpointStore, ConfigError
+from lightning_incremental.core import CheckpointStore, ConfigError, CorruptCheckpointError
 from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.maintain.pins import read_pins
 from lightning_incremental.core.maintain.pool import leave, unpin
@@ -291,3 +291,33 @@ def test_pool_and_fork_on_other_backends(
             with CheckpointStore(url) as store:
                 assert store.verify(step).ok
                 assert_state_equal(store.load(step), expected)
+
+
+def test_unreadable_manifests_and_pins_stop_every_deletion(tmp_path: Path) -> None:
+    pool, a = tmp_path / "pool", tmp_path / "a"
+    state = base_state()
+    with CheckpointStore(a, pool=pool, **OPTIONS) as store:
+        store.save(state, 1).wait()
+        store.save(train(state, 2), 2).wait()
+        store.gc(keep_last=1)  # leaves step 1's objects unreferenced in the pool
+    before = packs(pool)
+    torn = a / "manifests" / f"{3:020d}.json"
+    torn.write_bytes(b"{not a manifest")
+    with pytest.raises(PoolMemberError, match="deleted nothing"):
+        collect_pool(pool, min_age_s=0.0)
+    assert packs(pool) == before
+    torn.unlink()
+    # A source whose pin cannot be read deletes nothing: what the pin protects is unknown.
+    src = tmp_path / "src"
+    with CheckpointStore(src, **OPTIONS) as store:
+        for step in (1, 2, 3):
+            store.save(train(state, step), step).wait()
+    CheckpointStore.fork(str(src), str(tmp_path / "f"), 1)
+    [pin] = list((src / "pins").iterdir())
+    pin.write_bytes(b"garbage")
+    owned = packs(src)
+    with CheckpointStore(src, **OPTIONS) as store:
+        with pytest.raises(CorruptCheckpointError, match="pin"):
+            store.gc(keep_last=1)
+        assert store.steps() == [1, 2, 3]
+    assert packs(src) == owned

@@ -65,6 +65,9 @@ class CheckpointStore:
             ``url``. Recorded at ``url``: the store reopens with or without it
             (:mod:`~lightning_incremental.core.maintain.pool`). ``pool_storage_options``
             open it (default: ``storage_options``).
+        location_options: storage options by URL for the pool and the stores a fork reads
+            objects from (default: ``pool_storage_options`` for the pool, ``storage_options``
+            for the others): credentials per bucket.
 
     Raises:
         ConfigError: an invalid option, URL or protocol; ``distributed`` without an initialised
@@ -81,6 +84,7 @@ class CheckpointStore:
         collective_timeout_s: float = 600.0,
         pool: str | os.PathLike[str] | None = None,
         pool_storage_options: dict[str, Any] | None = None,
+        location_options: dict[str, dict[str, Any]] | None = None,
         **options: Any,
     ) -> None:
         if config is not None and not isinstance(config, StoreConfig):
@@ -97,6 +101,7 @@ class CheckpointStore:
             options=storage_options,
             fsync=self.config.fsync,
             min_age_s=self.config.min_object_age_s,
+            by_url=location_options,
         )
         self.url = self.storage.url
         if not isinstance(distributed, bool):

@@ -321,3 +321,34 @@ def test_unreadable_manifests_and_pins_stop_every_deletion(tmp_path: Path) -> No
             store.gc(keep_last=1)
         assert store.steps() == [1, 2, 3]
     assert packs(src) == owned
+
+
+def test_credentials_per_url(tmp_path: Path) -> None:
+    """A fork in one bucket reads a source in another, each with its own credentials."""
+    from lightning_incremental.core.storage import register_scheme, unregister_scheme
+    from tests import storage_plugin
+
+    def factory(url: str, options: dict[str, Any]) -> Any:
+        space = url.partition("://")[2].partition("/")[0]
+        if options != {"token": f"secret-{space}"}:
+            raise PermissionError(f"access denied to {space}")
+        storage = storage_plugin.open_dict_storage(url.replace("licred", "dictmem", 1), {})
+        storage.url = url  # the URL a store records is the one it was opened with
+        return storage
+
+    register_scheme("licred", factory)
+    try:
+        src, dst = "licred://bucket-a/src", "licred://bucket-b/fork"
+        a, b = {"token": "secret-bucket-a"}, {"token": "secret-bucket-b"}
+        with CheckpointStore(src, storage_options=a, **OPTIONS) as store:
+            store.save(base_state(), 1).wait()
+        CheckpointStore.fork(src, dst, storage_options=b, src_storage_options=a)
+        with pytest.raises(PermissionError, match="bucket-a"):
+            CheckpointStore(dst, storage_options=b)
+        urls = {src: a}
+        with CheckpointStore(dst, storage_options=b, location_options=urls) as fork:
+            assert_state_equal(fork.load(), base_state())
+    finally:
+        unregister_scheme("licred")
+        storage_plugin.forget("dictmem://bucket-a")
+        storage_plugin.forget("dictmem://bucket-b")

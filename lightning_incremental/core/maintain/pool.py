@@ -146,10 +146,12 @@ def attach(
     options: dict[str, Any] | None,
     fsync: bool,
     min_age_s: float,
+    by_url: dict[str, dict[str, Any]] | None = None,
 ) -> Storage:
     """The storage a store at ``own`` works through: ``own`` itself for a plain store, else a
     :class:`LinkedStorage` over its pool and sources (read from its links record; with
-    ``pool`` given and no record yet, the store joins that pool now).
+    ``pool`` given and no record yet, the store joins that pool now). The pool is opened with
+    ``pool_options``, each source with ``options``, unless ``by_url`` names its URL.
 
     Raises:
         ConfigError: ``pool`` differs from the pool the store was created in; a store with
@@ -178,9 +180,10 @@ def attach(
         )
     objects = None
     if links.pool is not None:
-        objects = open_location(links.pool, pool_options or options, fsync)
+        chosen = (by_url or {}).get(links.pool, pool_options or options)
+        objects = open_location(links.pool, chosen, fsync)
         join_pool(objects, own.url, min_age_s)
-    sources = [open_location(url, options, fsync) for url in links.sources]
+    sources = [open_location(url, (by_url or {}).get(url, options), fsync) for url in links.sources]
     return LinkedStorage(own, objects, sources)
 
 

@@ -178,7 +178,12 @@ class MemorySteps:
         self.tier.prune([self.rank, *self.replicator.srcs], keep=set())
 
     def close(self, timeout: float = 60.0) -> None:
-        self.replicator.close(timeout)
+        """Stop the background work; then the gloo group goes too (left to the interpreter's
+        exit, gloo's threads can abort a finished process), unless a transfer still uses it."""
+        stopped = self.replicator.close(timeout)
+        group, self.group = self.group, None
+        if stopped and group is not None:
+            torch.distributed.destroy_process_group(group)  # this process's handle only
 
 
 def start(

@@ -167,13 +167,15 @@ class Replicator:
         with self._cond:
             return self._cond.wait_for(lambda: self._job is None or self._closed, timeout)
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Finish the step in hand (within ``timeout``) and stop the thread."""
+    def close(self, timeout: float = 60.0) -> bool:
+        """Finish the step in hand (within ``timeout``) and stop the thread; whether it stopped
+        (else it is still inside a transfer, until the group's timeout)."""
         self.wait(timeout)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=1.0)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:

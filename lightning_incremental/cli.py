@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors = Console(stderr=True, highlight=False)
     try:
         options = _storage_options(args.storage_option)
-        if getattr(args, "standalone", False):  # opens its own locations (cli_pool)
+        if getattr(args.run, "standalone", False):  # opens its own locations (cli_pool)
             return int(args.run(None, args, console))
         extra = (
             {"min_object_age_s": args.min_age} if getattr(args, "min_age", None) is not None else {}
@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
         return p
 
-    command("ls", cli_pool.pool_aware_ls(_ls), "list committed checkpoints (or a pool's members)")
+    command("ls", cli_pool.pool_aware_ls(_ls), "list checkpoints (of a pool: its members)")
     p = command(
         "inspect",
         cli_pool.pool_aware_inspect(_inspect),

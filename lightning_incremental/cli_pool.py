@@ -24,6 +24,7 @@ from lightning_incremental.core.maintain.pool import (
     leave,
     members,
     object_locations,
+    open_location,
     read_links,
     unpin,
 )
@@ -35,16 +36,20 @@ Run = Callable[[Any, argparse.Namespace, Console], int]
 Command = Callable[[str, Run, str], argparse.ArgumentParser]
 
 
+def _standalone(run: Run) -> Run:
+    """Mark a command's function as opening its own locations (the command opens no store)."""
+    setattr(run, "standalone", True)  # noqa: B010
+    return run
+
+
 def register(command: Command) -> None:
     """Add the pool and fork commands through the command table's ``command`` helper."""
     p = command("fork", _fork, "start a new store from a checkpoint of another (no copy)")
     p.add_argument("dst", help="the new store's location")
     p.add_argument("--pool", default=None, help="the new store's pool (default: the source's)")
-    p.set_defaults(standalone=True)
     p = command("unpin", _unpin, "remove the pin a fork holds in its source")
     p.add_argument("dst", help="the fork's location")
     p.add_argument("--force", action="store_true", help="even while the fork still needs it")
-    p.set_defaults(standalone=True)
     p = command("pool-gc", _pool_gc, "delete the pool's objects no member needs")
     p.add_argument(
         "--min-age",
@@ -56,10 +61,8 @@ def register(command: Command) -> None:
     )
     p.add_argument("--grace", type=float, default=0.0, metavar="SECONDS")
     p.add_argument("--dry-run", action="store_true")
-    p.set_defaults(standalone=True)
     p = command("pool-leave", _pool_leave, "remove a deleted member's record from a pool")
     p.add_argument("member", help="the member's location (it must hold no checkpoint)")
-    p.set_defaults(standalone=True)
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -83,6 +86,7 @@ def split_step(source: str) -> tuple[str, int | None]:
     return source, None
 
 
+@_standalone
 def _fork(_: Any, args: argparse.Namespace, console: Console) -> int:
     src, step = split_step(args.url)
     options = _options(args)
@@ -103,6 +107,7 @@ def _fork(_: Any, args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+@_standalone
 def _unpin(_: Any, args: argparse.Namespace, console: Console) -> int:
     options = _options(args)
     unpin(
@@ -119,6 +124,7 @@ def _unpin(_: Any, args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+@_standalone
 def _pool_gc(_: Any, args: argparse.Namespace, console: Console) -> int:
     options = _options(args)
     report = collect_pool(
@@ -158,6 +164,7 @@ class _EveryUrl(dict):  # type: ignore[type-arg]
         return self.options
 
 
+@_standalone
 def _pool_leave(_: Any, args: argparse.Namespace, console: Console) -> int:
     options = _options(args)
     leave(args.url, args.member, storage_options=options, member_options=options)
@@ -196,13 +203,20 @@ def _augmented(original: Run, extra: Callable[[CheckpointStore, argparse.Namespa
 
 
 def pool_aware_ls(original: Run) -> Run:
-    """``ls``: a pool lists its members; a member or fork also says where its objects are."""
+    """``ls`` (standalone): a pool lists its members; a member or fork also says where its
+    objects are."""
 
-    def run(store: CheckpointStore, args: argparse.Namespace, console: Console) -> int:
-        storage = store.storage
-        if storage.exists(POOL_MARKER) and not storage.exists(mf.MARKER):
-            return _ls_pool(storage, args, console)
-        return _augmented(original, lambda s, _: _links(s.storage))(store, args, console)
+    @_standalone
+    def run(_: Any, args: argparse.Namespace, console: Console) -> int:
+        options = _options(args)
+        location = open_location(args.url, options)
+        if location.exists(POOL_MARKER) and not location.exists(mf.MARKER):
+            return _ls_pool(location, args, console)
+        extra = {"min_object_age_s": args.min_age} if getattr(args, "min_age", None) else {}
+        with CheckpointStore(
+            args.url, storage_options=options, allow_pickle=args.allow_pickle, **extra
+        ) as store:
+            return _augmented(original, lambda s, _: _links(s.storage))(store, args, console)
 
     return run
 

@@ -352,3 +352,16 @@ def test_credentials_per_url(tmp_path: Path) -> None:
         unregister_scheme("licred")
         storage_plugin.forget("dictmem://bucket-a")
         storage_plugin.forget("dictmem://bucket-b")
+
+
+def test_a_pool_is_not_opened_as_a_store(tmp_path: Path) -> None:
+    pool = tmp_path / "pool"
+    with CheckpointStore(tmp_path / "a", pool=pool, **OPTIONS) as store:
+        store.save(base_state(), 1).wait()
+    before = packs(pool)
+    with pytest.raises(ConfigError, match="is a shared object pool"):
+        CheckpointStore(pool, **OPTIONS)  # its gc would see no manifest and delete every object
+    from lightning_incremental.cli import main
+
+    assert main(["gc", str(pool), "--grace", "0", "--min-age", "0"]) == 2
+    assert packs(pool) == before

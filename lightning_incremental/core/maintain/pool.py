@@ -158,6 +158,13 @@ def attach(
             checkpoints of its own asked to join a pool.
     """
     links = read_links(own)
+    if links is None and own.exists(POOL_MARKER):
+        # Its objects are other stores' checkpoints: a store's gc here would delete them all.
+        raise ConfigError(
+            f"{own.url} is a shared object pool, not a checkpoint store: open one of its "
+            "members (`lightning-incremental ls` of the pool lists them); its objects are "
+            "collected by `lightning-incremental pool-gc` alone"
+        )
     pool_url = None if pool is None else open_location(os.fspath(pool), pool_options).url
     if pool_url is not None and links is None:
         if own.list(mf.MANIFEST_DIR):

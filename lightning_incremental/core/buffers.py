@@ -5,6 +5,10 @@ about as much as the copy itself. Once a checkpoint is committed, the snapshot i
 XOR base is no longer needed; its buffers are kept here and the next snapshot copies into them,
 so a steady-state save blocks only for the memcpy. The pool holds at most the buffers it was
 given back (one snapshot's worth): it does not raise peak memory, it keeps it.
+
+Small tensors are snapshotted together into one slab per dtype (:mod:`.save.slabs`): the pool
+lends a slab, remembers where each of its tensors starts, and takes it back once every one of
+them was given back (the delta base may keep some of them for a while).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ class BufferPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
+        # slabs lent out: storage address -> (the slab, byte offsets of its tensors still out)
+        self._lent: dict[int, tuple[torch.Tensor, set[int]]] = {}
 
     def take(self, shape: torch.Size, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``."""
@@ -35,20 +41,46 @@ class BufferPool:
                 return flat.view(dtype).view(shape)
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
 
+    def lend_slab(self, nbytes: int, offsets: list[int]) -> torch.Tensor:
+        """A flat uint8 CPU buffer of ``nbytes`` whose tensors start at the byte ``offsets``: it
+        comes back to the pool once each of them was given back (:meth:`give`)."""
+        with self._lock:
+            free = self._free.get((nbytes, False))
+            slab = free.pop() if free else None
+        if slab is None:
+            slab = torch.empty(nbytes, dtype=torch.uint8)
+        with self._lock:
+            self._lent[slab.data_ptr()] = (slab, set(offsets))
+        return slab
+
     def give(self, tensors: list[torch.Tensor]) -> None:
         """Return snapshot buffers nothing references any more."""
         with self._lock:
             for tensor in tensors:
                 if tensor.numel() == 0 or not tensor.is_contiguous():
                     continue
+                storage = tensor.untyped_storage()
+                if storage.nbytes() != tensor.numel() * tensor.element_size():
+                    self._give_back_part(storage.data_ptr(), tensor)
+                    continue
                 flat = tensor.reshape(-1).view(torch.uint8)
-                if flat.untyped_storage().nbytes() != flat.numel():
-                    continue  # a view into a larger buffer: not ours to recycle
                 self._free[(flat.numel(), tensor.is_pinned())].append(flat)
+
+    def _give_back_part(self, address: int, tensor: torch.Tensor) -> None:
+        """One tensor of a lent slab is free: the slab is, once none of its tensors is out."""
+        lent = self._lent.get(address)
+        if lent is None:
+            return  # a view into a larger buffer the pool did not lend: not ours to recycle
+        slab, out = lent
+        out.discard(tensor.storage_offset() * tensor.element_size())
+        if not out:
+            del self._lent[address]
+            self._free[(slab.numel(), False)].append(slab)
 
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+            self._lent.clear()
 
     @property
     def nbytes(self) -> int:

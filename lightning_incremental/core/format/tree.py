@@ -24,7 +24,7 @@ import pickle
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -78,7 +78,7 @@ class Leaf:
     ``offsets``) one piece of a sharded tensor, whose ``shape`` is then the piece's."""
 
     path: str  # key path of the leaf's first occurrence, e.g. "state['model']['w']"
-    data: torch.Tensor  # contiguous CPU tensor owning its bytes (numpy arrays are wrapped)
+    data: torch.Tensor  # contiguous CPU tensor (its own buffer, or a view of a snapshot slab)
     dtype: str  # torch dtype name ("float32") or numpy dtype string ("<u4") when is_numpy
     shape: list[int]
     device: str
@@ -144,18 +144,35 @@ def float_from_hex(text: str) -> float:
     return float.fromhex(text)
 
 
-@dataclass
 class Flat:
     """A snapshotted state: its skeleton, the arrays this process writes, the key paths of
     pickled values, how many tensors the skeleton refers to (``slots``) and which of them are
-    sharded."""
+    sharded. ``ready``: CUDA events, the leaves' device copies landed once they fired.
 
-    skeleton: Any
-    leaves: list[Leaf]
-    pickled: list[str]
-    slots: int
-    sharded: dict[int, ShardedInfo]
-    ready: list[Any] = field(default_factory=list)  # CUDA events: the leaves' copies landed
+    ``finish`` builds leaves the snapshot left as placeholders (small tensors copied together,
+    see :mod:`..save.slabs`); it runs on the first read of :attr:`leaves`, which is therefore
+    best left to the save's background work."""
+
+    def __init__(
+        self,
+        skeleton: Any,
+        leaves: list[Leaf],
+        pickled: list[str],
+        slots: int,
+        sharded: dict[int, ShardedInfo],
+        ready: list[Any] | None = None,
+        finish: Callable[[list[Leaf]], None] | None = None,
+    ) -> None:
+        self.skeleton, self.pickled, self.slots, self.sharded = skeleton, pickled, slots, sharded
+        self.ready = ready if ready is not None else []
+        self._leaves, self._finish = leaves, finish
+
+    @property
+    def leaves(self) -> list[Leaf]:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish(self._leaves)
+        return self._leaves
 
 
 def unflatten(skeleton: Any, tensors: list[Any], *, allow_pickle: bool = False) -> Any:

@@ -19,6 +19,7 @@ plain tensors are identical on every rank and snapshotted by rank 0 only."""
 from __future__ import annotations
 
 import base64
+import gc
 import pickle
 from collections import OrderedDict
 from typing import Any
@@ -64,6 +65,36 @@ from lightning_incremental.core.format.tree import (
     float_hex,
     key_path,
 )
+from lightning_incremental.core.save.slabs import SLAB_MAX, Slabs, complete
+
+
+def _unsupported(t: torch.Tensor, path: tuple[Any, ...]) -> UnsupportedValueError:
+    where = key_path(path)
+    if t.layout != torch.strided:
+        return UnsupportedValueError(
+            f"{where} is a {t.layout} tensor; only dense (strided) tensors are supported — "
+            "save t.to_dense() instead"
+        )
+    if t.is_meta:
+        return UnsupportedValueError(f"{where} is a meta tensor and holds no data to save")
+    return UnsupportedValueError(f"{where} is a quantized or nested tensor; not supported")
+
+
+def _view(t: torch.Tensor) -> tuple[Any, ...]:
+    """How ``t`` sees its memory: tensors at one address that agree on this are one leaf."""
+    return (
+        t.device, t.dtype, tuple(t.shape), t.stride(), type(t), t.requires_grad, t.is_conj(),
+        t.is_neg(),
+    )  # fmt: skip
+
+
+def _same_view(t: torch.Tensor, seen: list[tuple[torch.Tensor, int]]) -> int | None:
+    """The slot of a tensor in ``seen`` (at ``t``'s address) that is the same view as ``t``."""
+    view = _view(t)
+    for other, slot in seen:
+        if _view(other) == view:
+            return slot
+    return None
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -83,14 +114,20 @@ class _Flattener:
         self.leaves: list[Leaf] = []
         self.slots = 0
         self.sharded: dict[int, ShardedInfo] = {}
-        self.aliases: dict[tuple[Any, ...], int] = {}
+        # data address -> the tensors seen there and their slots (tensors at one address are
+        # compared in full only then: most addresses hold one tensor)
+        self.addresses: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.pickled: list[str] = []
         self.cuda = _DeviceCopies()
+        self.slabs = Slabs()
+        self.small = self.slabs.by_dtype  # dtype -> the small tensors noted (see .slabs)
 
     def node(self, value: Any, path: tuple[Any, ...]) -> Any:
         kind = type(value)
         if value is None or kind is bool or kind is str:
             return value
+        if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common case first
+            return [T_TENSOR, self.tensor(value, path)]
         if len(path) >= MAX_DEPTH and kind in CONTAINERS:
             shown = key_path(path[:6]) + "..." + "".join(f"[{k!r}]" for k in path[-3:])
             raise UnsupportedValueError(
@@ -111,7 +148,10 @@ class _Flattener:
         if kind is tuple:
             return [T_TUPLE, [self.node(v, (*path, i)) for i, v in enumerate(value)]]
         if kind is dict or kind is OrderedDict:
-            items = [[self.key(k, path), self.node(v, (*path, k))] for k, v in value.items()]
+            items = [
+                [k if type(k) is str else self.key(k, path), self.node(v, (*path, k))]
+                for k, v in value.items()
+            ]
             metadata = getattr(value, "_metadata", None)
             if kind is OrderedDict and metadata is not None:
                 # nn.Module.state_dict() keeps per-module versions here; torch.save keeps them
@@ -128,8 +168,6 @@ class _Flattener:
             return [T_DEVICE, str(value)]
         if kind is torch.Size:
             return [T_SIZE, list(value)]
-        if kind is torch.Tensor or kind is torch.nn.Parameter:
-            return [T_TENSOR, self.tensor(value, path)]
         if isinstance(value, torch.Tensor) and sharded_kind(value) is not None:
             return [T_TENSOR, self.sharded_tensor(value, path)]
         if kind is np.ndarray and value.dtype.kind in "biufc" and not value.dtype.hasobject:
@@ -164,42 +202,44 @@ class _Flattener:
         return [T_PICKLE, base64.b64encode(blob).decode("ascii")]
 
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
-        where = key_path(path)
-        if t.layout != torch.strided:
-            raise UnsupportedValueError(
-                f"{where} is a {t.layout} tensor; only dense (strided) tensors are supported — "
-                "save t.to_dense() instead"
-            )
-        if t.is_quantized or t.is_nested:
-            raise UnsupportedValueError(f"{where} is a quantized or nested tensor; not supported")
-        if t.device.type == "meta":
-            raise UnsupportedValueError(f"{where} is a meta tensor and holds no data to save")
-        storage = t.untyped_storage()
-        alias = (  # the same view of the same storage, seen the same way: one leaf
-            storage.data_ptr() if storage.nbytes() else None,
-            t.device,
-            t.dtype,
-            t.storage_offset(),
-            tuple(t.shape),
-            t.stride(),
-            type(t),
-            t.requires_grad,
-            t.is_conj(),
-            t.is_neg(),
-        )
-        if alias[0] is not None and alias in self.aliases:
-            return self.aliases[alias]
-        slot = self._slot(alias)
+        # Called for every tensor of the state: the attribute reads below are what ``save``
+        # blocks for at tens of thousands of tensors, so each is read once.
+        if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.is_meta:
+            raise _unsupported(t, path)
+        conj, neg, dtype, requires_grad = t.is_conj(), t.is_neg(), t.dtype, t.requires_grad
+        nbytes = t.nbytes
+        slot = self.slots
+        if nbytes:  # the same view of the same memory, seen the same way, is one leaf
+            address = t.data_ptr()
+            seen = self.addresses.get(address)
+            if seen is None:
+                self.addresses[address] = [(t, slot)]
+            else:
+                same = _same_view(t, seen)
+                if same is not None:
+                    return same
+                seen.append((t, slot))
+        self.slots = slot + 1
         if self.rank not in (None, 0):
             return slot  # identical on every rank: rank 0 writes it
-        self.leaves.append(self.snapshot(t, where, slot))
+        if nbytes <= SLAB_MAX and nbytes and t.is_cpu and not (conj or neg):
+            # copied with the other small tensors of its dtype once the walk is done
+            parameter = type(t) is torch.nn.Parameter or bool(getattr(t, "_is_param", False))
+            leaves = self.leaves
+            noted = (t, path, slot, len(leaves), t.shape, requires_grad, parameter)
+            group = self.small.get(dtype)
+            if group is None:
+                self.small[dtype] = [noted]
+            else:
+                group.append(noted)
+            leaves.append(None)  # type: ignore[arg-type]  # built by slabs.complete
+            return slot
+        self.leaves.append(self.snapshot(t, key_path(path), slot))
         return slot
 
-    def _slot(self, alias: tuple[Any, ...] | None) -> int:
+    def _slot(self) -> int:
         slot = self.slots
         self.slots += 1
-        if alias is not None and alias[0] is not None:
-            self.aliases[alias] = slot
         return slot
 
     def _copy(self, src: torch.Tensor) -> torch.Tensor:
@@ -248,7 +288,7 @@ class _Flattener:
             pieces = describe(t)
         except ValueError as exc:
             raise UnsupportedValueError(f"{where}: {exc}") from exc
-        slot = self._slot(None)
+        slot = self._slot()
         local = pieces[0].tensor if pieces else None
         self.sharded[slot] = ShardedInfo(
             path=where,
@@ -282,7 +322,7 @@ class _Flattener:
         return slot
 
     def ndarray(self, a: np.ndarray, path: tuple[Any, ...]) -> int:
-        slot = self._slot(None)
+        slot = self._slot()
         if self.rank not in (None, 0):
             return slot
         flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy()
@@ -335,13 +375,24 @@ def flatten_state(
         UnsupportedValueError: a value the skeleton cannot express, naming its key path.
     """
     flattener = _Flattener(allow_pickle, pool, rank)
+    collecting = gc.isenabled()
+    # The walk makes a few small objects per tensor, none of them garbage; the collections they
+    # would trigger only scan them again and again (half the walk's time at 20,000 tensors).
+    gc.disable()
     try:
-        skeleton = flattener.node(state, ())
+        try:
+            skeleton = flattener.node(state, ())
+        finally:
+            ready = flattener.cuda.finish()  # also when the walk failed: no copy left unordered
+        flattener.slabs.copy(pool)
     finally:
-        ready = flattener.cuda.finish()  # also when the walk failed: no copy left unordered
-    flat = Flat(skeleton, flattener.leaves, flattener.pickled, flattener.slots, flattener.sharded)
-    flat.ready = ready
-    return flat
+        if collecting:
+            gc.enable()
+    slabs = flattener.slabs
+    return Flat(
+        skeleton, flattener.leaves, flattener.pickled, flattener.slots, flattener.sharded,
+        ready=ready, finish=(lambda leaves: complete(slabs, leaves)) if slabs.copied else None,
+    )  # fmt: skip
 
 
 class _DeviceCopies:

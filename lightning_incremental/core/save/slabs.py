@@ -1,0 +1,103 @@
+"""Small CPU tensors snapshotted together: one copy per dtype into one slab.
+
+Copying tensors one by one costs a few microseconds of Python and dispatch each, whatever their
+size: at tens of thousands of small tensors (an MoE model, optimizer state) that dominated the
+time ``save`` blocks. During the walk of the state a small tensor is only noted (with what may
+change once ``save`` returns: its shape and ``requires_grad``); after the walk each dtype's
+tensors are copied into one buffer by a single ``torch.cat``. Building the leaves (their key
+paths, views of the slab, metadata) is left to the save's background work
+(:func:`complete`), which runs before anything reads them.
+
+A slab comes from the snapshot pool when there is one (:meth:`.BufferPool.lend_slab`) and goes
+back to it once every leaf in it was given back, so a steady-state save reuses its memory as a
+save of large tensors does. The bytes of each leaf are exactly those a copy of its own would
+hold (row-major order of the tensor as seen), so nothing downstream tells the two apart.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_incremental.core.buffers import BufferPool
+from lightning_incremental.core.codecs.bytes import group_width
+from lightning_incremental.core.format.tree import Leaf, dtype_name, key_path
+
+#: Tensors up to this many bytes go into a slab; larger ones are copied on their own (their
+#: per-call cost is noise beside the copy, and their buffers are recycled one by one).
+SLAB_MAX = 256 << 10
+
+
+#: A small tensor seen by the walk, and what it looked like then (a plain tuple: the walk makes
+#: one per tensor): (tensor, key path, slot, index in the snapshot's leaves, shape,
+#: requires_grad, is a parameter).
+Noted = tuple[torch.Tensor, tuple[Any, ...], int, int, torch.Size, bool, bool]
+
+
+@dataclass
+class Slab:
+    """One dtype's small tensors, copied: ``data`` holds them end to end."""
+
+    dtype: torch.dtype
+    data: torch.Tensor
+    noted: list[tuple[tuple[Any, ...], int, int, torch.Size, bool, bool]]  # Noted less tensor
+    numels: list[int]
+
+
+@dataclass
+class Slabs:
+    """The small tensors of one snapshot: noted during the walk, copied after it."""
+
+    by_dtype: dict[torch.dtype, list[Noted]] = field(default_factory=dict)
+    copied: list[Slab] = field(default_factory=list)
+
+    def note(self, noted: Noted, dtype: torch.dtype) -> None:
+        group = self.by_dtype.get(dtype)
+        if group is None:
+            group = self.by_dtype[dtype] = []
+        group.append(noted)
+
+    def copy(self, pool: BufferPool | None) -> None:
+        """Copy every noted tensor into its dtype's slab (the part of the snapshot that must
+        happen before ``save`` returns)."""
+        for dtype, noted in self.by_dtype.items():
+            numels = [n[4].numel() for n in noted]
+            itemsize = dtype.itemsize
+            total = sum(numels)
+            if pool is not None:
+                starts = [0, *itertools.accumulate(numels[:-1])]
+                raw = pool.lend_slab(total * itemsize, [s * itemsize for s in starts])
+                data = raw.view(dtype)
+            else:
+                data = torch.empty(total, dtype=dtype)
+            sources = [n[0] if n[0].dim() == 1 else n[0].reshape(-1) for n in noted]
+            with torch.no_grad():  # out= refuses inputs that require grad otherwise
+                torch.cat(sources, out=data)
+            del sources
+            kept = [n[1:] for n in noted]  # the copy is taken: let go of the tensors
+            self.copied.append(Slab(dtype, data, kept, numels))
+        self.by_dtype = {}
+
+
+def complete(slabs: Slabs, leaves: list[Leaf | None]) -> None:
+    """Build the leaves of the copied slabs into their places in ``leaves``."""
+    for slab in slabs.copied:
+        name = dtype_name(slab.dtype)
+        width = group_width(slab.dtype.itemsize, slab.dtype.is_complex)
+        views = slab.data.split(slab.numels)
+        for (path, slot, index, shape, requires_grad, parameter), view in zip(slab.noted, views):
+            leaves[index] = Leaf(
+                path=key_path(path),
+                data=view if len(shape) == 1 else view.view(shape),
+                dtype=name,
+                shape=list(shape),
+                device="cpu",
+                width=width,
+                parameter=parameter,
+                requires_grad=requires_grad,
+                slot=slot,
+            )
+    slabs.copied = []

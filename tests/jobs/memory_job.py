@@ -2,14 +2,16 @@
 every step and the store every 10 steps, for ``tests/multiprocess/test_memory_tier.py``.
 
 ``python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 ... tests/jobs/memory_job.py
---dir D --out O [--kill RANK:STEP[:wipe] ...]``, each agent with its own
+--dir D --out O [--kill RANK:STEP[:wipe|:node] ...]``, each agent with its own
 ``LIGHTNING_INCREMENTAL_MEMORY_DIR``.
 
 The first incarnation first trains an uninterrupted reference (memory tier off, its own store)
 and saves each rank's final weights to ``O/ref_rank<r>.pt``; then the run under test starts.
-Each ``--kill`` SIGKILLs RANK's training process when it reaches STEP, once in the job, after
-its memory step in flight is replicated (its agent restarts the group); with ``wipe`` it first
-empties its node's memory directory, as a replacement node would find it. Each agent counts its
+Each ``--kill`` SIGKILLs RANK's training process (``@NAME``: the rank whose memory directory is
+named NAME) when it reaches STEP, once in the job, after its memory step in flight is
+replicated (its agent restarts the group); with ``wipe`` it first empties its node's memory
+directory (as a replacement node would find it); with ``node`` it also SIGKILLs its agent (a
+lost node: the test starts a replacement). Each agent counts its
 own restarts (one whose workers stop for another node's failure does not count it), so files,
 not ``TORCHELASTIC_RESTART_COUNT``, say what already happened. The incarnation that finishes
 writes ``O/final_rank<r>.pt``. Events (starts with ``resumed_from``, ``resumed_tier`` and the
@@ -41,12 +43,18 @@ from tests.jobs.torchrun_job import TIMINGS, Events
 
 class Kill(L.Callback):
     def __init__(self, ckpt: IncrementalCheckpoint, spec: str, events: Events, out: Path) -> None:
-        rank, step, *wipe = spec.split(":")
-        self.ckpt, self.rank, self.step, self.wipe = ckpt, int(rank), int(step), bool(wipe)
-        self.events, self.once = events, out / f"killed-{rank}-{step}"
+        who, step, *how = spec.split(":")
+        self.ckpt, self.who, self.step = ckpt, who, int(step)
+        self.wipe, self.node = bool(how), how == ["node"]  # node: its agent too (and wipe)
+        self.events, self.once = events, out / f"killed-{who}-{step}"
+
+    def _chosen(self, trainer: L.Trainer) -> bool:
+        if self.who.startswith("@"):  # the rank whose memory directory has this name
+            return Path(os.environ[ENV]).name == self.who[1:]
+        return trainer.global_rank == int(self.who)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+        if trainer.global_step == self.step and self._chosen(trainer):
             try:
                 self.once.touch(exist_ok=False)
             except FileExistsError:
@@ -54,7 +62,9 @@ class Kill(L.Callback):
             self.ckpt.wait()
             if self.wipe:
                 shutil.rmtree(os.environ[ENV])
-            self.events("kill", step=self.step, wiped=self.wipe)
+            self.events("kill", step=self.step, wiped=self.wipe, node=self.node)
+            if self.node:
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -3,9 +3,9 @@ each with its own memory directory), memory every step, store every 10 steps, on
 
 - one node's training process is SIGKILLed at step 25; its agent restarts the group, which
   resumes from the memory tier at step 24 (the store holds step 20);
-- at step 29 one node's training process empties its memory directory (a replacement node) and
-  is SIGKILLed; the group resumes at step 28, that rank's part received from the other node's
-  replica;
+- at step 29 the second node is lost whole (agent and training process SIGKILLed) and a
+  replacement agent with an empty memory directory joins: the group resumes at step 28, the
+  replacement's part received from the other node's replica;
 - at step 31 both nodes' processes empty their memory and are SIGKILLed (both nodes lost): the
   group resumes from the store's step 30;
 
@@ -49,7 +49,7 @@ def _agent(tmp: Path, node: int, port: int) -> subprocess.Popen[bytes]:
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=memory",
         f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120", "--max-restarts=3",
         "--monitor-interval=0.1", str(JOB), "--dir", str(tmp / "stores"), "--out",
-        str(tmp / "out"), "--kill", "1:25", "--kill", "0:29:wipe", "--kill", "0:31:wipe",
+        str(tmp / "out"), "--kill", "1:25", "--kill", "@memory1:29:node", "--kill", "0:31:wipe",
         "--kill", "1:31:wipe",
     ]  # fmt: skip
     env = dict(
@@ -79,16 +79,23 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 break
         time.sleep(0.1)
     nodes.append(_agent(tmp, 1, port))
+    events = tmp / "out" / "events.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
     try:
-        rcs = [node.wait(timeout=TIMEOUT_S) for node in nodes]
+        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+            if len(nodes) == 2 and events.exists() and '"node": true' in events.read_text():
+                nodes[1].wait(timeout=30)  # the lost node's agent
+                nodes.append(_agent(tmp, 2, port))  # its replacement, with empty memory
+            time.sleep(0.1)
     finally:
         for node in nodes:
             if node.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(node.pid, signal.SIGKILL)
                 node.wait()
-    logs = "".join((tmp / f"node{n}.log").read_text() for n in (0, 1))
-    assert rcs == [0, 0], logs[-8000:]
+    logs = "".join((tmp / f"node{n}.log").read_text() for n in range(len(nodes)))
+    rcs = [node.returncode for node in nodes]
+    assert rcs == [0, -signal.SIGKILL, 0], logs[-8000:]
     events = [json.loads(line) for line in (tmp / "out" / "events.jsonl").read_text().splitlines()]
     kills = [e for e in events if e["event"] == "kill"]
     for kill in kills:
@@ -111,8 +118,8 @@ def test_killed_processes_resume_from_memory_a_peer_or_the_store_bit_identically
     killed: dict[str, Any],
 ) -> None:
     events, out = killed["events"], killed["tmp"] / "out"
-    kills = [(e["step"], e["wiped"]) for e in events if e["event"] == "kill"]
-    assert kills == [(25, False), (29, True), (31, True), (31, True)]
+    kills = [(e["step"], e["wiped"], e["node"]) for e in events if e["event"] == "kill"]
+    assert kills == [(25, False, False), (29, True, True), (31, True, False), (31, True, False)]
     first, after_kill, after_wipe, after_both = _incarnations(events)
     assert {r: e["resumed_from"] for r, e in first.items()} == {0: None, 1: None}
     # step 24: the store holds 20; each rank reads its own node's memory, unless the restart
@@ -121,7 +128,8 @@ def test_killed_processes_resume_from_memory_a_peer_or_the_store_bit_identically
     for start in after_kill.values():
         assert start["resumed_from"] == 24, start
         assert start["resumed_tier"] == ("memory" if same_nodes else "peer"), start
-    for start in after_wipe.values():  # a node with empty memory: its rank's part from a peer
+    assert {e["node"][-7:] for e in after_wipe.values()} == {"memory0", "memory2"}
+    for start in after_wipe.values():  # the replacement node: its rank's part from a peer
         assert (start["resumed_from"], start["resumed_tier"]) == (28, "peer"), start
     for start in after_both.values():  # no memory anywhere: the store
         assert (start["resumed_from"], start["resumed_tier"]) == (30, "store"), start
@@ -136,5 +144,5 @@ def test_killed_processes_resume_from_memory_a_peer_or_the_store_bit_identically
 
 
 def test_the_memory_is_freed_once_the_store_holds_the_end(killed: dict[str, Any]) -> None:
-    for node in (0, 1):
+    for node in (0, 2):  # the nodes of the job's end (the lost one's memory went with it)
         assert list((killed["tmp"] / f"memory{node}").glob("*/s*")) == []

@@ -365,3 +365,29 @@ def test_a_pool_is_not_opened_as_a_store(tmp_path: Path) -> None:
 
     assert main(["gc", str(pool), "--grace", "0", "--min-age", "0"]) == 2
     assert packs(pool) == before
+
+
+def test_a_store_is_not_used_as_a_pool(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    with CheckpointStore(plain, **OPTIONS) as store:
+        store.save(base_state(), 1).wait()
+    with pytest.raises(ConfigError, match="not a shared object pool"):
+        CheckpointStore(tmp_path / "m", pool=plain, **OPTIONS)
+    with pytest.raises(ConfigError, match="its own pool"):
+        CheckpointStore(tmp_path / "n", pool=tmp_path / "n", **OPTIONS)
+    with pytest.raises(ConfigError, match="not a shared object pool"):
+        CheckpointStore.fork(str(plain), str(tmp_path / "f"), pool=str(plain))
+    assert not (tmp_path / "m" / "links.json").exists()
+
+
+def test_pool_gc_of_a_location_that_is_no_pool_deletes_nothing(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    with CheckpointStore(plain, **OPTIONS) as store:
+        store.save(base_state(), 1).wait()
+    before = packs(plain)
+    with pytest.raises(ConfigError, match="not a shared object pool"):
+        collect_pool(plain, min_age_s=0.0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"no pool\.json"):
+        collect_pool(tmp_path / "empty", min_age_s=0.0)
+    assert packs(plain) == before

@@ -107,6 +107,19 @@ def member_path(url: str) -> str:
     return f"{MEMBER_DIR}/{hashlib.sha256(url.encode()).hexdigest()[:32]}.json"
 
 
+def check_pool(pool: Storage) -> None:
+    """Refuse a checkpoint store's location as a pool: its gc would delete the members' objects.
+
+    Raises:
+        ConfigError: ``pool`` holds a store.
+    """
+    if pool.exists(mf.MARKER) or pool.exists(LINKS):
+        raise ConfigError(
+            f"{pool.url} is a checkpoint store, not a shared object pool (its gc would delete "
+            "the objects of the pool's members); give the pool a location of its own"
+        )
+
+
 def join_pool(pool: Storage, member_url: str, min_age_s: float) -> None:
     """Record ``member_url`` as a member of ``pool`` (create-only: idempotent; one request when
     it is recorded already)."""
@@ -167,6 +180,11 @@ def attach(
         )
     pool_url = None if pool is None else open_location(os.fspath(pool), pool_options).url
     if pool_url is not None and links is None:
+        if pool_url == own.url:
+            raise ConfigError(
+                f"{own.url} cannot be its own pool: give the pool a location of its own"
+            )
+        check_pool(open_location(pool_url, pool_options))
         if own.list(mf.MANIFEST_DIR):
             raise ConfigError(
                 f"{own.url} already holds checkpoints with their objects; it cannot join the "
@@ -262,6 +280,9 @@ def fork(
         pool_url = source.objects.url
     if pool_url is not None:
         pool_url = open_location(pool_url, pool_storage_options).url
+        if pool_url == target.url:
+            raise ConfigError(f"{target.url} cannot be its own pool")
+        check_pool(open_location(pool_url, pool_storage_options))
     reads = [u for u in object_locations(source) if u not in (pool_url, target.url)]
     origin = {"url": source.url, "step": chosen}
     target.put(LINKS, Links(pool_url, tuple(dict.fromkeys(reads)), origin).to_bytes())

@@ -38,7 +38,13 @@ from lightning_incremental.core.errors import (
 from lightning_incremental.core.format import canonical
 from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.maintain.pins import read_pins
-from lightning_incremental.core.maintain.pool import Url, members, open_location
+from lightning_incremental.core.maintain.pool import (
+    POOL_MARKER,
+    Url,
+    check_pool,
+    members,
+    open_location,
+)
 from lightning_incremental.core.maintain.sweep import plan_clock, sweep
 from lightning_incremental.core.storage import Storage
 
@@ -151,6 +157,11 @@ def collect_pool(
     if isinstance(min_age_s, bool) or not isinstance(min_age_s, (int, float)) or min_age_s < 0:
         raise ConfigError(f"min_age_s must be a number >= 0, got {min_age_s!r}")
     storage = open_location(os.fspath(pool), storage_options)
+    check_pool(storage)  # a store's location: its objects are not the pool's to collect
+    if not storage.exists(POOL_MARKER):
+        raise ConfigError(
+            f"{storage.url} is not a shared object pool (no {POOL_MARKER}); pool gc deleted nothing"
+        )
     marker = _Marker(storage, member_options or {})
     # The time before anything is listed: a member's save in flight writes its objects after.
     planned_at = plan_clock(storage, dry_run, max(grace_s, min_age_s, 1.0))

@@ -85,3 +85,17 @@ def test_pool_leave(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         store.save(state(1), 1).wait()
     assert main(["pool-leave", pool, member]) == 2  # still holds checkpoints
     assert "still holds checkpoints" in capsys.readouterr().err
+
+
+def test_verify_and_export_of_a_fork_read_the_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    with CheckpointStore(src, **OPTIONS) as store:
+        store.save(state(1), 1).wait()
+    assert main(["fork", f"{src}@1", dst]) == 0
+    assert main(["verify", dst]) == 0
+    for fmt, name in (("torch", "out.pt"), ("dcp", "out_dcp")):
+        assert main(["export", dst, "--to", str(tmp_path / name), "--format", fmt]) == 0
+    assert_state_equal(torch.load(tmp_path / "out.pt", weights_only=True), state(1))
+    assert (tmp_path / "out_dcp").is_dir()

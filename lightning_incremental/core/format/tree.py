@@ -24,7 +24,7 @@ import pickle
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -88,6 +88,8 @@ class Leaf:
     requires_grad: bool = False
     slot: int = -1  # the tensor's index in the skeleton
     offsets: tuple[int, ...] | None = None  # a piece: where it starts in the global tensor
+    # ``data``'s bytes as numpy sees them, when the snapshot had them at hand (a slab's slice)
+    flat_bytes: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -100,6 +102,8 @@ class Leaf:
 
     def raw(self) -> np.ndarray:
         """The leaf's bytes as a flat uint8 array (a view, no copy)."""
+        if self.flat_bytes is not None:
+            return self.flat_bytes
         data = self.data
         if data.numel() == 0:
             return np.empty(0, dtype=np.uint8)

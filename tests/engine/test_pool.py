@@ -391,3 +391,49 @@ def test_pool_gc_of_a_location_that_is_no_pool_deletes_nothing(tmp_path: Path) -
     with pytest.raises(ConfigError, match=r"no pool\.json"):
         collect_pool(tmp_path / "empty", min_age_s=0.0)
     assert packs(plain) == before
+
+
+def test_pool_gc_reads_the_commit_that_replaced_a_manifest_it_listed(tmp_path: Path) -> None:
+    """A member commits a step and its retention removes the step the collection listed but had
+    not read yet: the new step names the old objects, and the next mark pass reads it."""
+    from lightning_incremental.core.storage import register_scheme, unregister_scheme
+    from tests.faulty import FaultyStorage
+
+    hooks: list[Any] = []
+
+    class Hooked(FaultyStorage):
+        def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+            if hooks and path == f"manifests/{1:020d}.json":
+                hooks.pop()()
+            return super().get(path, start, end)
+
+    def factory(url: str, options: dict[str, Any]) -> Any:
+        storage = Hooked(LocalStorage(url.partition("://")[2]))
+        storage.url = url
+        return storage
+
+    register_scheme("lihook", factory)
+    try:
+        pool, member = tmp_path / "pool", f"lihook://{tmp_path / 'a'}"
+        state = base_state()
+        with CheckpointStore(member, pool=pool, **OPTIONS) as store:
+            store.save(state, 1).wait()
+        then = 1_000_000_000.0  # long ago: older than any minimum age
+        for path in (pool / "packs").rglob("*.pack"):
+            os.utime(path, (then, then))
+
+        def commit_and_retain() -> None:
+            with CheckpointStore(member, **OPTIONS) as store:
+                store.load()
+                store.save(train(state, 2), 2).wait()  # references step 1's old objects
+                store.gc(keep_last=1)  # and step 1 goes
+
+        hooks.append(commit_and_retain)
+        collect_pool(pool, min_age_s=900.0)
+        assert not hooks
+        with CheckpointStore(member) as store:
+            assert store.steps() == [2]
+            assert store.verify(2).ok
+            assert_state_equal(store.load(2), train(state, 2))
+    finally:
+        unregister_scheme("lihook")

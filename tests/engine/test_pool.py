@@ -437,3 +437,13 @@ def test_pool_gc_reads_the_commit_that_replaced_a_manifest_it_listed(tmp_path: P
             assert_state_equal(store.load(2), train(state, 2))
     finally:
         unregister_scheme("lihook")
+
+
+def test_the_pool_records_a_members_largest_minimum_age(tmp_path: Path) -> None:
+    from lightning_incremental.core.maintain.pool import members
+
+    pool = tmp_path / "pool"
+    for age in (0.0, 1200.0, 60.0):
+        CheckpointStore(tmp_path / "a", pool=pool, fsync=False, min_object_age_s=age).close()
+    [record] = members(LocalStorage(str(pool)))
+    assert record["min_object_age_s"] == 1200.0

@@ -121,14 +121,21 @@ def check_pool(pool: Storage) -> None:
 
 
 def join_pool(pool: Storage, member_url: str, min_age_s: float) -> None:
-    """Record ``member_url`` as a member of ``pool`` (create-only: idempotent; one request when
-    it is recorded already)."""
+    """Record ``member_url`` as a member of ``pool``, with the largest minimum object age it
+    was opened with (one read when it is recorded already with at least this age)."""
     path = member_path(member_url)
-    if pool.exists(path):
-        return
-    pool.put(POOL_MARKER, json.dumps({"format": _POOL_FORMAT, "layout": 1}).encode())
     record = {"url": member_url, "min_object_age_s": min_age_s}
-    pool.put(path, json.dumps(record, sort_keys=True).encode())
+    try:
+        known = json.loads(pool.get(path))
+    except FileNotFoundError:
+        pool.put(POOL_MARKER, json.dumps({"format": _POOL_FORMAT, "layout": 1}).encode())
+        pool.put(path, json.dumps(record, sort_keys=True).encode())
+        return
+    except ValueError:
+        known = {}
+    age = known.get("min_object_age_s") if isinstance(known, dict) else None
+    if not isinstance(age, (int, float)) or age < min_age_s:
+        pool.put(path, json.dumps(record, sort_keys=True).encode(), overwrite=True)
 
 
 def members(pool: Storage) -> list[dict[str, Any]]:

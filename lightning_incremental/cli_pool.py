@@ -19,6 +19,7 @@ from rich.table import Table
 
 from lightning_incremental.core import CheckpointStore, ConfigError
 from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.maintain.pins import read_pins
 from lightning_incremental.core.maintain.pool import (
     POOL_MARKER,
     leave,
@@ -240,10 +241,12 @@ def _ls_pool(pool: Storage, args: argparse.Namespace, console: Console) -> int:
 
 
 def _links(storage: Storage) -> dict[str, Any]:
+    pins = [{"step": p.step, "fork": p.by} for p in read_pins(storage)]
+    out: dict[str, Any] = {"pinned_by_forks": pins} if pins else {}
     if not isinstance(storage, LinkedStorage):
-        return {}
+        return out
     links = read_links(storage.own)
-    out: dict[str, Any] = {"objects_in": storage.objects.url}
+    out["objects_in"] = storage.objects.url
     if storage.sources:
         out["reads_from"] = [s.url for s in storage.sources]
     if links is not None and links.forked_from:

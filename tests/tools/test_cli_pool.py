@@ -48,6 +48,7 @@ def test_fork_ls_inspect_unpin_and_pool_gc(
     listed = run_json(capsys, "ls", dst)
     assert [r["step"] for r in listed["checkpoints"]] == [2]
     assert listed["objects_in"] == pool and listed["forked_from"] == {"url": src, "step": 2}
+    assert run_json(capsys, "ls", src)["pinned_by_forks"] == [{"step": 2, "fork": dst}]
     members = run_json(capsys, "ls", pool)
     assert sorted(m["member"] for m in members["members"]) == [dst, src]
     inspected = run_json(capsys, "inspect", dst)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run the test suite; sets up the virtual environment first.
-# Without arguments: the in-process tests spread over the machine's cores (pytest-xdist), then
-# the multi-process tests (marked slow: each already runs two or three processes of its own)
-# one at a time. Extra arguments go to one plain pytest run instead, e.g.
+# Without arguments: the quick tests and the slow ones that may run beside others (marked
+# spread: in one process, or processes that time nothing) over the machine's cores
+# (pytest-xdist), then the other slow tests one at a time (each runs two or three processes of
+# its own that watch each other's timing). Extra arguments go to one plain pytest run instead:
 #   scripts/test.sh -m "not slow"      (the quick subset)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,5 +11,5 @@ bash scripts/setup.sh test
 if [ "$#" -gt 0 ]; then
     exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 fi
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-auto}" -m "not slow"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -m slow
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-auto}" -m "not slow or spread"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -m "slow and not spread"

@@ -149,9 +149,29 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
     return dense.reshape(-1).view(torch.uint8)
 
 
+#: Modules whose slow tests run in this process, or start processes that time nothing of their
+#: own: the test command runs them on every core beside the quick tests (marked ``spread``),
+#: leaving one at a time only to tests whose processes watch each other's timing.
+SPREAD_MODULES = frozenset(
+    {
+        "test_faults.py",
+        "test_stateful.py",
+        "test_pool_stateful.py",
+        "test_docs.py",
+        "test_benchmarks.py",
+        "test_cli.py",
+        "test_demo.py",
+        "test_scale_benchmark.py",
+    }
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The fault-injection suite's S3 variants repeat, over HTTP, what the S3 suite already
-    covers with faults at the HTTP level: they run in the full suite, not the quick subset."""
+    covers with faults at the HTTP level: they run in the full suite, not the quick subset.
+    Slow tests of :data:`SPREAD_MODULES` are also marked ``spread``."""
     for item in items:
         if item.nodeid.startswith("tests/engine/test_faults.py") and "[s3" in item.nodeid:
             item.add_marker(pytest.mark.slow)
+        if item.path.name in SPREAD_MODULES and item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.spread)

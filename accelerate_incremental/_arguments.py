@@ -8,7 +8,7 @@ import os
 import warnings
 from typing import Any
 
-from accelerate_incremental import _sharded
+from accelerate_incremental import _memory, _sharded
 from lightning_incremental.core import StepError, StepTypeError, StoreConfig
 from lightning_incremental.runtime.cadence import CadenceConfig
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
@@ -79,6 +79,9 @@ def check_arguments(
     preemption: Any = True,
     max_overhead: Any = None,
     expected_mtbf: Any = None,
+    memory_every_n_steps: Any = None,
+    memory_replicas: Any = 1,
+    memory_dir: Any = None,
     **options: Any,
 ) -> RecoveryOptions:
     """Validate :class:`IncrementalCheckpointer`'s arguments without an accelerator or a store
@@ -89,8 +92,9 @@ def check_arguments(
         TypeError: an argument of the wrong type (``preemption``: a bool or a
             ``PreemptionConfig``).
         ValueError: a bad ``every_n_steps``, ``max_consecutive_failures`` or ``replica_check``.
-        ConfigError: an invalid store option, watchdog timing, ``max_overhead`` or
-            ``expected_mtbf``, or ``recovery`` given together with one of the arguments it holds.
+        ConfigError: an invalid store option, watchdog timing, ``max_overhead``,
+            ``expected_mtbf``, ``memory_every_n_steps`` or ``memory_replicas``, or ``recovery``
+            given together with one of the arguments it holds.
     """
     if not isinstance(dirpath, str):
         raise TypeError(f"dirpath must be a str (a directory or URL), got {type(dirpath).__name__}")
@@ -116,6 +120,7 @@ def check_arguments(
         CadenceConfig(
             max_overhead=max_overhead, expected_mtbf=expected_mtbf, min_interval=every_n_steps or 1
         )
+    _memory.options(memory_every_n_steps, memory_replicas, memory_dir)
     StoreConfig().replace(keep_last=keep_last, **options)
     return recovery
 

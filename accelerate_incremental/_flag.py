@@ -47,6 +47,9 @@ _KEYS = {
     "max_overhead",
     "expected_mtbf",
     "materialize",
+    "memory_every_n_steps",
+    "memory_replicas",
+    "memory_dir",
 }
 _NOT_PATHS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
 

@@ -17,23 +17,25 @@ from typing import TYPE_CHECKING, Any
 
 from accelerate_incremental import (
     _compat,
+    _generation,
     _layout,
     _load_arguments,
+    _memory,
     _pace,
     _progress,
     _sharded,
+    _source,
     _state,
     _takeover,
 )
 from accelerate_incremental._arguments import check_accelerator, check_arguments, check_step
 from accelerate_incremental._loaders import Loaders
 from accelerate_incremental._preemption import PreemptionPoint
-from lightning_incremental.core import CheckpointNotFoundError, CheckpointStore, SaveHandle
+from lightning_incremental.core import CheckpointStore, SaveHandle
 from lightning_incremental.core.commit import fencing
 from lightning_incremental.runtime import collectives, rng
 from lightning_incremental.runtime.backpressure import wait_for_room
 from lightning_incremental.runtime.cadence import Cadence
-from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     FailurePolicy,
@@ -95,6 +97,12 @@ class IncrementalCheckpointer:
             of a save: the fraction of training time checkpointing may cost (``0.02``) and/or the
             mean time between failures in seconds (Young/Daly); ``every_n_steps`` is then the
             shortest interval (see :mod:`~._pace`). Logged; :attr:`cadence` has the choices.
+        memory_every_n_steps, memory_replicas, memory_dir: the memory tier (off by default):
+            every ``memory_every_n_steps`` steps :meth:`maybe_save` puts each process's part
+            into node-local memory (``memory_dir``; default ``$LIGHTNING_INCREMENTAL_MEMORY_DIR``,
+            else ``/dev/shm/lightning-incremental``) and onto ``memory_replicas`` other nodes;
+            :meth:`load` resumes from the newest step every process agrees on when it is at
+            least the store's newest (see :mod:`~._memory`); :attr:`resumed_tier` says which.
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
@@ -137,6 +145,9 @@ class IncrementalCheckpointer:
         preemption: PreemptionConfig | bool = True,
         max_overhead: float | None = None,
         expected_mtbf: float | None = None,
+        memory_every_n_steps: int | None = None,
+        memory_replicas: int = 1,
+        memory_dir: str | None = None,
         **options: Any,
     ) -> None:
         check_accelerator(accelerator)
@@ -156,6 +167,9 @@ class IncrementalCheckpointer:
             preemption=preemption,
             max_overhead=max_overhead,
             expected_mtbf=expected_mtbf,
+            memory_every_n_steps=memory_every_n_steps,
+            memory_replicas=memory_replicas,
+            memory_dir=memory_dir,
             **options,
         )
         self.replica_check = self.recovery.replica_check
@@ -185,7 +199,10 @@ class IncrementalCheckpointer:
         self._handles: list[SaveHandle] = []  # this process's saves not collected yet
         self.generation: int | None = None
         if fencing.should_claim(accelerator.num_processes):
-            self.generation = self._claim_generation()
+            self.generation = _generation.claim(self.store, accelerator.is_main_process)
+        self.resumed_tier: str | None = None  # where load() found its step: memory, peer, store
+        memory = (memory_every_n_steps, memory_replicas, memory_dir)
+        self._memory = _memory.start(accelerator, self.store, self.generation, self.sharded, memory)
         self._hooks: list[Any] = []
         self._watched: set[int] = set()  # ids of the optimizers whose steps count as progress
         self._watchdog: Watchdog | None = self.recovery.start_watchdog(
@@ -201,23 +218,6 @@ class IncrementalCheckpointer:
             dropped = weakref.finalize(self, _progress.stop_dropped, dog)
             dropped.atexit = False  # at exit the watchdog says it finished (Watchdog.start)
         self._preemption = PreemptionPoint(accelerator, preemption)  # handles the signals now
-
-    def _claim_generation(self) -> int:
-        """A new fencing generation, claimed by the main process, known to every process.
-
-        Raises:
-            CoordinatorError: on the other processes, the claim failed (the main process raises
-                its own error).
-        """
-        try:
-            return coordinated(
-                lambda: self.store.claim_generation(fencing.restart_count()),
-                what=f"claim a fencing generation in {self.store.url}",
-                is_coordinator=self.accelerator.is_main_process,
-            )
-        except BaseException:
-            self.store.close()
-            raise
 
     # ------------------------------------------------------------------ saving
 
@@ -251,6 +251,8 @@ class IncrementalCheckpointer:
         self._preemption.seen(step)
         if self._watchdog is not None:
             self._watchdog.progress(step)
+        if self._memory is not None:
+            self._memory.maybe_take(step, self._loaders)
         if self._pace is not None:
             if not self._pace.due(step, self._handles):
                 return None
@@ -349,12 +351,16 @@ class IncrementalCheckpointer:
         """Wait until every pending save of this process committed (or failed: a failed save is
         warned about, see ``max_consecutive_failures``).
 
+        Also waits for this process's memory step in flight.
+
         Raises:
             CheckpointError: ``max_consecutive_failures`` saves in a row failed.
         """
         self._save_deferred()
         self._settle(block=True, everywhere=False)
         self.store.wait()
+        if self._memory is not None:
+            self._memory.wait()
 
     # ------------------------------------------------------------------ loading
 
@@ -383,26 +389,11 @@ class IncrementalCheckpointer:
         acc = self.accelerator
         _layout.check_prepared(acc)
         self._deferred = None  # the state it would have held is being replaced
-        state: dict[str, Any] | None = None
         into = _state.live(acc, is_sharded=self.sharded)  # every process: FSDP1's is a collective
-
-        def newest() -> int | None:
-            nonlocal state
-            try:
-                state = self.store.load(map_location=location, into=into, strict_into=False)
-            except CheckpointNotFoundError:
-                return None
-            return self.store.loaded_step
-
-        step = coordinated(
-            newest,
-            what=f"load a checkpoint from {self.store.url}",
-            is_coordinator=acc.is_main_process,
-        )
-        if step is None:
+        found = _source.newest(acc, self.store, self._memory, into, location)
+        if found is None:
             return None
-        if state is None:
-            state = self.store.load(step, map_location=location, into=into, strict_into=False)
+        step, state, self.resumed_tier = found
         # Accelerate's load pre-hooks: before the weights, which go to the models they leave
         models = list(_compat.models(acc)) if pre_hooks is None else pre_hooks(step)
         whole = not self.sharded  # a sharded state is checked by torch, on as many processes
@@ -528,6 +519,7 @@ class IncrementalCheckpointer:
             if self._pace is not None and self.accelerator.is_main_process:
                 _pace.log_report(self._pace)
         finally:
+            _memory.close(self._memory, self.store, finished=finished)
             self.store.close()
 
     def __enter__(self) -> IncrementalCheckpointer:

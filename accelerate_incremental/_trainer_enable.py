@@ -61,6 +61,7 @@ _RECOVERY = {
     "replica_check",
     "recovery",
 }
+_MEMORY = {"memory_every_n_steps", "memory_replicas", "memory_dir"}  # IncrementalCheckpointer's
 
 
 def refusals(trainer: Any) -> list[str]:
@@ -116,6 +117,11 @@ def _split(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 ignored.append(f"{key} is ignored for a Trainer: its {_TRAINER_OWNS[key]} rules")
         elif key in _RECOVERY:
             ignored.append(f"{key} is not used for a Trainer (no watchdog or replica check)")
+        elif key in _MEMORY:
+            ignored.append(
+                f"{key} is not used for a Trainer (no memory tier yet: it checkpoints to the "
+                "store only)"
+            )
         else:
             kept[key] = value
     return kept, ignored

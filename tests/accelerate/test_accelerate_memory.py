@@ -45,7 +45,8 @@ def train(store: Path, *, crash_after: int | None = None, **kw: Any) -> tuple[An
             step += 1
             ckpt.maybe_save(step)
             if step == crash_after:
-                ckpt.wait()  # this step's memory write is done, as it is before a kill lands
+                # a failing run's close: the memory write in hand finishes (as it has before
+                # a kill lands), a save due at the epoch's end is not taken
                 ckpt.close(finished=False)
                 return run, ckpt, loaded
             if step == TOTAL:
@@ -69,6 +70,24 @@ def test_a_crash_resumes_from_memory_bit_identically(tmp_path: Path) -> None:
     assert same(weights(run), weights(reference))
     assert ckpt.steps()[-1] == TOTAL
     assert parts(memory) == []  # the store holds the last step: the memory is freed
+
+
+def test_an_epochs_last_step_is_not_taken_and_an_older_memory_defers_to_the_store(
+    tmp_path: Path,
+) -> None:
+    """Step 12 ends an epoch (its end work comes after it): a crash there resumes from memory
+    step 11, still bit-identical; memory older than the store's newest is not used."""
+    reference, _, _ = train(tmp_path / "reference")
+    args = {"memory_every_n_steps": 1, "memory_dir": str(tmp_path / "memory")}
+    train(tmp_path / "store", crash_after=12, **args)
+    run, ckpt, loaded = train(tmp_path / "store", **args)
+    assert (loaded, ckpt.resumed_tier) == (11, "memory")
+    assert same(weights(run), weights(reference))
+    sparse = {"memory_every_n_steps": 5, "memory_dir": str(tmp_path / "memory-5")}
+    train(tmp_path / "store-5", crash_after=9, **sparse)  # memory holds 5, the store 8
+    run, ckpt, loaded = train(tmp_path / "store-5", **sparse)
+    assert (loaded, ckpt.resumed_tier) == (8, "store")
+    assert same(weights(run), weights(reference))
 
 
 def test_another_jobs_memory_is_ignored(tmp_path: Path) -> None:

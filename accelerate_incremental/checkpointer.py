@@ -372,6 +372,9 @@ class IncrementalCheckpointer:
         schedulers, scaler, registered objects, ``accelerator.step``, the project's save
         iteration, and this process's random state and DataLoader positions. ``map_location``
         is Accelerate's (``"on_device"``: new tensors on this process's device; else the CPU).
+        With the memory tier on, the step every process can restore from node-local memory or
+        a peer comes first when it is at least the store's newest (:attr:`resumed_tier` says
+        which tier gave the step; each process's own random state and positions come with it).
 
         Raises:
             TypeError: a ``map_location`` Accelerate refuses (the same error).

@@ -72,6 +72,8 @@ class CheckpointStore:
     Raises:
         ConfigError: an invalid option, URL or protocol; ``distributed`` without an initialised
             process group.
+        StorageError: the storage cannot be read: opening reads where the store keeps its
+            objects (its pool or fork record), so an unreachable endpoint fails here.
     """
 
     def __init__(

@@ -87,8 +87,12 @@ def test_secrets_never_go_in(
         wrong.close()
         gone = dict(options, endpoint_url="http://127.0.0.1:9")  # discard port: refused
         values.append(gone["endpoint_url"])
-        with CheckpointStore(url, storage_options=gone) as unreachable:
-            fails(StorageError, lambda: unreachable.save(state(1), 1).wait(WAIT_S))
+
+        def unreachable() -> None:  # opening reads the store's pool record: it fails there
+            with CheckpointStore(url, storage_options=gone) as store:
+                store.save(state(1), 1).wait(WAIT_S)
+
+        fails(StorageError, unreachable)
         bad = dict(options, config_kwargs={"retries": {"total_max_attempts": SECRET}})
         fails(ConfigError, lambda: CheckpointStore(url, storage_options=bad))
     assert len(errors) == 6

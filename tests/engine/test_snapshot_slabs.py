@@ -102,7 +102,7 @@ def _odd_state() -> dict[str, Any]:
 
 def test_leaves_hold_exactly_each_tensor_as_seen() -> None:
     state = _odd_state()
-    skeleton, leaves, _ = flatten(state)
+    _, leaves, _ = flatten(state)
     by_path = {leaf.path: leaf for leaf in leaves}
     for key, value in state.items():
         leaf = by_path.get(f"state[{key!r}]")

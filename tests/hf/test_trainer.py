@@ -41,7 +41,8 @@ def test_enable_trainer_saves_markers_and_resumes_exactly(tmp_path: Path) -> Non
     first.train()
     assert CheckpointStore(store).steps() == [5, 10]
     folder = tmp_path / "out" / "checkpoint-5"
-    assert {NAME, "trainer_state.json", "config.json", "README.md"} <= {p.name for p in folder.iterdir()}
+    names = {p.name for p in folder.iterdir()}
+    assert {NAME, "trainer_state.json", "config.json", "README.md"} <= names
 
     again = tiny_trainer(tmp_path / "out")
     enable_trainer(again, str(store), auto_resume=False)

@@ -276,7 +276,13 @@ def fork(
             f"{source.url} is already forked into {target.url} (pin {pin}); remove the pin "
             "with unpin() once that fork is gone, or fork into a new location"
         )
-    if chosen not in history.visible() or any(not source.exists(p) for p in doc.packs):
+    # The exact version read: one a compaction replaced may be gone, its objects swept by a gc
+    # that read the pins before this one was written (it re-reads them after deleting it).
+    if (
+        chosen not in history.visible()
+        or not source.exists(mf.manifest_path(chosen, version))
+        or any(not source.exists(p) for p in doc.packs)
+    ):
         source.delete(pin)
         raise CheckpointNotFoundError(
             f"step {chosen} of {source.url} was removed while it was being forked; fork a "

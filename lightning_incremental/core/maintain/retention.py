@@ -112,12 +112,15 @@ def collect(
     min_age_s: float = 0.0,
     guard: Callable[[], None] | None = None,
     forget: Callable[[int], None] = lambda step: None,
+    repin: Callable[[], set[str]] = set,
 ) -> GcReport:
     """Apply ``plan`` to the store; see the module docstring. ``written`` is one listing of the
     manifests, split by the fence into ``visible`` steps (with their versions) and ``fenced``
     ones; ``planned_at`` the storage's time just before it was made; ``read`` reads the visible
     version of a step (looking it up again if it was superseded since); ``guard`` raises when
-    this process may no longer delete.
+    this process may no longer delete; ``repin`` reads the pins' objects again after manifests
+    were deleted, before the sweep (a fork that pinned a step after ``pinned`` was read, and
+    checked that its manifest was still there, holds a pin this finds).
 
     Raises:
         CorruptCheckpointError: a kept manifest cannot be read, so the objects it needs are
@@ -196,6 +199,8 @@ def collect(
             forget(step)
         for path in superseded:
             storage.delete(path)
+        if doomed + fenced or superseded:
+            live |= repin()
     report.removed_objects, report.bytes_freed = sweep(
         storage,
         live,
@@ -306,6 +311,7 @@ class Collector:
             min_age_s=self.min_age_s,
             guard=self.guard,
             forget=self.fencing.forget,
+            repin=lambda: set().union(*(p.packs for p in read_pins(self.storage))),
         )
 
     def intact(self, step: int, doc: Manifest, thorough: bool) -> bool:

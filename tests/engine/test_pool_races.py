@@ -1,0 +1,77 @@
+"""Forks and retention racing: a gc that read the pins before a fork pinned a step it deletes,
+a compaction that replaced the manifest version a fork read, a pin and the rule that keeps the
+newest intact checkpoint, and the removal of a forked store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_incremental.core import CheckpointNotFoundError, CheckpointStore
+from lightning_incremental.core.maintain import pool as pool_module
+from lightning_incremental.core.maintain import retention
+from lightning_incremental.core.maintain.pins import read_pins
+from lightning_incremental.core.maintain.pool import fork
+from lightning_incremental.core.storage import LocalStorage
+from tests.conftest import assert_state_equal
+
+OPTIONS: dict[str, Any] = {"chunk_size": 4096, "fsync": False, "min_object_age_s": 0.0}
+
+
+def weights(step: int) -> dict[str, torch.Tensor]:
+    """The same weights with row 0 changed per step: each save after the first is a delta."""
+    w = torch.randn(128, 128, generator=torch.Generator().manual_seed(0))
+    w[0] += step
+    return {"w": w}
+
+
+def two_steps(src: Path, *, delta: bool = True) -> dict[str, torch.Tensor]:
+    """Steps 1 and 2 in ``src``; step 2 shares no object with step 1 unless ``delta``."""
+    with CheckpointStore(src, **OPTIONS) as store:
+        store.save(weights(1), 1).wait()
+        other = {"w": torch.randn(128, 128, generator=torch.Generator().manual_seed(9))}
+        store.save(weights(2) if delta else other, 2).wait()
+        return store.load(1)
+
+
+def test_a_fork_pinned_after_gc_read_the_pins_keeps_its_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, dst = tmp_path / "src", tmp_path / "fork"
+    at1 = two_steps(src, delta=False)
+    real = retention.read_pins
+    forked: list[int] = []
+
+    def racing(storage: Any) -> Any:
+        pins = real(storage)  # the gc's first read: no pin yet
+        monkeypatch.setattr(retention, "read_pins", real)
+        forked.append(fork(src, dst, 1, min_age_s=0.0))  # pins step 1, finds it there
+        return pins
+
+    monkeypatch.setattr(retention, "read_pins", racing)
+    with CheckpointStore(src, **OPTIONS) as store:
+        assert store.gc(keep_last=1).removed_steps == [1]
+    assert forked == [1]
+    with CheckpointStore(dst, **OPTIONS) as forked_store:
+        assert_state_equal(forked_store.load(1), at1)
+
+
+def test_a_fork_refuses_a_manifest_version_replaced_while_it_pinned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, dst = tmp_path / "src", tmp_path / "fork"
+    two_steps(src)
+    real = pool_module.new_pin
+
+    def compacting(step: int, by: str, packs: list[str]) -> Any:
+        with CheckpointStore(src, **OPTIONS) as store:  # replaces the version the fork read
+            store.compact()
+        return real(step, by, packs)
+
+    monkeypatch.setattr(pool_module, "new_pin", compacting)
+    with pytest.raises(CheckpointNotFoundError, match="removed while it was being forked"):
+        fork(src, dst, 2, min_age_s=0.0)
+    assert read_pins(LocalStorage(str(src))) == []

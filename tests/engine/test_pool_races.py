@@ -75,3 +75,20 @@ def test_a_fork_refuses_a_manifest_version_replaced_while_it_pinned(
     with pytest.raises(CheckpointNotFoundError, match="removed while it was being forked"):
         fork(src, dst, 2, min_age_s=0.0)
     assert read_pins(LocalStorage(str(src))) == []
+
+
+def test_a_pinned_step_does_not_stand_in_for_the_newest_intact_one(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    with CheckpointStore(src, **OPTIONS) as store:
+        for step in (1, 2):
+            store.save(
+                {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(step))}, step
+            ).wait()
+        before = set((src / "packs").rglob("*.pack"))
+        store.save({"w": torch.randn(64, 64)}, 3).wait()
+    fork(src, tmp_path / "fork", 1, min_age_s=0.0)
+    sorted(set((src / "packs").rglob("*.pack")) - before)[0].unlink()  # step 3 damaged
+    with CheckpointStore(src, **OPTIONS) as store:
+        report = store.gc(keep_last=1)
+        assert report.removed_steps == [] and report.kept_intact == 2
+        assert store.steps() == [1, 2, 3]

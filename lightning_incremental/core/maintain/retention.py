@@ -2,13 +2,16 @@
 
 Rules, in order:
 
-1. Keep the newest ``keep_last`` visible checkpoints (all when None), plus ``keep``, plus the
-   steps forks pinned (:mod:`.pins`), minus ``drop`` (what ``delete`` names). A pinned step's
-   objects stay whatever becomes of it: a fork's checkpoints name them.
+1. Keep the newest ``keep_last`` visible checkpoints (all when None), plus ``keep``, minus
+   ``drop`` (what ``delete`` names).
 2. Never leave the store without an intact checkpoint: when checkpoints are to be removed and no
    kept one is intact, the newest intact one is kept as well; when none is intact at all, no
-   checkpoint is removed. ``thorough`` checks read every object (``verify``); otherwise the
-   store's knowledge is used (what it wrote or checked, what it found damaged).
+   checkpoint is removed. Then the steps forks pinned (:mod:`.pins`) are kept too, minus
+   ``drop`` (a pinned step does not stand in for the newest intact one). A pinned step's
+   objects stay whatever becomes of it: a fork's checkpoints name them; the pins are read again
+   after manifests were deleted, before the sweep, for a fork that pinned a step meanwhile.
+   ``thorough`` checks read every object (``verify``); otherwise the store's knowledge is used
+   (what it wrote or checked, what it found damaged).
 3. Delete the manifests first, then every object that no kept manifest (nor the next save's
    parent, unless ``delete`` removes that parent with no save pending) names and that was older
    than the grace period and the minimum object age (``StoreConfig.min_object_age_s``, by the
@@ -113,14 +116,17 @@ def collect(
     guard: Callable[[], None] | None = None,
     forget: Callable[[int], None] = lambda step: None,
     repin: Callable[[], set[str]] = set,
+    pinned_steps: Iterable[int] = (),
 ) -> GcReport:
     """Apply ``plan`` to the store; see the module docstring. ``written`` is one listing of the
     manifests, split by the fence into ``visible`` steps (with their versions) and ``fenced``
     ones; ``planned_at`` the storage's time just before it was made; ``read`` reads the visible
     version of a step (looking it up again if it was superseded since); ``guard`` raises when
-    this process may no longer delete; ``repin`` reads the pins' objects again after manifests
-    were deleted, before the sweep (a fork that pinned a step after ``pinned`` was read, and
-    checked that its manifest was still there, holds a pin this finds).
+    this process may no longer delete; ``pinned_steps`` are kept whatever the plan keeps, but
+    do not count as kept when deciding whether a kept checkpoint is intact; ``repin`` reads the
+    pins' objects again after manifests were deleted, before the sweep (a fork that pinned a
+    step after ``pinned`` was read, and checked that its manifest was still there, holds a pin
+    this finds).
 
     Raises:
         CorruptCheckpointError: a kept manifest cannot be read, so the objects it needs are
@@ -170,6 +176,10 @@ def collect(
             )
         kept |= set(spared)
         doomed = [s for s in doomed if s not in spared]
+    # Pinned steps stay for their forks; they are no reason to drop the newest intact one.
+    pins_kept = (set(pinned_steps) & set(steps)) - set(plan.drop) - kept
+    kept |= pins_kept
+    doomed = [s for s in doomed if s not in pins_kept]
     live = set(pinned)
     superseded: list[str] = []
     for step in sorted(kept):
@@ -295,9 +305,6 @@ class Collector:
         # Forks reference the pinned steps' objects (pins.py): kept whatever the plan says,
         # and their objects live even if the step's manifest goes.
         pins = read_pins(self.storage)
-        if pins:
-            kept = tuple(p.step for p in pins if p.step not in plan.drop)
-            plan = dataclasses.replace(plan, keep=plan.keep + kept)
         return collect(
             plan,
             storage=self.storage,
@@ -312,6 +319,7 @@ class Collector:
             guard=self.guard,
             forget=self.fencing.forget,
             repin=lambda: set().union(*(p.packs for p in read_pins(self.storage))),
+            pinned_steps=[p.step for p in pins],
         )
 
     def intact(self, step: int, doc: Manifest, thorough: bool) -> bool:

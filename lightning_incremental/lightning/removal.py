@@ -13,7 +13,8 @@ checkpoint, the store directory itself is deleted (young objects included: no ch
 name them any more), so a directory whose checkpoints were all removed holds nothing of ours —
 as ``TorchCheckpointIO`` leaves it. Only for a store this process does not save to (the main
 process of ``ddp_spawn``, a script removing checkpoints after ``fit``): a store this process is
-saving to stays open for its next save.
+saving to stays open for its next save. A store that holds pins (``pins/``: forks reference its
+objects, which stay until each fork is unpinned) is kept.
 
 Stores this process only reads or removes from (``ddp_spawn``'s main process loads the weights
 its rank 0 saved and removes them, and never calls ``teardown``) are closed when the call
@@ -29,6 +30,7 @@ import threading
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_incremental.core import CheckpointError
+from lightning_incremental.core.maintain.pins import PIN_DIR
 from lightning_incremental.core.storage import LocalStorage, open_storage
 from lightning_incremental.lightning.pointer_lifecycle import OpenStore, removed
 from lightning_incremental.lightning.pointers import CheckpointFile, Pointer, looks_like_pointer
@@ -67,8 +69,26 @@ def remove_step(target: CheckpointFile, entry: OpenStore, pointer: Pointer, *, l
         return
     if any(p.store == pointer.store for p in target.siblings()):
         return
+    if forked(entry.store_url, target):
+        log.info(
+            "keeping the store %s although it holds no checkpoint: forks reference its objects "
+            "(%s/); it can be deleted once each fork is unpinned",
+            entry.store_url,
+            PIN_DIR,
+        )
+        return
     entry.store.close()  # releases the writer lease: nothing may write there any more
     drop_store(entry.store_url, target)
+
+
+def forked(url: str, target: CheckpointFile) -> bool:
+    """Whether the store at ``url`` holds pins (forks reference its objects, whatever becomes
+    of its checkpoints); one listing. A listing that fails counts as holding some."""
+    try:
+        return bool(open_storage(url, target.storage_options).list(PIN_DIR))
+    except (OSError, CheckpointError) as exc:
+        log.warning("keeping the store %s: its pins cannot be listed (%s)", url, exc)
+        return True
 
 
 def drop_store(url: str, target: CheckpointFile) -> None:

@@ -1,6 +1,6 @@
 """Forks and retention racing: a gc that read the pins before a fork pinned a step it deletes,
 a compaction that replaced the manifest version a fork read, a pin and the rule that keeps the
-newest intact checkpoint, and the removal of a forked store."""
+newest intact checkpoint, and a pool member that leaves while its store is open."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_incremental.core import CheckpointNotFoundError, CheckpointStore
+from lightning_incremental.core import CheckpointNotFoundError, CheckpointStore, ConfigError
 from lightning_incremental.core.maintain import pool as pool_module
 from lightning_incremental.core.maintain import retention
 from lightning_incremental.core.maintain.pins import read_pins
-from lightning_incremental.core.maintain.pool import fork
+from lightning_incremental.core.maintain.pool import fork, leave
+from lightning_incremental.core.maintain.pool_gc import collect_pool
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal
 
@@ -92,3 +93,13 @@ def test_a_pinned_step_does_not_stand_in_for_the_newest_intact_one(tmp_path: Pat
         report = store.gc(keep_last=1)
         assert report.removed_steps == [] and report.kept_intact == 2
         assert store.steps() == [1, 2, 3]
+
+
+def test_a_member_open_before_its_first_commit_cannot_leave(tmp_path: Path) -> None:
+    pool, member = tmp_path / "pool", tmp_path / "a"
+    with CheckpointStore(member, pool=pool, **OPTIONS) as store:  # joined, nothing committed
+        with pytest.raises(ConfigError, match="only a member whose location was deleted"):
+            leave(pool, member)
+        store.save(weights(1), 1).wait()
+        collect_pool(pool, min_age_s=0.0)
+        assert_state_equal(store.load(1), weights(1))

@@ -369,17 +369,23 @@ def leave(
     member_options: dict[str, Any] | None = None,
 ) -> None:
     """Remove ``member``'s record from ``pool`` (a member deleted for good, so that the
-    pool's collection can run again).
+    pool's collection can run again). Only a member whose location was removed may leave: a
+    store there, even one without a checkpoint yet, may be open and about to commit one that
+    names the pool's objects.
 
     Raises:
-        ConfigError: the member still holds checkpoints (they reference the pool's objects).
-        OSError: the member's location cannot be listed.
+        ConfigError: the member's location still holds a store (its marker or its links),
+            checkpoints or pins.
+        OSError: the member's location cannot be read.
     """
     where = open_location(os.fspath(pool), storage_options)
     own = open_location(os.fspath(member), member_options)
-    if own.list(mf.MANIFEST_DIR) or own.list(PIN_DIR):
+    held = [name for name in (mf.MARKER, LINKS) if own.exists(name)]
+    held += [f"{name}/" for name in (mf.MANIFEST_DIR, PIN_DIR) if own.list(name)]
+    if held:
         raise ConfigError(
-            f"{own.url} still holds checkpoints or pins that reference objects of the pool "
-            f"{where.url}; delete the store (its checkpoints) first"
+            f"{own.url} still holds checkpoints or a store ({', '.join(held)}) that may "
+            f"reference objects of the pool {where.url}; only a member whose location was "
+            "deleted may leave: delete the store's location first"
         )
     where.delete(member_path(own.url))

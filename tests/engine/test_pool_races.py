@@ -4,6 +4,7 @@ newest intact checkpoint, and a pool member that leaves while its store is open.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +104,45 @@ def test_a_member_open_before_its_first_commit_cannot_leave(tmp_path: Path) -> N
         store.save(weights(1), 1).wait()
         collect_pool(pool, min_age_s=0.0)
         assert_state_equal(store.load(1), weights(1))
+
+
+def test_pool_gc_finishes_while_a_member_commits_during_every_pass(tmp_path: Path) -> None:
+    from lightning_incremental.core.storage import register_scheme, unregister_scheme
+    from tests.faulty import FaultyStorage
+
+    commits: list[int] = []
+    armed: list[bool] = []
+    member = f"liboth://{tmp_path / 'a'}"
+
+    class Busy(FaultyStorage):
+        def list(self, prefix: str = "") -> Any:
+            listed = super().list(prefix)
+            if armed and prefix == "manifests" and len(commits) < 12:
+                armed.clear()  # a commit after each listing the collection makes
+                step = 2 + len(commits)
+                commits.append(step)
+                with CheckpointStore(member, **OPTIONS) as store:
+                    store.save(weights(step), step).wait()
+                armed.append(True)
+            return listed
+
+    def factory(url: str, options: dict[str, Any]) -> Any:
+        storage = Busy(LocalStorage(url.partition("://")[2]))
+        storage.url = url
+        return storage
+
+    register_scheme("liboth", factory)
+    try:
+        pool = tmp_path / "pool"
+        with CheckpointStore(member, pool=pool, **OPTIONS) as store:
+            store.save(weights(1), 1).wait()
+        for path in (pool / "packs").rglob("*.pack"):  # long ago: the later steps' deltas
+            os.utime(path, (1e9, 1e9))  # name these old objects
+        armed.append(True)
+        collect_pool(pool, min_age_s=900.0)
+        armed.clear()
+        assert commits  # it committed while the collection marked, which finished
+        with CheckpointStore(member, **OPTIONS) as store:
+            assert all(store.verify(step).ok for step in store.steps())
+    finally:
+        unregister_scheme("liboth")

@@ -10,17 +10,21 @@ from one process, with no lease (two collections at once remove the same objects
    cannot be listed, has no store, or holds an unreadable manifest or pin stops the collection
    before anything is deleted: its live set is unknown, and a failed listing is never an empty
    one.
-3. Mark again until a pass finds no manifest it has not read: a manifest that vanished while
-   it was read was removed by the member's retention after a newer commit, which names every
-   object it still needs, and that newer one is read then.
+3. Mark again while a pass found a manifest that vanished before it was read: it was removed
+   by the member's retention after a newer commit, which names every object it still needs,
+   and that newer one is read then. A manifest committed after a member was listed needs no
+   other pass: it names objects its save wrote (written again when they existed, so younger
+   than the minimum age) and objects of its parent, which was read, vanished (another pass) or
+   is newer still (the same again); a member whose retention removes its delta base writes a
+   full one next. Members that keep committing do not keep the collection from finishing.
 4. Sweep the pool (:func:`.sweep.sweep`): an object no manifest or pin names goes, unless it
    was younger than the minimum object age at step 1 — the largest of the argument and every
    member's recorded ``min_object_age_s`` — by its modification time read just before the
    delete (a save that writes an existing object again makes it young).
 
-Cost: one listing per member per pass (at least two passes), one read per manifest and pin,
-one listing of the pool and a few requests per unreferenced object: linear in members,
-manifests and objects.
+Cost: one listing per member per pass (one pass, unless manifests vanish meanwhile), one read
+per manifest and pin, one listing of the pool and a few requests per unreferenced object:
+linear in members, manifests and objects.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from lightning_incremental.core.storage import Storage
 
 log = logging.getLogger("lightning_incremental")
 
-MAX_PASSES = 8  # mark passes before giving up on members that commit faster than they are read
+MAX_PASSES = 8  # mark passes before giving up on manifests that vanish faster than they are read
 
 
 class PoolMemberError(CheckpointError):
@@ -93,8 +97,9 @@ class _Marker:
         )
 
     def one_pass(self) -> bool:
-        """Read every manifest and pin not read yet; True when there was one."""
-        fresh = False
+        """Read every manifest and pin not read yet; True when a listed manifest vanished
+        before it was read (another pass reads what replaced it)."""
+        vanished = False
         for record in members(self.pool):
             url = record["url"]
             age = record.get("min_object_age_s")
@@ -113,12 +118,12 @@ class _Marker:
                 for path in names:
                     if path in done:
                         continue
-                    fresh = True
                     done.add(path)
                     try:
                         data = storage.get(path)
                     except FileNotFoundError:
-                        continue  # removed after a newer commit: the next pass reads that
+                        vanished = True  # removed after a newer commit: the next pass reads it
+                        continue
                     self.live.update(canonical.loads(data, f"{path} of {url}").packs)
                 pins = read_pins(storage)
             except (OSError, CorruptCheckpointError) as exc:
@@ -126,10 +131,9 @@ class _Marker:
             for pin in pins:
                 key = f"pin:{pin.by}:{pin.step}"
                 if key not in done:
-                    fresh = True
                     done.add(key)
                     self.live.update(pin.packs)
-        return fresh
+        return vanished
 
 
 def collect_pool(
@@ -152,7 +156,7 @@ def collect_pool(
 
     Raises:
         PoolMemberError: a member cannot be listed or read (nothing is deleted).
-        CheckpointError: the members keep committing faster than a mark pass reads them.
+        CheckpointError: manifests keep vanishing before a mark pass reads them.
     """
     if isinstance(min_age_s, bool) or not isinstance(min_age_s, (int, float)) or min_age_s < 0:
         raise ConfigError(f"min_age_s must be a number >= 0, got {min_age_s!r}")
@@ -165,14 +169,14 @@ def collect_pool(
     marker = _Marker(storage, member_options or {})
     # The time before anything is listed: a member's save in flight writes its objects after.
     planned_at = plan_clock(storage, dry_run, max(grace_s, min_age_s, 1.0))
-    marker.one_pass()
     for _ in range(MAX_PASSES):
         if not marker.one_pass():
             break
     else:
         raise CheckpointError(
-            f"pool gc of {storage.url} deleted nothing: its members committed new checkpoints "
-            f"in each of {MAX_PASSES} passes; run it again when they save less often"
+            f"pool gc of {storage.url} deleted nothing: manifests it listed vanished before "
+            f"it read them in each of {MAX_PASSES} passes; run it again when its members "
+            "remove checkpoints less often"
         )
     age = max([min_age_s, *marker.min_ages])
     removed, freed = sweep(

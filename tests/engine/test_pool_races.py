@@ -61,6 +61,30 @@ def test_a_fork_pinned_after_gc_read_the_pins_keeps_its_objects(
         assert_state_equal(forked_store.load(1), at1)
 
 
+def test_a_fork_pinned_while_another_process_removed_the_step_keeps_its_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, dst = tmp_path / "src", tmp_path / "fork"
+    two_steps(src, delta=False)
+    real = retention.read_pins
+    with CheckpointStore(dst.parent / "ref", **OPTIONS) as ref:
+        ref.save({"w": torch.randn(128, 128, generator=torch.Generator().manual_seed(9))}, 2).wait()
+        at2 = ref.load(2)
+
+    def racing(storage: Any) -> Any:
+        pins = real(storage)  # the gc's first read: no pin yet
+        monkeypatch.setattr(retention, "read_pins", real)
+        fork(src, dst, 2, min_age_s=0.0)  # pins step 2, finds it there
+        (src / "manifests" / f"{2:020d}.json").unlink()  # then another process removes it
+        return pins
+
+    monkeypatch.setattr(retention, "read_pins", racing)
+    with CheckpointStore(src, **OPTIONS) as store:
+        store.gc(keep_last=1)  # deletes no manifest itself
+    with CheckpointStore(dst, **OPTIONS) as forked_store:
+        assert_state_equal(forked_store.load(2), at2)
+
+
 def test_a_fork_refuses_a_manifest_version_replaced_while_it_pinned(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -9,7 +9,7 @@ Rules, in order:
    checkpoint is removed. Then the steps forks pinned (:mod:`.pins`) are kept too, minus
    ``drop`` (a pinned step does not stand in for the newest intact one). A pinned step's
    objects stay whatever becomes of it: a fork's checkpoints name them; the pins are read again
-   after manifests were deleted, before the sweep, for a fork that pinned a step meanwhile.
+   right before the sweep, for a fork that pinned a step meanwhile.
    ``thorough`` checks read every object (``verify``); otherwise the store's knowledge is used
    (what it wrote or checked, what it found damaged).
 3. Delete the manifests first, then every object that no kept manifest (nor the next save's
@@ -124,9 +124,8 @@ def collect(
     version of a step (looking it up again if it was superseded since); ``guard`` raises when
     this process may no longer delete; ``pinned_steps`` are kept whatever the plan keeps, but
     do not count as kept when deciding whether a kept checkpoint is intact; ``repin`` reads the
-    pins' objects again after manifests were deleted, before the sweep (a fork that pinned a
-    step after ``pinned`` was read, and checked that its manifest was still there, holds a pin
-    this finds).
+    pins' objects again right before the sweep (a fork that pinned a step after ``pinned`` was
+    read, and checked after that its manifest was still there, holds a pin this finds).
 
     Raises:
         CorruptCheckpointError: a kept manifest cannot be read, so the objects it needs are
@@ -209,8 +208,8 @@ def collect(
             forget(step)
         for path in superseded:
             storage.delete(path)
-        if doomed + fenced or superseded:
-            live |= repin()
+        # Manifests this call or another process deleted may be what a fork pinned meanwhile.
+        live |= repin()
     report.removed_objects, report.bytes_freed = sweep(
         storage,
         live,

@@ -69,14 +69,6 @@ def remove_step(target: CheckpointFile, entry: OpenStore, pointer: Pointer, *, l
         return
     if any(p.store == pointer.store for p in target.siblings()):
         return
-    if forked(entry.store_url, target):
-        log.info(
-            "keeping the store %s although it holds no checkpoint: forks reference its objects "
-            "(%s/); it can be deleted once each fork is unpinned",
-            entry.store_url,
-            PIN_DIR,
-        )
-        return
     entry.store.close()  # releases the writer lease: nothing may write there any more
     drop_store(entry.store_url, target)
 
@@ -92,7 +84,16 @@ def forked(url: str, target: CheckpointFile) -> bool:
 
 
 def drop_store(url: str, target: CheckpointFile) -> None:
-    """Delete the (empty of checkpoints) store directory at ``url``; best effort."""
+    """Delete the (empty of checkpoints) store directory at ``url``, unless it holds pins;
+    best effort."""
+    if forked(url, target):
+        log.info(
+            "keeping the store %s although it holds no checkpoint: forks reference its objects "
+            "(%s/); it can be deleted once each fork is unpinned",
+            url,
+            PIN_DIR,
+        )
+        return
     try:
         storage = open_storage(url, target.storage_options)
         if isinstance(storage, LocalStorage):

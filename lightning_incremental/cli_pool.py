@@ -32,6 +32,7 @@ from lightning_incremental.core.maintain.pool import (
 from lightning_incremental.core.maintain.pool_gc import collect_pool
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.storage.linked import LinkedStorage
+from lightning_incremental.runtime.fork import split_step
 
 Run = Callable[[Any, argparse.Namespace, Console], int]
 Command = Callable[[str, Run, str], argparse.ArgumentParser]
@@ -77,14 +78,6 @@ def _options(args: argparse.Namespace) -> dict[str, Any] | None:
         except ValueError:
             options[key] = value
     return options or None
-
-
-def split_step(source: str) -> tuple[str, int | None]:
-    """``SRC@STEP`` -> (SRC, STEP); a source without ``@<digits>`` has no step."""
-    head, sep, tail = source.rpartition("@")
-    if sep and tail.isdigit() and head:
-        return head, int(tail)
-    return source, None
 
 
 @_standalone

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_incremental.core import CheckpointStore, ConfigError, SaveResult
-from lightning_incremental.lightning import fit_checks, memory, resume
+from lightning_incremental.lightning import fit_checks, fork, memory, resume
 from lightning_incremental.lightning import sharded as _sharded
 from lightning_incremental.lightning.callback_views import Views
 from lightning_incremental.lightning.fit_state import (
@@ -38,6 +38,7 @@ from lightning_incremental.lightning.save_points import SaveNow, SavePoints
 from lightning_incremental.lightning.saver import Saver
 from lightning_incremental.lightning.schedule import Schedule
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
+from lightning_incremental.runtime.fork import check_source
 from lightning_incremental.runtime.options import RecoveryOptions
 from lightning_incremental.runtime.preemption import PreemptionConfig
 from lightning_incremental.runtime.watchdog import WatchdogConfig
@@ -130,6 +131,9 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
             else ``/dev/shm/lightning-incremental``) and onto ``memory_replicas`` other
             nodes; a restarted job resumes from the newest step every rank agrees on when it is
             at least the store's newest (see :mod:`~.memory`, :attr:`resumed_tier`).
+        fork_from: ``"SRC[@STEP]"``: while ``dirpath`` holds no checkpoint, fork that step of
+            the store at SRC (default its newest) into it and resume from it (no copy; pinned
+            in SRC); a restart only checks that ``dirpath`` was forked from SRC.
 
     Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` every rank
     saves its own shards (the sharded state dicts of ``torch.distributed.checkpoint.state_dict``,
@@ -179,8 +183,10 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
         memory_every_n_train_steps: int | None = None,
         memory_replicas: int = 1,
         memory_dir: _PATH | None = None,
+        fork_from: _PATH | None = None,
     ) -> None:
         super().__init__()
+        self.fork_from = check_source(fork_from, resume=resume)
         self.memory = memory.MemoryOptions(
             memory_every_n_train_steps,
             memory_replicas,
@@ -312,6 +318,7 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
             fit.disabled = True
             return
         fit_checks.reachable_by_every_rank(url, trainer.world_size)
+        fork.before_open(trainer, url, self.fork_from, self.storage_options)
         store = open_fit_store(trainer, fit, self._open_store, claim_unless_refused=self.resume)
         fit.saver = Saver(
             store,

@@ -1,0 +1,83 @@
+"""Start a run's store as a fork of another run's checkpoint (``fork_from="SRC[@STEP]"``):
+framework-free, shared by the Lightning and Accelerate plug-ins.
+
+The first run forks (:meth:`~lightning_incremental.core.CheckpointStore.fork`: no copy of the
+step, a pin in the source); a restart finds its store already holding checkpoints and only checks
+that they were forked from the same source. The caller runs :func:`ensure_fork` on one rank
+before any rank opens the store; the resume path then loads the forked step as any other.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lightning_incremental.core import CheckpointStore, ConfigError
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.maintain.pool import open_location, read_links
+
+
+def split_step(source: str) -> tuple[str, int | None]:
+    """``SRC@STEP`` -> (SRC, STEP); a source without ``@<digits>`` has no step."""
+    head, sep, tail = source.rpartition("@")
+    if sep and tail.isdigit() and head:
+        return head, int(tail)
+    return source, None
+
+
+def check_source(fork_from: str | os.PathLike[str] | None, *, resume: bool = True) -> str | None:
+    """``fork_from`` as given to a plug-in: None, or a non-empty ``SRC[@STEP]`` (which needs
+    ``resume``: the run starts from the forked step)."""
+    if fork_from is None:
+        return None
+    if not resume:
+        raise ConfigError("fork_from starts the run from the forked step: it needs resume=True")
+    text = os.fspath(fork_from)
+    if not isinstance(text, str) or not split_step(text)[0]:
+        raise ConfigError(f"fork_from expects 'SRC' or 'SRC@STEP', got {fork_from!r}")
+    return text
+
+
+def ensure_fork(
+    dst: str, fork_from: str, storage_options: dict[str, Any] | None = None
+) -> int | None:
+    """Fork ``fork_from`` (``SRC[@STEP]``) into ``dst`` unless ``dst`` already holds a store;
+    returns the step forked now, None when ``dst`` was forked before (a restart).
+
+    Raises:
+        ConfigError: ``dst`` holds checkpoints not forked from that source (or step), or a fork
+            that never got its checkpoint.
+        CheckpointNotFoundError: no such step in the source.
+    """
+    src, step = split_step(fork_from)
+    target = open_location(dst, storage_options)
+    links = read_links(target)
+    has_steps = bool(target.list(mf.MANIFEST_DIR))
+    if links is None and not has_steps:
+        return CheckpointStore.fork(
+            src,
+            dst,
+            step,
+            storage_options=storage_options,
+            src_storage_options=storage_options,
+            pool_storage_options=storage_options,
+        )
+    origin = links.forked_from if links is not None else None
+    wanted = open_location(src, storage_options).url
+    if not origin or origin.get("url") != wanted or step not in (None, origin.get("step")):
+        found = (
+            f"a fork of step {origin.get('step')} of {origin.get('url')}"
+            if origin
+            else "checkpoints that are no fork"
+        )
+        raise ConfigError(
+            f"fork_from={fork_from!r} but {target.url} already holds {found}; use a new "
+            "location for a new fork, or drop fork_from (or name that source) to resume this run"
+        )
+    if not has_steps:
+        raise ConfigError(
+            f"{target.url} records a fork of {origin.get('url')} but holds no checkpoint (the fork "
+            f"was interrupted); delete {target.url}, run `lightning-incremental unpin "
+            f"{origin.get('url')} {target.url}`, and start again"
+        )
+    return None

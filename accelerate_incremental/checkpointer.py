@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelerate_incremental import (
     _compat,
+    _fork,
     _generation,
     _layout,
     _load_arguments,
@@ -103,6 +104,8 @@ class IncrementalCheckpointer:
             else ``/dev/shm/lightning-incremental``) and onto ``memory_replicas`` other nodes;
             :meth:`load` resumes from the newest step every process agrees on when it is at
             least the store's newest (see :mod:`~._memory`); :attr:`resumed_tier` says which.
+        fork_from: ``"SRC[@STEP]"``: while ``dirpath`` holds no checkpoint, fork that step of SRC
+            (default: its newest) into it first, for :meth:`load` (see the pool guide).
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
@@ -148,6 +151,7 @@ class IncrementalCheckpointer:
         memory_every_n_steps: int | None = None,
         memory_replicas: int = 1,
         memory_dir: str | None = None,
+        fork_from: str | None = None,
         **options: Any,
     ) -> None:
         check_accelerator(accelerator)
@@ -180,6 +184,7 @@ class IncrementalCheckpointer:
         self._pace = _pace.Pace.of(max_overhead, expected_mtbf, every_n_steps, accelerator)
         # FSDP: every process saves its own shards through a store it opens (a collective)
         self.sharded = _sharded.is_sharded(accelerator)
+        _fork.before_open(accelerator.is_main_process, dirpath, fork_from, storage_options)
         self.store = CheckpointStore(
             dirpath,
             storage_options=storage_options,

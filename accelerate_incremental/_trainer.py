@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from accelerate_incremental import _hf_compat
+from accelerate_incremental import _fork, _hf_compat
 from accelerate_incremental import _trainer_files as files
 from accelerate_incremental import _trainer_markers as markers
 from accelerate_incremental._trainer_preemption import TrainerPreemption
@@ -97,8 +97,8 @@ class TrainerCheckpointer:
         materialize: ``"last"``, ``"best"`` or True (both): when ``train()`` ends, those
             folders also get the model's weights as ``save_pretrained`` writes them, from the
             store, so ``from_pretrained(folder)`` loads them (:mod:`~._trainer_files`).
-        storage_options, optimizer_state, max_consecutive_failures, **options: as for
-            :class:`~accelerate_incremental.IncrementalCheckpointer`.
+        storage_options, optimizer_state, max_consecutive_failures, fork_from, **options: as
+            for :class:`~accelerate_incremental.IncrementalCheckpointer`.
 
     Raises:
         ConfigError: a bad ``materialize`` or store option.
@@ -115,6 +115,7 @@ class TrainerCheckpointer:
         max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
         preemption: PreemptionConfig | bool = True,
         materialize: Any = False,
+        fork_from: str | None = None,
         **options: Any,
     ) -> None:
         self.trainer = trainer
@@ -126,6 +127,8 @@ class TrainerCheckpointer:
                 "transformers PreTrainedModel (or carries adapters): leave materialize off and "
                 "use `lightning-incremental export STORE STEP --format hf` or trainer.save_model()"
             )
+        is_main = trainer.is_world_process_zero()
+        _fork.before_open(is_main, dirpath, fork_from, storage_options)
         self.store = CheckpointStore(
             dirpath, storage_options=storage_options, optimizer_state=optimizer_state, **options
         )

@@ -141,7 +141,9 @@ def enable_trainer(
     ``optimizer_state``, ``max_consecutive_failures``, ``preemption`` (default True: a SIGTERM
     saves the step every process reaches next, then they exit 143), ``materialize`` (``"last"``,
     ``"best"`` or True: when ``train()`` ends, those ``checkpoint-N`` folders also get the
-    model's weights, so ``from_pretrained`` loads them) and store options (``full_every``, ...).
+    model's weights, so ``from_pretrained`` loads them), ``fork_from`` (``"SRC[@STEP]"``: while
+    the store holds no checkpoint, fork that step into it first, as IncrementalCheckpointer does)
+    and store options (``full_every``, ...).
 
     Raises:
         ValueError: a Trainer this integration cannot cover (DeepSpeed, FSDP, an unsupported

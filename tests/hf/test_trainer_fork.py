@@ -1,0 +1,42 @@
+"""enable_trainer(trainer, DST, fork_from="SRC[@STEP]") with a real Trainer: the fork resumes
+from the source's step exactly; a restart does not fork again; another source is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from accelerate_incremental import enable_trainer
+from lightning_incremental.core import CheckpointStore, ConfigError
+from tests.hf.test_trainer import _equal
+from tests.hf.trainers import tiny_trainer, weights
+
+SHORT = {"max_steps": 2, "save_steps": 2}
+LONG = {"max_steps": 4, "save_steps": 2}
+
+
+def test_a_forked_trainer_resumes_exactly_and_a_restart_does_not_fork_again(
+    tmp_path: Path,
+) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    enable_trainer(first := tiny_trainer(tmp_path / "a", **SHORT), str(src))
+    first.train()
+    forked = tiny_trainer(tmp_path / "b", **LONG)
+    enable_trainer(forked, str(dst), fork_from=f"{src}@2")
+    assert forked.train().global_step == 4
+    assert CheckpointStore(dst).steps() == [2, 4]
+    continued = tiny_trainer(tmp_path / "a", **LONG)
+    enable_trainer(continued, str(src))
+    assert continued.train().global_step == 4
+    assert _equal(weights(forked), weights(continued))
+
+    again = tiny_trainer(tmp_path / "b", **LONG)
+    enable_trainer(again, str(dst), fork_from=f"{src}@2")
+    with pytest.warns(UserWarning, match="step 4 of"):  # its own newest step, not the fork's
+        again.train()
+    assert len(list((src / "pins").iterdir())) == 1
+    with pytest.raises(ConfigError, match="already holds a fork of step 2"):
+        enable_trainer(tiny_trainer(tmp_path / "c"), str(dst), fork_from=str(tmp_path / "x"))

@@ -32,7 +32,7 @@ def check_source(fork_from: str | os.PathLike[str] | None, *, resume: bool = Tru
         return None
     if not resume:
         raise ConfigError("fork_from starts the run from the forked step: it needs resume=True")
-    text = os.fspath(fork_from)
+    text = os.fspath(fork_from) if isinstance(fork_from, (str, os.PathLike)) else None
     if not isinstance(text, str) or not split_step(text)[0]:
         raise ConfigError(f"fork_from expects 'SRC' or 'SRC@STEP', got {fork_from!r}")
     return text

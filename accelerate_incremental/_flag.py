@@ -50,6 +50,7 @@ _KEYS = {
     "memory_every_n_steps",
     "memory_replicas",
     "memory_dir",
+    "fork_from",
 }
 _NOT_PATHS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
 

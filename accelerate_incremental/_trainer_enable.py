@@ -52,6 +52,7 @@ _PASSED = {
     "max_consecutive_failures",
     "preemption",
     "materialize",
+    "fork_from",
 }
 _RECOVERY = {
     "watchdog",

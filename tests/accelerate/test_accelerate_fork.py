@@ -4,12 +4,14 @@ from another source is refused."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
+import accelerate_incremental
 from accelerate_incremental import IncrementalCheckpointer
 from lightning_incremental.core import ConfigError
 from tests.accelerate.test_accelerate import _fresh_state, epoch_batches, make_run, same, weights
@@ -77,3 +79,27 @@ def test_a_store_forked_from_another_source_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="already holds a fork of step 4") as info:
         IncrementalCheckpointer(run.acc, str(dst), fork_from=str(tmp_path / "other"))
     assert str(src) in str(info.value) and "other" in str(info.value)
+
+
+def test_the_launch_flag_json_forks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``{"dirpath": DST, "fork_from": "SRC@STEP"}`` in the flag's config file: the store the
+    flag enables starts from the source's step, as ``IncrementalCheckpointer(fork_from=)``."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    run = make_run()
+    with IncrementalCheckpointer(run.acc, str(src)) as ckpt:
+        epoch_batches(ckpt, run, stop_after=2)
+        ckpt.save(2)
+        epoch_batches(ckpt, run, stop_after=2)
+        ckpt.save(4)
+    config = tmp_path / "incremental.json"
+    config.write_text(json.dumps({"dirpath": str(dst), "fork_from": f"{src}@2"}))
+    monkeypatch.setenv(accelerate_incremental.ENV_CONFIG, str(config))
+    _fresh()
+    again = make_run()
+    ckpt = accelerate_incremental.enable(again.acc)
+    assert ckpt is not None
+    try:
+        assert ckpt.load() == 2 and ckpt.steps() == [2]
+    finally:
+        ckpt.close()
+    assert len(list((src / "pins").iterdir())) == 1 and not _packs(dst)  # a fork, no copy

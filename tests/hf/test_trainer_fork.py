@@ -3,13 +3,14 @@ from the source's step exactly; a restart does not fork again; another source is
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from accelerate_incremental import enable_trainer
+from accelerate_incremental import _flag, _trainer_enable, enable_trainer
 from lightning_incremental.core import CheckpointStore, ConfigError
 from tests.hf.test_trainer import _equal
 from tests.hf.trainers import tiny_trainer, weights
@@ -40,3 +41,19 @@ def test_a_forked_trainer_resumes_exactly_and_a_restart_does_not_fork_again(
     assert len(list((src / "pins").iterdir())) == 1
     with pytest.raises(ConfigError, match="already holds a fork of step 2"):
         enable_trainer(tiny_trainer(tmp_path / "c"), str(dst), fork_from=str(tmp_path / "x"))
+
+
+def test_the_launch_flag_json_forks_a_trainer(tmp_path: Path) -> None:
+    """``fork_from`` in the flag's config file reaches the Trainer's checkpointer: its first
+    train() resumes from the source's step."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    enable_trainer(first := tiny_trainer(tmp_path / "a", **SHORT), str(src))
+    first.train()
+    config_file = tmp_path / "incremental.json"
+    config_file.write_text(json.dumps({"dirpath": str(dst), "fork_from": f"{src}@2"}))
+    config = _flag.file_settings(str(config_file), "--config")
+    forked = tiny_trainer(tmp_path / "b", **LONG)
+    assert _trainer_enable.from_flag(forked, config) is not None
+    assert forked.train().global_step == 4
+    assert CheckpointStore(dst).steps() == [2, 4]
+    assert len(list((src / "pins").iterdir())) == 1

@@ -95,12 +95,19 @@ def _tables(manifest: Manifest) -> dict[str, Any]:
         "base": [chunk_index[r.base] if r.base is not None else -1 for r in recipes],
         "decoded": {str(i): r.decoded for i, r in enumerate(recipes) if not r.lossless},
     }
-    for column in _CHUNK_COLUMNS:
-        chunks[column] = [getattr(r, column) for r in recipes]
+    # one pass over the records, then transposed (a pass per column costs a getattr each)
+    rows = [(r.offset, r.length, r.size, r.width, r.kind, r.depth, r.chain) for r in recipes]
+    for column, values in zip(_CHUNK_COLUMNS, zip(*rows) if rows else [()] * 7, strict=True):
+        chunks[column] = list(values)
     entries = manifest.tensors
-    tensors: dict[str, Any] = {c: [getattr(t, c) for t in entries] for c in _TENSOR_COLUMNS}
-    for flag in _FLAGS:
-        tensors[flag] = [int(getattr(t, flag)) for t in entries]
+    fields = [
+        (t.path, t.dtype, t.shape, t.nbytes, t.width, t.device,
+         int(t.numpy), int(t.param), int(t.requires_grad))
+        for t in entries
+    ]  # fmt: skip
+    names = (*_TENSOR_COLUMNS, *_FLAGS)
+    columns = zip(*fields) if fields else [()] * len(names)
+    tensors: dict[str, Any] = {c: list(v) for c, v in zip(names, columns, strict=True)}
     tensors["chunks"] = [
         [chunk_index[d] for d in t.chunks] if t.pieces is None else None for t in entries
     ]
@@ -150,30 +157,40 @@ def expand(doc: Mapping[str, Any], where: str) -> tuple[dict[str, Any], int]:
 def _document(header: Mapping[str, Any], tables: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON form of a manifest from its object (``header``: the fields in the clear) and
     its tables (any error: malformed). Fields in the clear this reader does not know are kept,
-    as the JSON form keeps them."""
+    as the JSON form keeps them.
+
+    Column by column (``zip``), every index checked as it is used: a column shorter than the
+    table is an error, as is an index that is not a non-negative int in range."""
     packs = {str(path): {"size": size} for path, size in tables["packs"]}
     pack_names = [str(path) for path, _ in tables["packs"]]
     c = tables["chunks"]
     digests: list[str] = c["hash"]
     decoded: dict[str, str] = c["decoded"]
+    n = len(digests)
+    columns = [_column(c, name, n) for name in ("pack", "base", *_CHUNK_COLUMNS)]
     chunks: dict[str, Any] = {}
-    for i, digest in enumerate(digests):
-        base = c["base"][i]
-        recipe = {column: c[column][i] for column in _CHUNK_COLUMNS}
-        recipe["pack"] = pack_names[_index(c["pack"][i])]
+    for i, digest, pack, base, *values in zip(range(n), digests, *columns):
+        recipe = dict(zip(_CHUNK_COLUMNS, values))
+        recipe["pack"] = pack_names[_index(pack)]
         recipe["base"] = digests[_index(base)] if base != -1 else None
-        if str(i) in decoded:
+        if decoded and str(i) in decoded:
             recipe["lossless"], recipe["decoded"] = False, decoded[str(i)]
         chunks[digest] = recipe
     if len(chunks) != len(digests):
         raise ValueError("a chunk is listed twice")
     t = tables["tensors"]
     pieces: dict[str, Any] = t["pieces"]
+    listed_chunks = t["chunks"]
+    m = len(listed_chunks)
+    names = (*_TENSOR_COLUMNS, *_FLAGS)
+    tensor_columns = [_column(t, name, m) for name in names]
+    flags = len(_TENSOR_COLUMNS)
     tensors = []
-    for i, listed in enumerate(t["chunks"]):
-        entry = {column: t[column][i] for column in _TENSOR_COLUMNS}
-        entry.update({flag: bool(_bit(t[flag][i])) for flag in _FLAGS})
-        if str(i) in pieces:
+    for i, listed, *values in zip(range(m), listed_chunks, *tensor_columns):
+        entry = dict(zip(_TENSOR_COLUMNS, values))
+        for flag, bit in zip(_FLAGS, values[flags:]):
+            entry[flag] = bool(_bit(bit))
+        if pieces and str(i) in pieces:
             entry["pieces"] = [
                 {"offsets": offsets, "sizes": sizes, "chunks": [digests[_index(j)] for j in own]}
                 for offsets, sizes, own in pieces[str(i)]
@@ -197,8 +214,15 @@ def _document(header: Mapping[str, Any], tables: Mapping[str, Any]) -> dict[str,
     }
 
 
+def _column(table: Mapping[str, Any], name: str, length: int) -> list[Any]:
+    column = table[name]
+    if not isinstance(column, list) or len(column) < length:
+        raise ValueError(f"column {name!r} is shorter than its table")
+    return column
+
+
 def _index(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if type(value) is not int or value < 0:
         raise ValueError(f"bad table index {value!r}")
     return value
 

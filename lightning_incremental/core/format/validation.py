@@ -81,10 +81,15 @@ def parse(doc: Mapping[str, Any], where: str) -> Manifest:
         raise ManifestError(f"manifest {where}: field 'parent' is not a step")
     packs = {path: _pack_size(path, info, where) for path, info in doc["packs"].items()}
     raw_chunks: dict[str, Any] = doc["chunks"]
-    chunks = {d: _recipe(d, r, packs, version, where) for d, r in raw_chunks.items()}
+    kinds: dict[Any, Any] = {}
+    chunks = {d: _recipe_fast(d, r, packs, kinds, version, where) for d, r in raw_chunks.items()}
     for digest, recipe in chunks.items():
-        _check_base(digest, recipe, chunks, where)
-    tensors = tuple(_tensor(i, t, chunks, version, where) for i, t in enumerate(doc["tensors"]))
+        if recipe.base is not None:
+            _check_base(digest, recipe, chunks, where)
+    sizes: dict[tuple[Any, Any], int] = {}
+    tensors = tuple(
+        _tensor_fast(i, t, chunks, sizes, version, where) for i, t in enumerate(doc["tensors"])
+    )
     return Manifest(
         step=step,
         parent=parent,
@@ -137,6 +142,112 @@ def _pack_size(path: Any, info: Any, where: str) -> int:
     if not isinstance(info, dict) or not _nonneg_int(info.get("size")):
         raise ManifestError(f"manifest {where}: pack {path} has no valid size")
     return int(info["size"])
+
+
+# Fast paths: a manifest of 100,000 tensors is parsed entry by entry, and checked that way on
+# every commit (canonical.seal). Each fast path accepts only what its full check accepts (the
+# common case, tested with plain type checks, each pack path and codec looked up once per
+# manifest) and hands anything else to the full check, which names the problem.
+
+
+def _recipe_fast(
+    digest: Any,
+    raw: Any,
+    packs: Mapping[str, int],
+    kinds: dict[Any, Any],
+    version: int,
+    where: str,
+) -> ChunkRecipe:
+    if type(digest) is str and type(raw) is dict and _HASH.match(digest):
+        get = raw.get
+        pack, offset, length, size = get("pack"), get("offset"), get("length"), get("size")
+        width, depth, chain, base = get("width"), get("depth"), get("chain"), get("base")
+        kind = get("kind")
+        codec = kinds.get(kind) if type(kind) is str else None
+        if codec is None and type(kind) is str:
+            try:
+                codec = kinds[kind] = codecs.get(kind)
+            except ValueError:
+                codec = None  # the full check names it
+        if (
+            codec is not None
+            and codec.lossless
+            and get("lossless", True) is True
+            and get("decoded") is None
+            and type(pack) is str
+            and pack in packs  # every listed pack's path was checked (_pack_size)
+            and type(offset) is int
+            and type(length) is int
+            and type(size) is int
+            and type(depth) is int
+            and type(chain) is int
+            and type(width) is int
+            and width in (1, 2, 4, 8)
+            and min(offset, length, size, depth, chain) >= 0
+            and size <= MAX_CHUNK_SIZE
+            and offset + length <= packs[pack]
+            and (type(base) is str if codec.needs_base else base is None and depth == 0)
+        ):
+            return ChunkRecipe(
+                kind=codec.kind, pack=pack, offset=offset, length=length, size=size,
+                width=width, base=base, depth=depth, chain=chain,
+            )  # fmt: skip
+    return _recipe(digest, raw, packs, version, where)
+
+
+def _tensor_fast(
+    index: int,
+    raw: Any,
+    chunks: Mapping[str, ChunkRecipe],
+    sizes: dict[tuple[Any, Any], int],
+    version: int,
+    where: str,
+) -> TensorEntry:
+    if type(raw) is dict and "pieces" not in raw:
+        get = raw.get
+        shape, hashes, nbytes, dtype, numpy = (
+            get("shape"), get("chunks"), get("nbytes"), get("dtype"), get("numpy"),
+        )  # fmt: skip
+        path, width, device = get("path"), get("width"), get("device")
+        param, requires_grad = get("param"), get("requires_grad")
+        total, count = 0, 1
+        good = (
+            type(shape) is list
+            and type(hashes) is list
+            and type(nbytes) is int
+            and nbytes >= 0
+            and type(path) is str
+            and type(dtype) is str
+            and type(device) is str
+            and type(width) is int
+            and width in (1, 2, 4, 8)
+            and type(param) is bool
+            and type(requires_grad) is bool
+            and type(numpy) is bool
+        )
+        if good:
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    good = False
+                    break
+                count *= d
+            for digest in hashes:
+                recipe = chunks.get(digest) if type(digest) is str else None
+                if recipe is None:
+                    good = False
+                    break
+                total += recipe.size
+        if good:
+            itemsize = sizes.get((dtype, numpy))
+            if itemsize is None:
+                itemsize = sizes[(dtype, numpy)] = _itemsize(dtype, numpy, where)
+            if total == nbytes and count * itemsize == nbytes:
+                return TensorEntry(
+                    path=path, dtype=dtype, shape=tuple(shape), nbytes=nbytes, width=width,
+                    device=device, numpy=numpy, param=param, requires_grad=requires_grad,
+                    chunks=tuple(hashes),
+                )  # fmt: skip
+    return _tensor(index, raw, chunks, version, where)
 
 
 def _recipe(

@@ -198,7 +198,9 @@ class Replicator:
         tier, step = self.tier, job.step
         ok = tier.write(job.snap, self.rank, step)
         if self.pool is not None:  # the host copy is no longer needed: the next step reuses it
-            self.pool.give([leaf.data for leaf in job.snap.leaves])
+            if job.snap.slot is not None:  # copied into the part's file: keep only what it used
+                self.pool.clear()
+            self.pool.give(job.snap.buffers())
         job.snap = Snapshot(None, [])
         if ok:
             self.written = step

@@ -26,7 +26,7 @@ from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.runtime import collectives
 from lightning_incremental.runtime.memory_agree import Inventory, agree
 from lightning_incremental.runtime.memory_replica import Replicator, fetch_plan
-from lightning_incremental.runtime.memory_tier import MemoryTier, default_dir, snapshot
+from lightning_incremental.runtime.memory_tier import MemoryTier, default_dir
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +138,8 @@ class MemorySteps:
     def take(self, step: int, checkpoint: Any) -> None:
         """Copy ``checkpoint`` (this rank's part of ``step``) to host memory now; it is written
         to the node's memory and replicated in the background."""
-        self.replicator.wait()  # the previous step's buffers back in the pool: one set, reused
-        snap = snapshot(checkpoint, allow_pickle=self.tier.allow_pickle, pool=self.pool)
+        self.replicator.wait()  # the previous step's slot (or buffers) free again: reused
+        snap = self.tier.snapshot(checkpoint, self.rank, pool=self.pool)
         self.replicator.submit(step, snap)
         self.last_step = step
 
@@ -190,12 +190,15 @@ class MemorySteps:
         """Training ended and the store holds its last step: delete this rank's parts (its own
         and the replicas it keeps) from the node's memory."""
         self.replicator.close()
-        self.tier.prune([self.rank, *self.replicator.srcs], keep=set())
+        self.tier.prune([self.rank, *self.replicator.srcs], keep=set(), recycle=False)
+        self.tier.release()
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the background work; then the gloo group goes too (left to the interpreter's
         exit, gloo's threads can abort a finished process), unless a transfer still uses it."""
         stopped = self.replicator.close(timeout)
+        if stopped:  # the spare slots go; the parts stay for a resume
+            self.tier.release()
         group, self.group = self.group, None
         if stopped and group is not None:
             torch.distributed.destroy_process_group(group)  # this process's handle only

@@ -11,7 +11,11 @@ A part is a directory ``s<step>-g<generation>-r<rank>`` under ``<memory_dir>/<jo
   the two other files, checked when the part is read.
 
 It is written under a temporary name and made visible by one rename: a part is complete or
-absent. Anything the tier cannot do (a full tmpfs, any ``OSError``) is a warning and ``None``:
+absent. From a rank's second step on, the snapshot is copied straight into the mapped
+``data.bin`` of the part it becomes (:mod:`.memory_slots`): one copy of the state per step, on
+the training thread; the hash, the index and the rename run in the background. A part of this
+process that is no longer kept is renamed back to a hidden slot and becomes the next step's
+file. Anything the tier cannot do (a full tmpfs, any ``OSError``) is a warning and ``None``:
 the persistent store remains the tier of record; training never stops for the memory tier.
 """
 
@@ -37,6 +41,14 @@ from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.codecs.bytes import chunk_hash, chunk_hasher
 from lightning_incremental.core.format.tree import Leaf, torch_dtype, unflatten
 from lightning_incremental.core.save.snapshot import flatten
+from lightning_incremental.runtime.memory_slots import (
+    Slot,
+    SlotPool,
+    fill,
+    hash_file,
+    slot_name,
+    sweep,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +84,18 @@ class Held:
 
 @dataclass
 class Snapshot:
-    """A state copied to host memory, ready to be written by another thread."""
+    """A state copied to host memory, ready to be written by another thread: into ``slot``'s
+    mapped file where it fit (``used`` bytes of it), else into buffers of its own."""
 
     skeleton: Any
     leaves: list[Leaf]
+    slot: Slot | None = None
+    used: int = 0
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The host buffers outside the slot (for the snapshot pool to reuse)."""
+        slot = self.slot
+        return [leaf.data for leaf in self.leaves if slot is None or not slot.holds(leaf.data)]
 
 
 @dataclass
@@ -114,6 +134,11 @@ class MemoryTier:
         self.world_size = world_size
         self.allow_pickle = allow_pickle
         self.failures = 0  # writes that failed (each warned or logged)
+        self.copies = 0  # copies of a tensor's bytes made by write() (after the snapshot's own)
+        self._sizes: dict[int, int] = {}  # rank -> its last part's data size (a slot's capacity)
+        self._spares: dict[int, Slot] = {}  # rank -> a slot to copy its next step into
+        self._slots: dict[str, Slot] = {}  # part name -> the slot it was written in
+        sweep(self.parts)
 
     def name(self, rank: int, step: int, generation: int | None = None) -> str:
         gen = self.generation if generation is None else generation
@@ -121,9 +146,43 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ writing
 
+    def snapshot(self, state: Any, rank: int, pool: BufferPool | None = None) -> Snapshot:
+        """Copy ``state`` (``rank``'s part) to host memory on the caller's thread: straight into
+        a slot's mapped file when this rank's previous part gave its size, else into buffers
+        from ``pool``."""
+        slot = self._slot(rank)
+        if slot is None:
+            return snapshot(state, allow_pickle=self.allow_pickle, pool=pool)
+        mapped = SlotPool(slot, pool)
+        try:
+            skeleton, leaves, _ = flatten(state, allow_pickle=self.allow_pickle, pool=mapped)
+        except BaseException:
+            self._spares.setdefault(rank, slot)
+            raise
+        return Snapshot(skeleton, leaves, slot, mapped.used)
+
+    def _slot(self, rank: int) -> Slot | None:
+        size = self._sizes.get(rank)
+        if size is None:
+            return None  # the first step: its size is not known yet
+        slot = self._spares.pop(rank, None)
+        try:
+            if slot is None:
+                slot = Slot(self.parts / slot_name(rank), size)
+            elif slot.capacity < size or slot.size != slot.capacity:
+                slot.resize(size)
+        except OSError as exc:  # the write says it (it cannot do better): buffers this time
+            log.warning("memory tier: no room to map rank %s's next part: %s", rank, exc)
+            if slot is not None:
+                shutil.rmtree(slot.path, ignore_errors=True)
+            return None
+        return slot
+
     def write(self, snap: Snapshot, rank: int, step: int) -> bool:
         """Write ``snap`` as ``rank``'s part of ``step``; False (after a warning) when the
         memory tier cannot take it."""
+        if snap.slot is not None:
+            return self._write_slot(snap, snap.slot, rank, step)
         index: list[dict[str, Any]] = []
         hasher = chunk_hasher()
         offset = 0
@@ -139,14 +198,34 @@ class MemoryTier:
                         offset += pad
                     raw = leaf.raw()
                     f.write(raw.data)
+                    self.copies += 1
                     hasher.update(raw.data)
                     index.append(_entry(leaf, offset))
                     offset += raw.nbytes
             body = json.dumps({"skeleton": snap.skeleton, "leaves": index}).encode()
             header = self._header(rank, step, body, offset, hasher.hexdigest())
+            self._sizes[rank] = offset
             return self._commit(tmp, rank, step, header, body)
         except OSError as exc:
             return self._failed(tmp, f"could not write rank {rank}'s part of step {step}", exc)
+
+    def _write_slot(self, snap: Snapshot, slot: Slot, rank: int, step: int) -> bool:
+        """The background half of a snapshot taken into ``slot``: what did not fit written
+        after the rest, the file hashed through its mapping, index and header written, the slot
+        renamed to the part's name."""
+        try:
+            offsets, size, copies = fill(slot, snap.leaves, snap.used)
+            self.copies += copies
+            index = [_entry(leaf, offset) for leaf, offset in zip(snap.leaves, offsets)]
+            body = json.dumps({"skeleton": snap.skeleton, "leaves": index}).encode()
+            header = self._header(rank, step, body, size, hash_file(slot, size))
+            self._sizes[rank] = size
+            self._commit(slot.path, rank, step, header, body)
+            self._slots[self.name(rank, step)] = slot
+            return True
+        except OSError as exc:
+            what = f"could not write rank {rank}'s part of step {step}"
+            return self._failed(slot.path, what, exc)
 
     def write_part(self, part: Part) -> bool:
         """Keep ``part`` (another node's, received as a replica) as it came; False (after a
@@ -198,6 +277,7 @@ class MemoryTier:
         (tmp / HEADER).write_bytes(header)
         final = self.parts / self.name(rank, step, generation)
         if final.exists():  # the same step of the same generation, written again
+            self._slots.pop(final.name, None)
             shutil.rmtree(final)
         os.rename(tmp, final)
         return True
@@ -326,19 +406,43 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ retention
 
-    def prune(self, ranks: Iterable[int], keep: set[int]) -> None:
+    def prune(self, ranks: Iterable[int], keep: set[int], *, recycle: bool = True) -> None:
         """Delete this job's parts of ``ranks`` whose step is not in ``keep`` (and torn
-        leftovers of this process); another job's parts in the same directory stay."""
+        leftovers of this process); another job's parts in the same directory stay. A part this
+        process wrote into a slot becomes its rank's spare slot instead (``recycle``; one per
+        rank), renamed out of sight before anything in it changes."""
         ranks = set(ranks)
+        slots = set(map(id, self._spares.values()))
         for path in self._listing(every=True):
             match = _NAME.match(path.name)
             if match is None:
-                if path.name.endswith(f"-{os.getpid()}"):
+                if path.name.endswith(f"-{os.getpid()}") and id(self._owner(path)) not in slots:
                     shutil.rmtree(path, ignore_errors=True)
                 continue
             step, _, rank = (int(g) for g in match.groups())
             if rank in ranks and step not in keep and self._ours(path):
-                shutil.rmtree(path, ignore_errors=True)
+                slot = self._slots.pop(path.name, None)
+                if slot is not None and recycle and rank not in self._spares:
+                    spare = self.parts / slot_name(rank)
+                    os.rename(path, spare)  # no longer a part: now it may change
+                    for name in (HEADER, INDEX):
+                        (spare / name).unlink(missing_ok=True)
+                    slot.path = spare
+                    self._spares[rank] = slot
+                    slots.add(id(slot))
+                else:
+                    shutil.rmtree(path, ignore_errors=True)
+
+    def _owner(self, path: Path) -> Slot | None:
+        return next((s for s in self._spares.values() if s.path == path), None)
+
+    def release(self) -> None:
+        """Delete this process's spare slots (and forget the parts' slots): nothing of it
+        stays in the node's memory but its parts."""
+        for slot in self._spares.values():
+            shutil.rmtree(slot.path, ignore_errors=True)
+        self._spares.clear()
+        self._slots.clear()
 
     def _ours(self, path: Path) -> bool:
         try:

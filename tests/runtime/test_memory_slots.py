@@ -1,0 +1,238 @@
+"""The memory tier's steps cost one copy of the state: from a rank's second step on, the snapshot
+is copied straight into the file of the part it becomes, no bytes of it are written through a
+file afterwards, the snapshot pool holds no host buffers, and a part's file is reused once the
+part is no longer kept — without ever changing a part that is still visible, and without a crash
+when the memory is full."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_incremental.runtime import memory_tier
+from lightning_incremental.runtime.memory_steps import MemoryOptions, MemorySteps
+from lightning_incremental.runtime.memory_tier import DATA, MemoryPartError
+
+
+def _steps(path: Path) -> MemorySteps:
+    return MemorySteps(
+        MemoryOptions(1, 1, str(path)),
+        rank=0,
+        world_size=1,
+        ranks_per_node=1,
+        url=str(path / "store"),
+        generation=None,
+        allow_pickle=False,
+        owner="test",
+        info=lambda text: None,
+        warn=lambda text: warnings.warn(text, stacklevel=2),
+    )
+
+
+def _state(step: int, rows: int = 64) -> dict[str, Any]:
+    torch.manual_seed(step)
+    return {
+        "model": {"w": torch.randn(rows, 1024), "b": torch.randn(1024)},  # large and small
+        "optim": {"step": torch.tensor(float(step)), "m": torch.randn(rows, 1024)},
+        "global_step": step,
+    }
+
+
+def _same(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    else:
+        assert a == b
+
+
+class _Writes:
+    """Bytes written through ``open()`` into parts' data files."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.bytes = 0
+        real_open = builtins.open
+        counter = self
+
+        class Counted:
+            def __init__(self, f: Any) -> None:
+                self._f = f
+
+            def write(self, data: Any) -> int:
+                counter.bytes += memoryview(data).nbytes
+                return int(self._f.write(data))
+
+            def __enter__(self) -> Counted:
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                self._f.close()
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._f, name)
+
+        def counting(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            f = real_open(path, mode, *args, **kwargs)
+            if str(path).endswith(DATA) and any(m in mode for m in "wa+"):
+                return Counted(f)
+            return f
+
+        monkeypatch.setattr(builtins, "open", counting)
+
+
+def _visible(steps: MemorySteps) -> list[str]:
+    return sorted(p.name for p in steps.tier.parts.iterdir() if not p.name.startswith("."))
+
+
+def test_a_step_after_the_first_is_one_copy_into_the_parts_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = _Writes(monkeypatch)
+    steps = _steps(tmp_path)
+    try:
+        steps.take(1, _state(1))
+        steps.wait()
+        first = writes.bytes
+        assert first >= 2 * 64 * 1024 * 4  # the first step: buffers, then written to the file
+        for step in range(2, 6):
+            steps.take(step, _state(step))
+            steps.wait()
+            assert writes.bytes == first, f"step {step} wrote its state through a file"
+            # the snapshot pool lends the slot's memory, not host buffers of its own
+            assert not any(steps.pool._free.values())
+            _same(_state(step), steps.tier.load(0, step, steps.tier.generation))
+        assert _visible(steps) == [steps.tier.name(0, 5)]
+    finally:
+        steps.close()
+
+
+def test_a_slot_written_part_is_checked_by_hash(tmp_path: Path) -> None:
+    steps = _steps(tmp_path)
+    try:
+        for step in (1, 2):
+            steps.take(step, _state(step))
+            steps.wait()
+        data = steps.tier.parts / steps.tier.name(0, 2) / DATA
+        raw = bytearray(data.read_bytes())
+        raw[100] ^= 1
+        data.write_bytes(bytes(raw))
+        with pytest.raises(MemoryPartError, match="does not match its hash"):
+            steps.tier.load(0, 2, steps.tier.generation)
+    finally:
+        steps.close()
+
+
+def test_a_reused_file_never_changes_a_visible_part(tmp_path: Path) -> None:
+    steps = _steps(tmp_path)
+    tier = steps.tier
+    try:
+        for step in (1, 2, 3):
+            steps.take(step, _state(step))
+            steps.wait()
+        # step 2's file is now the spare: step 4 is copied into it while step 3 stays visible
+        snap = tier.snapshot(_state(4), 0)
+        assert snap.slot is not None and not snap.buffers()
+        assert not snap.slot.path.name.startswith("s")  # out of sight while it changes
+        _same(_state(3), tier.load(0, 3, tier.generation))
+        assert tier.write(snap, 0, 4)
+        _same(_state(4), tier.load(0, 4, tier.generation))
+        _same(_state(3), tier.load(0, 3, tier.generation))
+    finally:
+        steps.close()
+
+
+def test_a_state_that_grows_is_written_whole_and_the_next_step_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = _Writes(monkeypatch)
+    steps = _steps(tmp_path)
+    try:
+        for step, rows in ((1, 8), (2, 8), (3, 64), (4, 64)):
+            before = writes.bytes
+            steps.take(step, _state(step, rows))
+            steps.wait()
+            _same(_state(step, rows), steps.tier.load(0, step, steps.tier.generation))
+            if step == 3:  # what did not fit in the file went after it, in the background
+                assert writes.bytes > before
+            if step == 4:  # the file grew with it
+                assert writes.bytes == before
+    finally:
+        steps.close()
+
+
+def test_no_room_for_a_slot_falls_back_to_buffers_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    steps = _steps(tmp_path)
+    try:
+        steps.take(1, _state(1))
+        steps.wait()
+
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr("lightning_incremental.runtime.memory_slots.os.posix_fallocate", full)
+        steps.take(2, _state(2))  # training goes on
+        steps.wait()
+        _same(_state(2), steps.tier.load(0, 2, steps.tier.generation))
+        assert not any(p.name.startswith(".slot-") for p in steps.tier.parts.iterdir())
+    finally:
+        steps.close()
+
+
+def test_a_slots_pages_are_allocated_before_anything_is_copied_into_it(tmp_path: Path) -> None:
+    steps = _steps(tmp_path)
+    try:
+        steps.take(1, _state(1))
+        steps.wait()
+        snap = steps.tier.snapshot(_state(2), 0)
+        assert snap.slot is not None
+        st = os.stat(snap.slot.path / DATA)
+        assert st.st_size == snap.slot.capacity >= snap.used
+        assert st.st_blocks * 512 >= snap.slot.capacity  # posix_fallocate: ENOSPC, not SIGBUS
+        assert steps.tier.write(snap, 0, 2)
+    finally:
+        steps.close()
+
+
+def test_a_process_leaves_only_its_parts_and_a_finished_one_nothing(tmp_path: Path) -> None:
+    steps = _steps(tmp_path)
+    for step in (1, 2, 3):
+        steps.take(step, _state(step))
+    steps.wait()
+    steps.close()
+    assert os.listdir(steps.tier.parts) == [steps.tier.name(0, 3)]  # no spare slot
+    again = _steps(tmp_path)
+    for step in (4, 5, 6):
+        again.take(step, _state(step))
+    again.wait()
+    again.finish()
+    again.close()
+    assert os.listdir(again.tier.parts) == []
+
+
+def test_the_slots_of_a_process_that_is_gone_are_swept(tmp_path: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True)  # fmt: skip
+    dead = int(gone.stdout)
+    parts = tmp_path / "job"
+    for name in (
+        f".slot-r000000-0-{dead}",
+        f".tmp-s1-g1-r0-{dead}",
+        f".slot-r000000-0-{os.getpid()}",
+    ):
+        (parts / name).mkdir(parents=True)
+        (parts / name / DATA).write_bytes(b"x" * 100)
+    memory_tier.MemoryTier(tmp_path, job="job", generation=1, world_size=1)
+    assert os.listdir(parts) == [f".slot-r000000-0-{os.getpid()}"]  # a live process's stays

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -98,3 +99,108 @@ def test_the_fast_checks_refuse_what_the_full_checks_refuse() -> None:
         spoil(doc)
         with pytest.raises(ManifestError):
             validation.parse(doc, "test")
+
+
+def _chained_manifest(n: int) -> Manifest:
+    """Lossless chunks with delta chains, a numpy array and an empty tensor: what the column
+    reader takes."""
+    m = _many_chunk_manifest(n)
+    chunks = dict(m.chunks)
+    tensors = list(m.tensors)
+    first = tensors[0].chunks[0]
+    delta = chunk_hash(b"delta")
+    chunks[delta] = ChunkRecipe("pd", chunks[first].pack, 0, 4, 16, 4, first, 1, 20)
+    tensors[0] = replace(tensors[0], chunks=(delta,))
+    tensors[1] = replace(tensors[1], dtype="<f4", numpy=True, param=False)
+    tensors.append(
+        TensorEntry("state['empty']", "float32", (0, 3), 0, 4, "cpu", False, False, False, ())
+    )
+    return replace(m, tensors=tuple(tensors), chunks=chunks)
+
+
+def _tables(manifest: Manifest) -> tuple[dict[str, Any], Any]:
+    doc = json.loads(canonical.dumps(manifest))
+    doc.pop("checksum")
+    assert compact.is_compact(doc)
+    return doc, compact._decoded(doc, "test")[0]
+
+
+def _full_way(doc: dict[str, Any], tables: Any) -> Manifest:
+    document = compact._guarded(lambda: compact._document(doc, tables), "test")
+    return validation.parse(document, "test")
+
+
+def test_the_column_reader_reads_what_the_full_way_reads() -> None:
+    from lightning_incremental.core.format import columns
+
+    manifest = _chained_manifest(2000)
+    doc, tables = _tables(manifest)
+    fast = columns.manifest(doc, tables, "test", compact._document)
+    assert fast is not None
+    assert fast == _full_way(doc, tables)
+    assert fast.tensors == manifest.tensors and dict(fast.chunks) == dict(manifest.chunks)
+
+
+def _spoilers() -> list[Callable[[dict[str, Any]], None]]:
+    def chunks(column: str, index: int, value: Any) -> Callable[[dict[str, Any]], None]:
+        return lambda t: t["chunks"][column].__setitem__(index, value)
+
+    def tensors(column: str, index: int, value: Any) -> Callable[[dict[str, Any]], None]:
+        return lambda t: t["tensors"][column].__setitem__(index, value)
+
+    return [
+        chunks("offset", 3, -1), chunks("offset", 3, 10**9), chunks("length", 3, True),
+        chunks("size", 3, 17), chunks("width", 3, 3), chunks("kind", 3, "nope"),
+        chunks("kind", 3, "pd"), chunks("base", 3, 3), chunks("base", 3, 10**6),
+        chunks("base", 3, 5), chunks("depth", 3, 1), chunks("pack", 3, 9), chunks("hash", 3, "x"),
+        chunks("hash", 3, None), chunks("chain", 3, 1.5),
+        lambda t: t["chunks"]["hash"].__setitem__(4, t["chunks"]["hash"][5]),
+        lambda t: t["chunks"]["offset"].pop(),
+        lambda t: t["chunks"]["decoded"].__setitem__("3", "0" * 32),
+        tensors("shape", 2, [True]), tensors("shape", 2, [-4]), tensors("shape", 2, [5]),
+        tensors("shape", 2, 4), tensors("nbytes", 2, -16), tensors("nbytes", 2, 15),
+        tensors("dtype", 2, "float33"), tensors("dtype", 2, 5), tensors("numpy", 2, 2),
+        tensors("param", 2, True), tensors("width", 2, 16), tensors("chunks", 2, [10**6]),
+        tensors("chunks", 2, [-1]), tensors("chunks", 2, []), tensors("chunks", 2, [0, 1]),
+        tensors("device", 2, None), tensors("path", 2, 7),
+        lambda t: t["tensors"]["path"].pop(),
+        lambda t: t["packs"].__setitem__(0, ["packs/../x.pack", 10]),
+        lambda t: t["packs"].__setitem__(0, [t["packs"][0][0], 1]),
+        lambda t: t.__setitem__("pickled", [3]),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("number", range(len(_spoilers())))
+def test_the_column_reader_accepts_nothing_the_full_way_refuses(number: int) -> None:
+    """Each spoilt table: where the full way refuses it, the column reader declines (and the
+    full way's error is the one a reader gets); where it accepts, both read the same."""
+    from lightning_incremental.core.format import columns
+
+    doc, tables = _tables(_chained_manifest(1500))
+    spoiled = json.loads(json.dumps(tables))
+    _spoilers()[number](spoiled)
+    fast = columns.manifest(doc, spoiled, "test", compact._document)
+    try:
+        slow = _full_way(doc, spoiled)
+    except ManifestError:
+        assert fast is None
+    else:
+        assert fast is None or fast == slow
+
+
+@pytest.mark.parametrize("n", [600, 3000])
+def test_reading_a_compact_manifest_validates_no_entry_one_by_one(n: int) -> None:
+    """Reading a compact manifest (a restore, and every commit's check of its own bytes)
+    checks its columns whole: no per-tensor or per-chunk validator runs."""
+    data = canonical.dumps(_chained_manifest(n))
+    canonical.forget_parsed()
+    names = ["_tensor", "_recipe", "_tensor_fast", "_recipe_fast"]
+    with ExitStack() as stack:
+        calls = [
+            stack.enter_context(counting(validation, name))
+            for name in names
+            if hasattr(validation, name)
+        ]
+        parsed = canonical.loads(data, "test")
+    assert len(parsed.tensors) == n + 1
+    assert sum(sum(c.values()) for c in calls) == 0

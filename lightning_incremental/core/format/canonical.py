@@ -126,8 +126,7 @@ def _loads(data: bytes, where: str) -> tuple[Manifest, int]:
     if not isinstance(checksum, str) or chunk_hash(_canonical(doc)) != checksum:
         raise ManifestError(f"manifest {where} fails its checksum: it was modified or corrupted")
     if compact.is_compact(doc):
-        expanded, size = compact.expand(doc, where)
-        return parse(expanded, where), size
+        return compact.read(doc, where)
     return parse(doc, where), len(data)
 
 
@@ -149,8 +148,9 @@ def seal(manifest: Manifest, where: str) -> tuple[bytes, Manifest]:
     doc, size = json.loads(data), len(data)
     doc.pop("checksum")
     if compact.is_compact(doc):
-        doc, size = compact.expand(doc, where)
-    parsed = parse(doc, where)
+        parsed, size = compact.read(doc, where)
+    else:
+        parsed = parse(doc, where)
     _remember((chunk_hash(data), kinds), parsed, size)
     return data, parsed
 

@@ -35,8 +35,10 @@ from typing import Any
 import zstandard
 
 from lightning_incremental.core.errors import ManifestError
+from lightning_incremental.core.format import columns
 from lightning_incremental.core.format.layout import FORMAT
 from lightning_incremental.core.format.records import COMPACT_VERSION, Manifest
+from lightning_incremental.core.format.validation import parse
 
 COMPACT_FROM = 1024  # tensors and chunks from which a manifest is written compact
 LEVEL = 6  # zstd level of the tables: a few ms at 20,000 tensors, 10-20 % smaller than 3
@@ -135,8 +137,31 @@ def expand(doc: Mapping[str, Any], where: str) -> tuple[dict[str, Any], int]:
     Raises:
         ManifestError: malformed tables.
     """
+    tables, size = _decoded(doc, where)
+    return _guarded(lambda: _document(doc, tables), where), size
+
+
+def read(doc: Mapping[str, Any], where: str) -> tuple[Manifest, int]:
+    """The manifest of a compact manifest's object (checksum already checked), validated, and
+    the size of its tables: read column by column (:mod:`.columns`) where that path decides,
+    else expanded to the JSON form and validated as that is.
+
+    Raises:
+        FormatVersionError: a newer format version.
+        ManifestError: malformed tables, or an invalid manifest (naming the first problem).
+    """
+    tables, size = _decoded(doc, where)
+    fast = columns.manifest(doc, tables, where, _document)
+    if fast is not None:
+        return fast, size
+    return parse(_guarded(lambda: _document(doc, tables), where), where), size
+
+
+def _decoded(doc: Mapping[str, Any], where: str) -> tuple[Any, int]:
+    """The tables of a compact manifest's object, decoded from their zstd frame and JSON."""
     info = doc.get("tables")
-    try:
+
+    def decode() -> Any:
         if not isinstance(info, dict) or info.get("encoding") != ENCODING:
             raise ValueError("no tables of a known encoding")
         size, data = info.get("size"), info.get("data")
@@ -146,12 +171,18 @@ def expand(doc: Mapping[str, Any], where: str) -> tuple[dict[str, Any], int]:
         if not 0 <= size <= MAX_TABLES or zstandard.frame_content_size(frame) != size:
             raise ValueError(f"the tables do not hold the {size} bytes they declare")
         plain = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
-        document = _document(doc, json.loads(plain))
+        return json.loads(plain)
+
+    return _guarded(decode, where), info["size"]  # type: ignore[index]
+
+
+def _guarded(work: Any, where: str) -> Any:
+    try:
+        return work()
     except (ValueError, zstandard.ZstdError, KeyError, IndexError, TypeError) as exc:
         raise ManifestError(f"manifest {where}: its tables are malformed: {exc}") from exc
     except RecursionError as exc:
         raise ManifestError(f"manifest {where} is nested too deeply to be a manifest") from exc
-    return document, size
 
 
 def _document(header: Mapping[str, Any], tables: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +46,15 @@ def ring(
 
 
 def exchange(
-    sends: Mapping[int, Part | None], receives: Sequence[int], group: Any
+    sends: Mapping[int, Part | None],
+    receives: Sequence[int],
+    group: Any,
+    into: Callable[[int, int], torch.Tensor | None] | None = None,
 ) -> dict[int, Part | None]:
     """Send each ``sends[dst]`` (None: nothing to send) and receive from each rank in
-    ``receives`` (global ranks); every rank of the round calls it. Raises what the collective
-    raises (a timeout, a dead peer)."""
+    ``receives`` (global ranks); every rank of the round calls it. ``into(src, nbytes)`` may
+    give the memory to receive ``src``'s data into (else a new host buffer). Raises what the
+    collective raises (a timeout, a dead peer)."""
     dist = torch.distributed
     sizes = {src: torch.zeros(3, dtype=torch.int64) for src in receives}
     works = []
@@ -72,10 +76,10 @@ def exchange(
         head, index, data = (int(x) for x in size)
         if head == 0:
             continue
-        meta, buf = (
-            torch.empty(head + index, dtype=torch.uint8),
-            torch.empty(data, dtype=torch.uint8),
-        )
+        meta = torch.empty(head + index, dtype=torch.uint8)
+        buf = into(src, data) if into is not None else None
+        if buf is None:
+            buf = torch.empty(data, dtype=torch.uint8)
         incoming[src] = (meta, buf, head)
         works.append(dist.irecv(meta, src=src, group=group, tag=_META))
         if data:
@@ -217,9 +221,13 @@ class Replicator:
         tier = self.tier
         try:
             part = tier.part(self.rank, step, tier.generation) if ok else None
-            received = exchange({dst: part for dst in self.dsts}, self.srcs, self.group)
-            for src, got in received.items():
-                ok = ok and got is not None and _of(got, src, step) and tier.write_part(got)
+            sends = {dst: part for dst in self.dsts}
+            try:  # each replica straight into a file of the node's memory
+                received = exchange(sends, self.srcs, self.group, into=tier.receiver)
+                for src, got in received.items():
+                    ok = ok and got is not None and _of(got, src, step) and tier.write_part(got)
+            finally:
+                tier.unused_receivers()
             flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.group)
             return bool(flag.item())

@@ -15,6 +15,7 @@ is copied into (its pages stay allocated and mapped: no page faults, no zeroing)
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ import torch
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.codecs.bytes import chunk_hasher
 from lightning_incremental.core.format.tree import Leaf
+
+log = logging.getLogger(__name__)
 
 ALIGN = 64
 DATA = "data.bin"
@@ -120,6 +123,91 @@ class SlotPool(BufferPool):
 
     def give(self, tensors: list[torch.Tensor]) -> None:
         self.fallback.give([t for t in tensors if not self.slot.holds(t)])
+
+
+class Slots:
+    """This process's slots under ``parts``: at most one spare per rank (its next step's
+    file), those now holding parts (by part name), those handed out to receive a replica."""
+
+    def __init__(self, parts: Path) -> None:
+        self.root = parts
+        self.sizes: dict[int, int] = {}  # rank -> its last part's data size
+        self.spares: dict[int, Slot] = {}
+        self.parts: dict[str, Slot] = {}
+        self.receiving: dict[int, Slot] = {}
+
+    def take(self, rank: int, exact: int | None = None) -> Slot | None:
+        """A slot for ``rank``'s next part: at least its last part's size (``exact``: that
+        size), its spare when it has one; None when the size is not known yet or there is no
+        room (logged: the write that follows, into buffers, says it)."""
+        size = self.sizes.get(rank) if exact is None else exact
+        if size is None:
+            return None
+        slot = self.spares.pop(rank, None)
+        try:
+            if slot is None:
+                slot = Slot(self.root / slot_name(rank), size)
+            elif (
+                slot.capacity < size
+                or slot.size != slot.capacity
+                or exact not in (None, slot.capacity)
+            ):
+                slot.resize(size)  # grown; or a replica's file: exactly its size
+        except OSError as exc:
+            log.warning("memory tier: no room to map rank %s's next part: %s", rank, exc)
+            if slot is not None:
+                shutil.rmtree(slot.path, ignore_errors=True)
+            return None
+        return slot
+
+    def spare(self, rank: int, slot: Slot) -> None:
+        if rank in self.spares:
+            shutil.rmtree(slot.path, ignore_errors=True)
+        else:
+            self.spares[rank] = slot
+
+    def is_spare(self, path: Path) -> bool:
+        return any(slot.path == path for slot in self.spares.values())
+
+    def recycle(self, path: Path, rank: int) -> bool:
+        """Make the part at ``path`` (``rank``'s) its rank's spare when it was written in a
+        slot and the rank has none: renamed out of sight before anything in it changes."""
+        slot = self.parts.pop(path.name, None)
+        if slot is None or rank in self.spares:
+            return False
+        hidden = self.root / slot_name(rank)
+        os.rename(path, hidden)
+        for name in ("header.json", "index.json"):
+            (hidden / name).unlink(missing_ok=True)
+        slot.path = hidden
+        self.spares[rank] = slot
+        return True
+
+    def receiver(self, rank: int, nbytes: int) -> torch.Tensor | None:
+        slot = self.take(rank, nbytes)
+        if slot is None:
+            return None
+        self.receiving[rank] = slot
+        return slot.buffer[:nbytes]
+
+    def received(self, rank: int, data: torch.Tensor) -> Slot | None:
+        """The slot ``data`` (``rank``'s replica) was received into, else None."""
+        slot = self.receiving.pop(rank, None)
+        if slot is not None and slot.buffer.data_ptr() != data.data_ptr():
+            self.spare(rank, slot)
+            return None
+        return slot
+
+    def unused_receivers(self) -> None:
+        for rank, slot in self.receiving.items():
+            self.spare(rank, slot)
+        self.receiving.clear()
+
+    def release(self) -> None:
+        for slot in self.spares.values():
+            shutil.rmtree(slot.path, ignore_errors=True)
+        self.spares.clear()
+        self.parts.clear()
 
 
 def fill(slot: Slot, leaves: Sequence[Leaf], used: int) -> tuple[list[int], int, int]:

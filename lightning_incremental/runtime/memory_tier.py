@@ -41,14 +41,7 @@ from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.codecs.bytes import chunk_hash, chunk_hasher
 from lightning_incremental.core.format.tree import Leaf, torch_dtype, unflatten
 from lightning_incremental.core.save.snapshot import flatten
-from lightning_incremental.runtime.memory_slots import (
-    Slot,
-    SlotPool,
-    fill,
-    hash_file,
-    slot_name,
-    sweep,
-)
+from lightning_incremental.runtime.memory_slots import Slot, SlotPool, Slots, fill, hash_file, sweep
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +128,7 @@ class MemoryTier:
         self.allow_pickle = allow_pickle
         self.failures = 0  # writes that failed (each warned or logged)
         self.copies = 0  # copies of a tensor's bytes made by write() (after the snapshot's own)
-        self._sizes: dict[int, int] = {}  # rank -> its last part's data size (a slot's capacity)
-        self._spares: dict[int, Slot] = {}  # rank -> a slot to copy its next step into
-        self._slots: dict[str, Slot] = {}  # part name -> the slot it was written in
+        self.slots = Slots(self.parts)  # this process's mapped data files
         sweep(self.parts)
 
     def name(self, rank: int, step: int, generation: int | None = None) -> str:
@@ -150,33 +141,16 @@ class MemoryTier:
         """Copy ``state`` (``rank``'s part) to host memory on the caller's thread: straight into
         a slot's mapped file when this rank's previous part gave its size, else into buffers
         from ``pool``."""
-        slot = self._slot(rank)
+        slot = self.slots.take(rank)
         if slot is None:
             return snapshot(state, allow_pickle=self.allow_pickle, pool=pool)
         mapped = SlotPool(slot, pool)
         try:
             skeleton, leaves, _ = flatten(state, allow_pickle=self.allow_pickle, pool=mapped)
         except BaseException:
-            self._spares.setdefault(rank, slot)
+            self.slots.spare(rank, slot)
             raise
         return Snapshot(skeleton, leaves, slot, mapped.used)
-
-    def _slot(self, rank: int) -> Slot | None:
-        size = self._sizes.get(rank)
-        if size is None:
-            return None  # the first step: its size is not known yet
-        slot = self._spares.pop(rank, None)
-        try:
-            if slot is None:
-                slot = Slot(self.parts / slot_name(rank), size)
-            elif slot.capacity < size or slot.size != slot.capacity:
-                slot.resize(size)
-        except OSError as exc:  # the write says it (it cannot do better): buffers this time
-            log.warning("memory tier: no room to map rank %s's next part: %s", rank, exc)
-            if slot is not None:
-                shutil.rmtree(slot.path, ignore_errors=True)
-            return None
-        return slot
 
     def write(self, snap: Snapshot, rank: int, step: int) -> bool:
         """Write ``snap`` as ``rank``'s part of ``step``; False (after a warning) when the
@@ -204,7 +178,7 @@ class MemoryTier:
                     offset += raw.nbytes
             body = json.dumps({"skeleton": snap.skeleton, "leaves": index}).encode()
             header = self._header(rank, step, body, offset, hasher.hexdigest())
-            self._sizes[rank] = offset
+            self.slots.sizes[rank] = offset
             return self._commit(tmp, rank, step, header, body)
         except OSError as exc:
             return self._failed(tmp, f"could not write rank {rank}'s part of step {step}", exc)
@@ -219,9 +193,9 @@ class MemoryTier:
             index = [_entry(leaf, offset) for leaf, offset in zip(snap.leaves, offsets)]
             body = json.dumps({"skeleton": snap.skeleton, "leaves": index}).encode()
             header = self._header(rank, step, body, size, hash_file(slot, size))
-            self._sizes[rank] = size
+            self.slots.sizes[rank] = size
             self._commit(slot.path, rank, step, header, body)
-            self._slots[self.name(rank, step)] = slot
+            self.slots.parts[self.name(rank, step)] = slot
             return True
         except OSError as exc:
             what = f"could not write rank {rank}'s part of step {step}"
@@ -236,14 +210,29 @@ class MemoryTier:
         except MemoryPartError as exc:
             warnings.warn(f"memory tier: a received part is unusable: {exc}", stacklevel=2)
             return False
-        tmp = self._tmp(rank, step)
+        slot = self.slots.received(rank, part.data)  # None: written below
+        tmp = self._tmp(rank, step) if slot is None else slot.path
         try:
-            tmp.mkdir(parents=True)
-            with open(tmp / DATA, "wb") as f:
-                f.write(_raw(part.data).data)
-            return self._commit(tmp, rank, step, part.header, part.index, generation)
+            if slot is None:
+                tmp.mkdir(parents=True)
+                with open(tmp / DATA, "wb") as f:
+                    f.write(_raw(part.data).data)
+            self._commit(tmp, rank, step, part.header, part.index, generation)
         except OSError as exc:
             return self._failed(tmp, f"could not keep the replica of rank {rank}, step {step}", exc)
+        if slot is not None:
+            self.slots.parts[self.name(rank, step, generation)] = slot
+        return True
+
+    def receiver(self, rank: int, nbytes: int) -> torch.Tensor | None:
+        """Node memory to receive the data of ``rank``'s part (``nbytes``) into: a slot sized
+        to it, whose file :meth:`write_part` then makes the part's; None when there is no room
+        (the part is then received into host memory and written)."""
+        return self.slots.receiver(rank, nbytes)
+
+    def unused_receivers(self) -> None:
+        """Slots handed out by :meth:`receiver` that no part was kept in become spares."""
+        self.slots.unused_receivers()
 
     def _tmp(self, rank: int, step: int) -> Path:
         return self.parts / f".tmp-{self.name(rank, step)}-{os.getpid()}"
@@ -277,7 +266,7 @@ class MemoryTier:
         (tmp / HEADER).write_bytes(header)
         final = self.parts / self.name(rank, step, generation)
         if final.exists():  # the same step of the same generation, written again
-            self._slots.pop(final.name, None)
+            self.slots.parts.pop(final.name, None)
             shutil.rmtree(final)
         os.rename(tmp, final)
         return True
@@ -412,37 +401,22 @@ class MemoryTier:
         process wrote into a slot becomes its rank's spare slot instead (``recycle``; one per
         rank), renamed out of sight before anything in it changes."""
         ranks = set(ranks)
-        slots = set(map(id, self._spares.values()))
         for path in self._listing(every=True):
             match = _NAME.match(path.name)
             if match is None:
-                if path.name.endswith(f"-{os.getpid()}") and id(self._owner(path)) not in slots:
+                if path.name.endswith(f"-{os.getpid()}") and not self.slots.is_spare(path):
                     shutil.rmtree(path, ignore_errors=True)
                 continue
             step, _, rank = (int(g) for g in match.groups())
-            if rank in ranks and step not in keep and self._ours(path):
-                slot = self._slots.pop(path.name, None)
-                if slot is not None and recycle and rank not in self._spares:
-                    spare = self.parts / slot_name(rank)
-                    os.rename(path, spare)  # no longer a part: now it may change
-                    for name in (HEADER, INDEX):
-                        (spare / name).unlink(missing_ok=True)
-                    slot.path = spare
-                    self._spares[rank] = slot
-                    slots.add(id(slot))
-                else:
-                    shutil.rmtree(path, ignore_errors=True)
-
-    def _owner(self, path: Path) -> Slot | None:
-        return next((s for s in self._spares.values() if s.path == path), None)
+            gone = rank in ranks and step not in keep and self._ours(path)
+            if gone and not (recycle and self.slots.recycle(path, rank)):
+                self.slots.parts.pop(path.name, None)
+                shutil.rmtree(path, ignore_errors=True)
 
     def release(self) -> None:
-        """Delete this process's spare slots (and forget the parts' slots): nothing of it
-        stays in the node's memory but its parts."""
-        for slot in self._spares.values():
-            shutil.rmtree(slot.path, ignore_errors=True)
-        self._spares.clear()
-        self._slots.clear()
+        """Delete this process's spare slots: nothing of it stays in the node's memory but its
+        parts."""
+        self.slots.release()
 
     def _ours(self, path: Path) -> bool:
         try:

@@ -236,3 +236,24 @@ def test_the_slots_of_a_process_that_is_gone_are_swept(tmp_path: Path) -> None:
         (parts / name / DATA).write_bytes(b"x" * 100)
     memory_tier.MemoryTier(tmp_path, job="job", generation=1, world_size=1)
     assert os.listdir(parts) == [f".slot-r000000-0-{os.getpid()}"]  # a live process's stays
+
+
+def test_a_replica_is_received_straight_into_a_file_of_the_nodes_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sender = memory_tier.MemoryTier(tmp_path / "a", job="job", generation=1, world_size=2)
+    keeper = memory_tier.MemoryTier(tmp_path / "b", job="job", generation=1, world_size=2)
+    writes = _Writes(monkeypatch)
+    for step, rows in ((1, 64), (2, 64), (3, 8), (4, 64)):  # a smaller part: a smaller file
+        assert sender.write(memory_tier.snapshot(_state(step, rows)), 0, step)
+        sent = sender.part(0, step, 1)
+        before = writes.bytes
+        buffer = keeper.receiver(0, sent.data.numel())  # what the exchange receives into
+        assert buffer is not None
+        buffer.copy_(sent.data)
+        assert keeper.write_part(memory_tier.Part(sent.header, sent.index, buffer))
+        keeper.unused_receivers()
+        assert writes.bytes == before  # no second copy of the received bytes
+        _same(_state(step, rows), keeper.load(0, step, 1))
+        keeper.prune([0], {step})
+    assert sorted(p.name[:6] for p in keeper.parts.iterdir()) == [".slot-", "s00000"]

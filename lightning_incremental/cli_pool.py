@@ -31,7 +31,7 @@ from lightning_incremental.core.maintain.pool import (
 )
 from lightning_incremental.core.maintain.pool_gc import collect_pool
 from lightning_incremental.core.storage import Storage
-from lightning_incremental.core.storage.linked import LinkedStorage
+from lightning_incremental.core.storage.linked import TRASH_DIR, LinkedStorage
 from lightning_incremental.runtime.fork import split_step
 
 Run = Callable[[Any, argparse.Namespace, Console], int]
@@ -52,7 +52,7 @@ def register(command: Command) -> None:
     p = command("unpin", _unpin, "remove the pin a fork holds in its source")
     p.add_argument("dst", help="the fork's location")
     p.add_argument("--force", action="store_true", help="even while the fork still needs it")
-    p = command("pool-gc", _pool_gc, "delete the pool's objects no member needs")
+    p = command("pool-gc", _pool_gc, "collect the pool's objects no member needs (via its trash)")
     p.add_argument(
         "--min-age",
         type=float,
@@ -133,16 +133,22 @@ def _pool_gc(_: Any, args: argparse.Namespace, console: Console) -> int:
         "members": report.members,
         "live_objects": report.live_objects,
         "removed_objects": len(report.removed_objects),
+        "bytes_moved": report.bytes_moved,
+        "purged_objects": len(report.purged_objects),
         "bytes_freed": report.bytes_freed,
+        "restored_objects": len(report.restored_objects),
         "dry_run": report.dry_run,
     }
     if args.json:
         console.print_json(json.dumps(doc))
     else:
-        verb = "would remove" if args.dry_run else "removed"
+        would = "would " if args.dry_run else ""
         console.print(
-            f"{len(report.members)} members, {report.live_objects} live objects; {verb} "
-            f"{len(report.removed_objects)} objects ({report.bytes_freed / 1e6:.1f} MB)"
+            f"{len(report.members)} members, {report.live_objects} live objects; {would}"
+            f"moved {len(report.removed_objects)} objects ({report.bytes_moved / 1e6:.1f} MB) "
+            f"to the trash, {would}purged {len(report.purged_objects)} from it "
+            f"({report.bytes_freed / 1e6:.1f} MB freed), {would}restored "
+            f"{len(report.restored_objects)}"
         )
     return 0
 
@@ -266,6 +272,8 @@ def pool_aware_inspect(original: Run) -> Run:
                 if found in owned
                 else "pool"
                 if found == pool
+                else "pool trash"
+                if found == f"{pool}/{TRASH_DIR}"
                 else f"source {found}"
             )
             totals[kind] = totals.get(kind, 0) + size

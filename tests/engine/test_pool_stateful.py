@@ -6,8 +6,10 @@ pool or not, forks of forks) — through random sequences of: save (after a load
 are referenced, not written), a manifest write that fails before or after it landed, a pool gc
 in the middle of a save (between its objects and its manifest), member gc with any
 ``keep_last`` and no minimum age, delete, compaction, unpin, time passing (every object older
-than any minimum age), and pool gc with or without a minimum age, or while a member's listing
-fails (refused, nothing deleted).
+than any minimum age), pool gc with or without a minimum age, or while a member's listing or
+the pool's trash listing fails (refused, nothing moved or purged), and a pool gc that a member
+races: between the collection's reading of an unreferenced object's age and its removal of that
+object (a move to the pool's trash), the member saves the same bytes again and commits.
 
 Invariant, after every step, for every store: each visible step was saved (or forked) and
 restores its exact bytes — no visible step of any member ever loses an object.
@@ -29,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from lightning_incremental.core import CheckpointError, CheckpointStore, ConfigError
 from lightning_incremental.core.maintain.pool import unpin
 from lightning_incremental.core.maintain.pool_gc import PoolMemberError, collect_pool
-from lightning_incremental.core.storage import Storage, open_storage
+from lightning_incremental.core.storage import LocalStorage, Storage, open_storage
 from tests.conftest import DEEP, assert_state_equal
 from tests.faulty import FaultyStorage, unreadable_directories
 
@@ -93,8 +95,13 @@ class PoolMachine(RuleBasedStateMachine):
         return CheckpointStore(self.url(name), pool=pool, **{**OPTIONS, **extra})
 
     def pool_objects(self) -> dict[str, float]:
-        base = Path(self.pool, "packs")
-        return {str(p): p.stat().st_mtime for p in base.rglob("*.pack")} if base.exists() else {}
+        """The pool's objects and trash entries (and markers), with their times."""
+        found: dict[str, float] = {}
+        for under in ("packs", "trash"):
+            base = Path(self.pool, under)
+            if base.exists():
+                found.update({str(p): p.stat().st_mtime for p in base.rglob("*") if p.is_file()})
+        return found
 
     # ------------------------------------------------------------------ rules
 
@@ -205,25 +212,71 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule()
     def age(self) -> None:
-        """Time passes: every object is older than any minimum age."""
+        """Time passes: every object (and every trash entry) is older than any minimum age."""
         then = time.time() - 10_000
-        for path in self.root.rglob("*.pack"):
-            os.utime(path, (then, then))
+        for pattern in ("*.pack", "*.moved"):
+            for path in self.root.rglob(pattern):
+                os.utime(path, (then, then))
 
-    @rule(how=st.sampled_from(["no_age", "min_age", "member_unlistable", "pool_unlistable"]))
+    @rule()
+    def pool_gc_racing_a_save(self) -> None:
+        """A pooled store saves a state and deletes it (its objects are unreferenced and, once
+        aged, old); a collection reads the age of one of them and, before it removes it, the
+        store saves the same state again (the same objects, written again) and commits."""
+        name = "race"
+        self.expected.setdefault(name, {})
+        first = self.next_step.get(name, 1)
+        self.next_step[name] = first + 2
+        head = torch.full((64,), float(first))
+        state = {"model": {"backbone": BACKBONE.clone(), "head": head}, "step": -1}
+        with self.open(name, pool=self.pool) as store:
+            for step in store.steps():
+                store.delete(step)  # none visible: the next save is a full one, the same bytes
+            self.forget(name, [])
+            store.save(state, first).wait()
+            written = set(store.manifest(first).packs)
+            store.delete(first)
+        self.age()
+        real, armed, pool = LocalStorage.mtime, [True], os.path.normpath(self.pool)
+
+        def mtime(storage: LocalStorage, path: str) -> float | None:
+            found = real(storage, path)  # the age check; the removal follows
+            if armed and path in written and os.path.normpath(storage.root) == pool:
+                armed.clear()
+                with self.open(name) as again:
+                    again.save(state, first + 1).wait()
+            return found
+
+        LocalStorage.mtime = mtime  # type: ignore[method-assign]
+        try:
+            collect_pool(self.pool, min_age_s=900.0)
+        finally:
+            LocalStorage.mtime = real  # type: ignore[method-assign]
+        with self.open(name) as store:
+            if first + 1 in store.steps():
+                self.expected[name][first + 1] = state
+
+    @rule(
+        how=st.sampled_from(
+            ["no_age", "min_age", "member_unlistable", "pool_unlistable", "trash_unlistable"]
+        )
+    )
     def pool_gc(self, how: str) -> None:
         if how in ("no_age", "min_age"):
             collect_pool(self.pool, min_age_s=0.0 if how == "no_age" else 900.0)
             return
         before = self.pool_objects()
-        target = self.root / "m1" / "manifests" if how == "member_unlistable" else None
+        target = {
+            "member_unlistable": self.root / "m1" / "manifests",
+            "trash_unlistable": Path(self.pool, "trash"),
+        }.get(how)
         broken = str(target) if target is not None else str(Path(self.pool, "members"))
         if target is not None and not target.exists():
             return
         with unreadable_directories(broken):
             with pytest.raises((PoolMemberError, OSError)):
                 collect_pool(self.pool, min_age_s=0.0)
-        assert self.pool_objects() == before, "a refused pool gc deleted objects"
+        assert self.pool_objects() == before, "a refused pool gc moved or purged objects"
 
     def forget(self, name: str, visible: list[int]) -> None:
         self.expected[name] = {s: v for s, v in self.expected[name].items() if s in visible}

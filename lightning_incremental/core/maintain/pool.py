@@ -41,7 +41,7 @@ from lightning_incremental.core.maintain.pins import (
     read_pins,
 )
 from lightning_incremental.core.storage import LocalStorage, Storage, open_storage
-from lightning_incremental.core.storage.linked import LinkedStorage
+from lightning_incremental.core.storage.linked import LinkedStorage, trash_path
 
 LINKS = "links.json"
 POOL_MARKER = "pool.json"
@@ -352,7 +352,8 @@ def unpin(
                 continue
             named.append((name, list(doc.packs)))
         for what, paths in named:  # forks of the fork reference what it references
-            if any(not any(o.exists(p) for o in owned) for p in paths):
+            # an object in the pool's trash is the pool's: its collection restores it
+            if any(not any(o.exists(p) or o.exists(trash_path(p)) for o in owned) for p in paths):
                 raise ConfigError(
                     f"{target.url} ({what}) still names objects held in {source.url}; "
                     "delete those checkpoints of the fork (or compact it and gc it with "

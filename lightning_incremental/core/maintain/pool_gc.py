@@ -1,15 +1,15 @@
-"""The pool's collection: delete the objects of a shared pool that no member needs.
+"""The pool's collection: remove the objects of a shared pool that no member needs.
 
 A member's own ``gc`` never deletes an object of its pool (:mod:`..storage.linked`); this does,
-from one process, with no lease (two collections at once remove the same objects at most).
+from one process, with no lease: run one collection of a pool at a time (see the last point).
 
 1. Fix the time by the pool's clock (:func:`.sweep.plan_clock`), before anything is listed.
 2. Mark: list the members, and for each every manifest file (visible, superseded by a
    compaction, or written by a fenced-off generation: all of them, since what a member still
    shows is its own fencing's business) and every pin; read each once. A member whose location
    cannot be listed, has no store, or holds an unreadable manifest or pin stops the collection
-   before anything is deleted: its live set is unknown, and a failed listing is never an empty
-   one.
+   before anything is moved or purged: its live set is unknown, and a failed listing is never
+   an empty one.
 3. Mark again while a pass found a manifest that vanished before it was read: it was removed
    by the member's retention after a newer commit, which names every object it still needs,
    and that newer one is read then. A manifest committed after a member was listed needs no
@@ -17,14 +17,62 @@ from one process, with no lease (two collections at once remove the same objects
    than the minimum age) and objects of its parent, which was read, vanished (another pass) or
    is newer still (the same again); a member whose retention removes its delta base writes a
    full one next. Members that keep committing do not keep the collection from finishing.
-4. Sweep the pool (:func:`.sweep.sweep`): an object no manifest or pin names goes, unless it
-   was younger than the minimum object age at step 1 — the largest of the argument and every
-   member's recorded ``min_object_age_s`` — by its modification time read just before the
-   delete (a save that writes an existing object again makes it young).
+4. Tidy the trash (``trash/``, one listing, failing before anything is done): an entry a
+   manifest or pin marked in step 2 goes back to ``packs/`` (written create-only: when
+   ``packs/`` holds it again, the trash's copy is just dropped); an entry that entered the
+   trash at least the minimum age before step 1's time is purged, for good.
+5. Sweep ``packs/`` (:func:`.sweep.sweep`): an object no manifest or pin names, and that was
+   older than the minimum object age at step 1 — the largest of the argument and every
+   member's recorded ``min_object_age_s`` — by its modification time read just before it is
+   moved, is *moved* to the trash: renamed where the backend can (a local directory), else
+   copied there, then deleted from ``packs/``. After the move a small marker
+   (``trash/packs/...pack.moved``, written over any older one) records, by its modification
+   time, when the object entered the trash.
+
+Why a committed step never loses an object. The system assumes that a save commits within the
+minimum age of writing its objects (data first, manifest last). Take an object ``X`` that a
+collection ``C1`` moves, and a member's save that names it in a manifest committed at ``c``.
+
+- If the save wrote ``X`` (at ``w``, so ``c < w + min_age``) after the move finished, ``packs/``
+  holds it again (a create-only write of a missing object creates it). If it wrote ``X``
+  before ``C1`` read ``X``'s age, either ``X`` was young then (kept), or ``w`` was at least
+  ``min_age`` before ``C1``'s time, so the commit came before ``C1`` listed the member and ``C1``
+  marked ``X`` (kept). Otherwise ``w`` falls between
+  that read and the end of the move — the window this design closes: the rename moves the
+  save's bytes into the trash, or the copy holds the same bytes (content addressing) that the
+  delete then removes. Either way the trash holds ``X`` from the end of the move on.
+- The trash's copy goes only when a later collection ``C2`` purges it, and ``C2`` purges only an
+  entry whose marker is at least ``min_age`` older than ``C2``'s time ``P2``. The marker is
+  written after the move ended, so ``w < marker <= P2 - min_age``, hence ``c < w + min_age <=
+  P2``: the commit came before ``C2`` fixed its time, so before ``C2`` listed that member, and
+  ``C2`` read the manifest (or the newer commit that replaced it, by step 3's argument, which
+  names ``X`` when it still needs it) and marked ``X``: ``C2`` restores it instead.
+- A save that names ``X`` only because its parent did is covered by the parent's own case,
+  and readers find ``X`` meanwhile in the trash (:class:`..storage.linked.LinkedStorage` looks
+  there when ``packs/`` lacks an object), so the step loads, and verifies, from the moment it
+  is committed.
+
+Crashes. A collection that stops between the copy and the delete leaves both copies: the next
+collection leaves a trash entry without a marker alone while ``packs/`` holds the object
+(sweeping ``packs/`` moves it over the entry later, when it is unreferenced and old). One that
+stops between the move and the marker leaves an entry without a marker and no ``packs/`` copy:
+the next collection writes the marker then (a time after the move), or restores the entry
+when it is named. A restore writes ``packs/`` before it drops the trash's copy. No step of this
+deletes the last copy of a named object, and a collection stopped at any point loses nothing;
+an entry left behind only waits for a later collection.
+
+A collection may pause anywhere, for any time: only saves are bound by the minimum age (a purge
+judges markers against the collection's own time, fixed before it marks). Two collections that
+overlap (one paused in the middle of a move while another runs), with a member writing the same
+object again meanwhile, could drop both copies: run one at a time (a scheduled job, not one per
+member).
 
 Cost: one listing per member per pass (one pass, unless manifests vanish meanwhile), one read
-per manifest and pin, one listing of the pool and a few requests per unreferenced object:
-linear in members, manifests and objects.
+per manifest and pin, one listing of the pool's objects and one of its trash, and a few requests
+per unreferenced object or trash entry (a rename and a marker write per move on a local disk; a
+read, a write, a delete and a marker write on object stores, which cannot rename): linear in
+members, manifests and objects. Space is freed when an entry is purged, by the first
+collection at least the minimum age after the one that moved it.
 """
 
 from __future__ import annotations
@@ -49,12 +97,20 @@ from lightning_incremental.core.maintain.pool import (
     members,
     open_location,
 )
-from lightning_incremental.core.maintain.sweep import plan_clock, sweep
-from lightning_incremental.core.storage import Storage
+from lightning_incremental.core.maintain.sweep import STALE_TMP_S, plan_clock, sweep
+from lightning_incremental.core.storage import (
+    TMP_PREFIX,
+    LocalStorage,
+    Storage,
+    translate_errors,
+)
+from lightning_incremental.core.storage.linked import TRASH_DIR, trash_path
+from lightning_incremental.core.storage.local import fsync_dir
 
 log = logging.getLogger("lightning_incremental")
 
 MAX_PASSES = 8  # mark passes before giving up on manifests that vanish faster than they are read
+MOVED = ".moved"  # beside a trash entry: its modification time is when the entry entered it
 
 
 class PoolMemberError(CheckpointError):
@@ -63,13 +119,21 @@ class PoolMemberError(CheckpointError):
 
 @dataclass
 class PoolGcReport:
-    """What the pool's collection removed (or would, with ``dry_run``)."""
+    """What the pool's collection did (or would do, with ``dry_run``).
+
+    ``removed_objects`` left ``packs/`` for the trash (``bytes_moved``); ``purged_objects`` left
+    the trash for good (``bytes_freed``: the space freed); ``restored_objects`` went back from
+    the trash to ``packs/`` (a manifest or pin names them).
+    """
 
     members: list[str]
     live_objects: int
     removed_objects: list[str] = field(default_factory=list)
     bytes_freed: int = 0
     dry_run: bool = False
+    bytes_moved: int = 0
+    purged_objects: list[str] = field(default_factory=list)
+    restored_objects: list[str] = field(default_factory=list)
 
 
 class _Marker:
@@ -136,6 +200,104 @@ class _Marker:
         return vanished
 
 
+class _Trash:
+    """The pool's trash: moves into it, and the tidying of what one listing of it found."""
+
+    def __init__(self, pool: Storage) -> None:
+        self.pool = pool
+        self.entries: set[str] = set()  # data object paths (``packs/...``) held in the trash
+        self.marked: set[str] = set()  # ... whose marker was listed
+        self.temporary: list[str] = []
+
+    def list(self) -> None:
+        """One listing of the trash; raises (an OSError) before anything is done when it
+        fails: a failed listing is never an empty one."""
+        cut = len(TRASH_DIR) + 1
+        for name in self.pool.list(TRASH_DIR):
+            if name.rsplit("/", 1)[-1].startswith(TMP_PREFIX):
+                self.temporary.append(name)
+            elif name.endswith(MOVED) and mf.is_pack_path(name[cut : -len(MOVED)]):
+                self.marked.add(name[cut : -len(MOVED)])
+            elif mf.is_pack_path(name[cut:]):
+                self.entries.add(name[cut:])
+
+    def move(self, path: str) -> None:
+        """Move data object ``path`` from ``packs/`` to the trash (over an entry there), then
+        write its marker. FileNotFoundError when ``path`` is gone."""
+        pool, entry = self.pool, trash_path(path)
+        if isinstance(pool, LocalStorage):  # a rename: atomic, whatever writes path meanwhile
+            source = os.path.join(pool.root, *path.split("/"))
+            target = os.path.join(pool.root, *entry.split("/"))
+            with translate_errors(f"moving {path} to the trash of {pool.root}"):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.replace(source, target)
+            if pool.fsync:
+                fsync_dir(os.path.dirname(target))
+                fsync_dir(os.path.dirname(source))
+        else:  # no rename: the copy holds the same bytes as anything the delete removes
+            pool.put(entry, pool.get(path), overwrite=True)
+            pool.delete(path)
+        pool.put(entry + MOVED, b"", overwrite=True)
+
+    def tidy(
+        self, live: set[str], planned_at: float, min_age_s: float, dry_run: bool
+    ) -> tuple[list[str], list[str], int]:
+        """Restore the listed entries that ``live`` names, purge those that entered the trash
+        at least ``min_age_s`` before ``planned_at`` (see the module docstring); returns the
+        objects restored, purged, and the bytes purged (or that would be, with ``dry_run``)."""
+        pool = self.pool
+        restored: list[str] = []
+        purged: list[str] = []
+        freed = undated = 0
+        for path in sorted(self.entries):
+            entry = trash_path(path)
+            try:
+                if path not in self.marked and pool.exists(path):
+                    continue  # a move stopped before its delete: packs/ holds the object
+                if path in live:
+                    if not dry_run:
+                        if not pool.exists(path):
+                            pool.put(path, pool.get(entry))  # create-only
+                        pool.delete(entry)
+                        pool.delete(entry + MOVED)
+                    restored.append(path)
+                    continue
+                if path not in self.marked:  # it left packs/ before now: it entered by now
+                    if not dry_run:
+                        pool.put(entry + MOVED, b"")
+                    continue
+                if min_age_s > 0:
+                    entered = pool.mtime(entry + MOVED)
+                    if entered is None:
+                        undated += 1
+                        continue
+                    if planned_at - entered < min_age_s:
+                        continue
+                size = pool.size(entry)
+                if not dry_run:
+                    pool.delete(entry)
+                    pool.delete(entry + MOVED)
+            except FileNotFoundError:
+                continue  # another collection's doing
+            purged.append(path)
+            freed += size
+        if not dry_run:
+            for path in sorted(self.marked - self.entries):  # a purge or restore stopped
+                pool.delete(trash_path(path) + MOVED)
+            for name in self.temporary:  # of copies into the trash that were interrupted
+                mtime = pool.mtime(name)
+                if mtime is not None and planned_at - mtime >= max(min_age_s, STALE_TMP_S):
+                    pool.delete(name)
+        if undated:
+            log.warning(
+                "%s gives no modification times: %d trash entries were kept, the time they "
+                "entered the trash unknown",
+                pool.url,
+                undated,
+            )
+        return restored, purged, freed
+
+
 def collect_pool(
     pool: Url,
     *,
@@ -145,8 +307,10 @@ def collect_pool(
     storage_options: dict[str, Any] | None = None,
     member_options: dict[str, dict[str, Any]] | None = None,
 ) -> PoolGcReport:
-    """Delete the objects of the pool at ``pool`` that no member's manifest or pin names and
-    that are older than the minimum object age (see the module docstring).
+    """Move the objects of the pool at ``pool`` that no member's manifest or pin names and
+    that are older than the minimum object age to the pool's trash; purge the trash's entries
+    that entered it at least that age ago and that nothing names, and put back those that
+    something names (see the module docstring).
 
     Args:
         min_age_s: never remove an object younger than this (nor than any member's own
@@ -155,7 +319,8 @@ def collect_pool(
         storage_options: for the pool's URL. member_options: per member URL.
 
     Raises:
-        PoolMemberError: a member cannot be listed or read (nothing is deleted).
+        PoolMemberError: a member cannot be listed or read (nothing is moved or purged).
+        OSError: the pool or its trash cannot be listed (nothing is moved or purged).
         CheckpointError: manifests keep vanishing before a mark pass reads them.
     """
     if isinstance(min_age_s, bool) or not isinstance(min_age_s, (int, float)) or min_age_s < 0:
@@ -179,16 +344,38 @@ def collect_pool(
             "remove checkpoints less often"
         )
     age = max([min_age_s, *marker.min_ages])
-    removed, freed = sweep(
-        storage, marker.live, grace_s, dry_run, planned_at=planned_at, min_age_s=age
+    trash = _Trash(storage)
+    trash.list()
+    restored, purged, freed = trash.tidy(marker.live, planned_at, max(age, grace_s), dry_run)
+    moved, moved_bytes = sweep(
+        storage,
+        marker.live,
+        grace_s,
+        dry_run,
+        planned_at=planned_at,
+        min_age_s=age,
+        remove=trash.move,
     )
-    report = PoolGcReport(sorted(marker.read), len(marker.live), removed, freed, dry_run)
+    report = PoolGcReport(
+        sorted(marker.read),
+        len(marker.live),
+        moved,
+        freed,
+        dry_run,
+        bytes_moved=moved_bytes,
+        purged_objects=purged,
+        restored_objects=restored,
+    )
     log.info(
-        "pool gc of %s: %d members, %d live objects, removed %d objects (%d bytes)",
+        "pool gc of %s: %d members, %d live objects; moved %d objects (%d bytes) to the "
+        "trash, purged %d (%d bytes), restored %d",
         storage.url,
         len(report.members),
         report.live_objects,
-        len(removed),
+        len(moved),
+        moved_bytes,
+        len(purged),
         freed,
+        len(restored),
     )
     return report

@@ -65,6 +65,7 @@ def sweep(
     planned_at: float,
     min_age_s: float = 0.0,
     guard: Callable[[], None] | None = None,
+    remove: Callable[[str], None] | None = None,
 ) -> tuple[list[str], int]:
     """Delete every pack object not in ``live`` that was older than ``grace_s`` seconds (and
     never one younger than ``min_age_s``) at ``planned_at`` — the storage's time when ``live``
@@ -78,6 +79,9 @@ def sweep(
     generation took over): it is called before the first deletion and again every
     ``GUARD_EVERY`` deletions or ``GUARD_EVERY_S`` seconds, so a sweep that outlives its
     writer (one request per object, on S3) stops within a batch.
+    ``remove`` removes an unreferenced pack object (default: ``storage.delete``); the pool's
+    collection moves it to the pool's trash instead (:mod:`.pool_gc`). Stale temporary files
+    are deleted either way.
     """
     removed: list[str] = []
     freed = 0
@@ -115,7 +119,10 @@ def sweep(
                     if planned_at - mtime < min_age:
                         continue
                 if not dry_run:
-                    storage.delete(path)
+                    if remove is not None and not stale_tmp:
+                        remove(path)
+                    else:
+                        storage.delete(path)
                     since_check += 1
             except FileNotFoundError:
                 continue  # gone already

@@ -25,6 +25,7 @@ from lightning_incremental.core.format.records import Manifest, closure
 from lightning_incremental.core.load import pipeline
 from lightning_incremental.core.results import ObjectCheck, VerifyReport
 from lightning_incremental.core.storage import Storage
+from lightning_incremental.core.storage.linked import LinkedStorage
 
 log = logging.getLogger("lightning_incremental")
 
@@ -57,6 +58,16 @@ def verify_manifest(
         raise ConfigError(f"read_ahead must be a positive number of bytes, got {read_ahead!r}")
     missing = _check_objects(storage, doc, report, max(1, window // 2))
     _check_chunks(storage, doc, report, where, window, missing)
+    if isinstance(storage, LinkedStorage):
+        intact = {check.path for check in report.objects if check.ok}
+        for path in sorted(intact & set(doc.packs) & set(storage.in_trash)):
+            log.warning(
+                "%s: object %s is intact in the trash of %s (the pool's collection moved it "
+                "while a save wrote it again); the pool's next collection puts it back",
+                where,
+                path,
+                storage.in_trash[path],
+            )
     return report
 
 

@@ -6,6 +6,15 @@ to the store's own location. Data objects (``packs/...``) are written to ``objec
 or the own location) and read from ``objects`` first, then from each of ``sources`` in order
 (the object locations of the stores a fork references).
 
+A pool's collection does not delete an object in one step: it moves it to the pool's trash
+(``trash/packs/...``, the same name under :data:`TRASH_DIR`), and purges it from there later
+(:mod:`~lightning_incremental.core.maintain.pool_gc`). A read of a data object that no location
+holds under ``packs/`` therefore looks in each location's trash, then under ``packs/`` once more
+(a collection that restores an object writes it back before it drops the trash's copy): a step
+a member committed while the collection moved one of its objects loads, bit-exact, before the
+next collection puts the object back. Such reads are recorded in :attr:`LinkedStorage.in_trash`
+(``verify`` says where the object is).
+
 Deletion is structural: a data object is only ever listed and deleted in the store's own
 location. A member of a pool keeps no data objects of its own, so its ``gc`` finds none to
 remove; the pool's objects are removed by the pool's own collection alone
@@ -21,6 +30,12 @@ from collections.abc import Sequence
 from lightning_incremental.core.storage.base import Storage
 
 OBJECT_DIR = "packs"  # the store layout's data objects (format.layout.PACK_DIR)
+TRASH_DIR = "trash"  # a pool's collected objects, until a later collection purges them
+
+
+def trash_path(path: str) -> str:
+    """Where the pool's collection moves data object ``path``: the same name in the trash."""
+    return f"{TRASH_DIR}/{path}"
 
 
 def _is_object(path: str) -> bool:
@@ -43,6 +58,8 @@ class LinkedStorage(Storage):
         self.objects = own if objects is None else objects
         self.sources = tuple(sources)
         self.url = own.url
+        #: data objects read from a location's trash -> that location's URL
+        self.in_trash: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"LinkedStorage({self.own!r}, objects={self.objects.url!r})"
@@ -73,7 +90,10 @@ class LinkedStorage(Storage):
     def exists(self, path: str) -> bool:
         if not _is_object(path):
             return self.own.exists(path)
-        return any(reader.exists(path) for reader in self._readers())
+        readers = self._readers()
+        return any(reader.exists(path) for reader in readers) or any(
+            reader.exists(trash_path(path)) for reader in readers
+        )
 
     def size(self, path: str) -> int:
         if not _is_object(path):
@@ -95,19 +115,33 @@ class LinkedStorage(Storage):
         self.own.delete(path)  # never the pool's or a source's
 
     def _first(self, op: str, path: str, *args: object) -> object:
-        """``op`` on the first location that holds ``path``; FileNotFoundError when none."""
+        """``op`` on the first location that holds ``path``, then on the first whose trash
+        does, then on the locations again (an object restored from the trash meanwhile);
+        FileNotFoundError when none does."""
         missing: FileNotFoundError | None = None
-        for reader in self._readers():
-            try:
-                return getattr(reader, op)(path, *args)
-            except FileNotFoundError as exc:
-                missing = missing or exc
+        readers = self._readers()
+        for attempt in (path, trash_path(path), path):
+            for reader in readers:
+                try:
+                    found = getattr(reader, op)(attempt, *args)
+                except FileNotFoundError as exc:
+                    missing = missing or exc
+                    continue
+                if attempt != path:
+                    self.in_trash[path] = reader.url
+                elif self.in_trash:
+                    self.in_trash.pop(path, None)  # back in place
+                return found
         assert missing is not None
         raise missing
 
     def where(self, path: str) -> str | None:
-        """The URL of the first location holding data object ``path``; None when none does."""
+        """The URL of the first location holding data object ``path`` (``URL/trash`` for a
+        location's trash); None when none does."""
         for reader in (self.own, *self._readers()):
             if reader.exists(path):
                 return reader.url
+        for reader in self._readers():
+            if reader.exists(trash_path(path)):
+                return f"{reader.url}/{TRASH_DIR}"
         return None

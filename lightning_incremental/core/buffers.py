@@ -66,6 +66,15 @@ class BufferPool:
                 flat = tensor.reshape(-1).view(torch.uint8)
                 self._free[(flat.numel(), tensor.is_pinned())].append(flat)
 
+    def give_slabs(self, slabs: Sequence[torch.Tensor]) -> None:
+        """Return whole slabs (any view of each): none of their tensors is used any more. One
+        call per slab, not one per tensor in it."""
+        with self._lock:
+            for slab in slabs:
+                lent = self._lent.pop(slab.untyped_storage().data_ptr(), None)
+                if lent is not None:  # not lent by this pool: not ours to recycle
+                    self._free[(lent[0].numel(), False)].append(lent[0])
+
     def _give_back_part(self, address: int, tensor: torch.Tensor) -> None:
         """One tensor of a lent slab is free: the slab is, once none of its tensors is out."""
         lent = self._lent.get(address)

@@ -19,7 +19,7 @@ that base is in the new checkpoint's chunk table (adopted with the delta) and it
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +41,9 @@ class Parent:
     base: dict[str, tuple[np.ndarray, tuple[str, ...]]] = field(default_factory=dict)
     # The host buffer behind each ``base`` entry, recycled once a newer parent replaces this one.
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # ... or the snapshot slab it lies in (small tensors): a slab is recycled whole once no
+    # parent's entry lies in it.
+    slabs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class DeltaBase:
@@ -72,12 +75,22 @@ class DeltaBase:
         with self._lock:
             self._replace(parent, spare)
 
-    def _replace(self, parent: Parent | None, spare: Sequence[torch.Tensor]) -> None:
+    def _replace(
+        self,
+        parent: Parent | None,
+        spare: Sequence[torch.Tensor],
+        spare_slabs: Sequence[torch.Tensor] = (),
+    ) -> None:
         old, self._parent = self._parent, parent
         kept = {id(b) for b in parent.buffers.values()} if parent is not None else set()
         olds = old.buffers.values() if old is not None else ()
         dropped = [b for b in olds if id(b) not in kept]
         self.pool.give(list(spare) + dropped)
+        kept_slabs = _unique(parent.slabs.values()) if parent is not None else {}
+        old_slabs = _unique(old.slabs.values()) if old is not None else {}
+        self.pool.give_slabs(
+            [s for k, s in old_slabs.items() if k not in kept_slabs] + list(spare_slabs)
+        )
 
     def committed(
         self,
@@ -103,7 +116,9 @@ class DeltaBase:
         """A save of ``step`` failed: its snapshot buffers are free again, unless they became
         the base."""
         if self.step != step:
-            self.pool.give([leaf.data for leaf in leaves if not leaf.is_numpy])
+            self.pool.give([x.data for x in leaves if not x.is_numpy and x.slab is None])
+            slabs = _unique(x.slab for x in leaves if x.slab is not None)
+            self.pool.give_slabs(list(slabs.values()))
 
     def clear(self) -> None:
         self._parent = None
@@ -139,26 +154,34 @@ def next_parent(
     tensors: Sequence[TensorEntry],
     config: StoreConfig,
     previous: Parent | None = None,
-) -> tuple[Parent, list[torch.Tensor]]:
+) -> tuple[Parent, list[torch.Tensor], list[torch.Tensor]]:
     """The parent of the next save after ``manifest`` committed: its XOR base is this snapshot's
     bytes, tensor by tensor, within ``config.xor_base_memory`` — except chunks held on their root
     (:func:`hold`), whose bytes stay those of ``previous`` (the parent this save was coded on):
     a tensor with held chunks keeps the previous buffer, this snapshot's other chunks copied into
-    it. Also returns the snapshot buffers the base does not keep (free to recycle)."""
+    it. Also returns the snapshot buffers the base does not keep (free to recycle), and the
+    snapshot slabs none of whose tensors it keeps."""
     parent = Parent(manifest.step, manifest)
     spare: list[torch.Tensor] = []
+    seen: dict[int, torch.Tensor] = {}
     used, budget = 0, config.xor_base_memory
     for leaf, entry in zip(leaves, tensors):
-        raw = leaf.raw()
+        raw, slab, key = leaf.raw(), leaf.slab, leaf.key
+        if slab is not None:
+            seen[id(slab)] = slab
         if not config.uses_xor or (budget is not None and used + raw.size > budget):
-            spare.append(leaf.data)
+            if slab is None:
+                spare.append(leaf.data)
             continue
         used += raw.size
-        before = previous.base.get(leaf.key) if previous is not None else None
+        before = previous.base.get(key) if previous is not None else None
         held = _held(entry, before, raw, manifest, config) if before is not None else []
         if not any(held):
-            parent.base[leaf.key] = (raw, entry.chunks)
-            parent.buffers[leaf.key] = leaf.data
+            parent.base[key] = (raw, entry.chunks)
+            if slab is None:
+                parent.buffers[key] = leaf.data
+            else:
+                parent.slabs[key] = slab
             continue
         assert before is not None and previous is not None
         old, digests = before[0], list(before[1])
@@ -167,10 +190,20 @@ def next_parent(
             if not keep and digests[index] != entry.chunks[index]:
                 old[index * step : (index + 1) * step] = raw[index * step : (index + 1) * step]
                 digests[index] = entry.chunks[index]
-        parent.base[leaf.key] = (old, tuple(digests))
-        parent.buffers[leaf.key] = previous.buffers[leaf.key]
-        spare.append(leaf.data)
-    return parent, spare
+        parent.base[key] = (old, tuple(digests))
+        if key in previous.slabs:
+            parent.slabs[key] = previous.slabs[key]
+        else:
+            parent.buffers[key] = previous.buffers[key]
+        if slab is None:
+            spare.append(leaf.data)
+    kept = _unique(parent.slabs.values())
+    return parent, spare, [s for k, s in seen.items() if k not in kept]
+
+
+def _unique(slabs: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The distinct tensor objects of ``slabs`` (the leaves of one slab share one), by id."""
+    return {id(s): s for s in slabs}
 
 
 def _held(

@@ -28,6 +28,7 @@ from lightning_incremental.core.chunks.lossy import (
     reusable,
 )
 from lightning_incremental.core.chunks.packs import PackWriter
+from lightning_incremental.core.chunks.small import STORE_SMALL, encode_small, small_leaves
 from lightning_incremental.core.codecs import STORED, Codec, Hint, chunk_hash
 from lightning_incremental.core.codecs.stored import stored
 from lightning_incremental.core.config import StoreConfig
@@ -315,8 +316,30 @@ def encode(
                 key = declined[task.digest] = task.raw_digest
             pack.add(key, done.blob, fields)
 
+    entries: list[TensorEntry | None] = [None] * len(leaves)
+
+    def has_base(key: str, size: int) -> bool:
+        """Whether the loop below would code a new chunk of ``key`` against a base."""
+        if parent is None or full_base or not same_chunking:
+            return False
+        in_memory = parent.base.get(key) if config.uses_xor else None
+        if in_memory is not None and in_memory[0].size == size:
+            return True
+        before = stored.get(key) if fetch is not None else None
+        return before is not None and before.nbytes == size
+
     try:
-        for leaf in leaves:
+        general = range(len(leaves))
+        small = small_leaves(leaves, config.chunk_size)
+        if small:
+            rest = encode_small(
+                leaves, small, entries, parent=parent, parent_chunks=parent_chunks,
+                has_base=has_base, out=out, pack=pack, scheduled=scheduled, exact=exact,
+                adopt=adopt, full_base=full_base, config=config,
+            )  # fmt: skip
+            general = sorted({*general} - set(small) | set(rest))  # type: ignore[assignment]
+        for number in general:
+            leaf = leaves[number]
             raw = leaf.raw()
             width = leaf.width
             lossy = lossy_codec(leaf.path, config, leaf.dtype)
@@ -375,6 +398,9 @@ def encode(
                         task.hint = hints.get(task.place) if hints is not None else None
                 scheduled.add(digest)
                 args = (task, config.compression_level, config.max_chain_ratio, fast)
+                small = raw.size < STORE_SMALL and task.base_recipe is None  # the tensor
+                if lossy is None and (fast or small):  # stored as it is (see .small)
+                    args = (task, config.compression_level, config.max_chain_ratio, True)
                 if (piece.size < INLINE_MAX and task.fetch is None) or (fast and lossy is None):
                     done: Future[_Payload] = Future()
                     done.set_result(_encode_task(*args))
@@ -382,21 +408,20 @@ def encode(
                     done = pool.submit(_encode_task, *args)
                 window.append((done, task))
                 drain(2 * getattr(pool, "max_workers", 2))
-            out.tensors.append(
-                TensorEntry(
-                    path=leaf.key,
-                    dtype=leaf.dtype,
-                    shape=tuple(leaf.shape),
-                    nbytes=int(raw.size),
-                    width=width,
-                    device=leaf.device,
-                    numpy=leaf.is_numpy,
-                    param=leaf.parameter,
-                    requires_grad=leaf.requires_grad,
-                    chunks=tuple(digests),
-                )
+            entries[number] = TensorEntry(
+                path=leaf.key,
+                dtype=leaf.dtype,
+                shape=tuple(leaf.shape),
+                nbytes=int(raw.size),
+                width=width,
+                device=leaf.device,
+                numpy=leaf.is_numpy,
+                param=leaf.parameter,
+                requires_grad=leaf.requires_grad,
+                chunks=tuple(digests),
             )
         drain(0)
+        out.tensors = entries  # type: ignore[assignment]  # every one is filled in
         pack.finish()
         after = cpu_times()
         if times is not None and after is not None:

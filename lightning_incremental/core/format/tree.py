@@ -90,6 +90,8 @@ class Leaf:
     offsets: tuple[int, ...] | None = None  # a piece: where it starts in the global tensor
     # ``data``'s bytes as numpy sees them, when the snapshot had them at hand (a slab's slice)
     flat_bytes: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # the snapshot slab ``data`` is a view of (see .save.slabs), recycled as a whole
+    slab: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -98,6 +100,8 @@ class Leaf:
 
     @property
     def nbytes(self) -> int:
+        if self.flat_bytes is not None:
+            return int(self.flat_bytes.size)
         return self.data.numel() * self.data.element_size()
 
     def raw(self) -> np.ndarray:

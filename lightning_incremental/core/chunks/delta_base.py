@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lightning_incremental.core.buffers import BufferPool
+from lightning_incremental.core.buffers import BufferPool, collection_paused
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.format.records import ChunkRecipe, Manifest, TensorEntry
 from lightning_incremental.core.format.tree import Leaf
@@ -103,7 +103,7 @@ class DeltaBase:
         leaves were encoded as, when not the manifest's own (this rank's part of a sharded
         checkpoint)."""
         entries = manifest.tensors if tensors is None else tensors
-        with self._lock:  # the held buffers are the current parent's: no adopt() in between
+        with self._lock, collection_paused():  # held buffers: the current parent's
             self._replace(*next_parent(manifest, leaves, entries, self.config, self._parent))
 
     def adopt(self, step: int, manifest: Manifest) -> None:

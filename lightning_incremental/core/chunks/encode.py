@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lightning_incremental.core import codecs
+from lightning_incremental.core.buffers import collection_paused
 from lightning_incremental.core.chunks.decode import ObjectReader, decode_chunk
 from lightning_incremental.core.chunks.delta_base import Parent
 from lightning_incremental.core.chunks.lossy import (
@@ -332,11 +333,12 @@ def encode(
         general = range(len(leaves))
         small = small_leaves(leaves, config.chunk_size)
         if small:
-            rest = encode_small(
-                leaves, small, entries, parent=parent, parent_chunks=parent_chunks,
-                has_base=has_base, out=out, pack=pack, scheduled=scheduled, exact=exact,
-                adopt=adopt, full_base=full_base, config=config,
-            )  # fmt: skip
+            with collection_paused():  # an entry or two per tensor, all live
+                rest = encode_small(
+                    leaves, small, entries, parent=parent, parent_chunks=parent_chunks,
+                    has_base=has_base, out=out, pack=pack, scheduled=scheduled, exact=exact,
+                    adopt=adopt, full_base=full_base, config=config,
+                )  # fmt: skip
             general = sorted({*general} - set(small) | set(rest))  # type: ignore[assignment]
         for number in general:
             leaf = leaves[number]

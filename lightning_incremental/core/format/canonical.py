@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_incremental.core import codecs
+from lightning_incremental.core.buffers import collection_paused
 from lightning_incremental.core.codecs import chunk_hash
 from lightning_incremental.core.errors import ManifestError
 from lightning_incremental.core.format import compact
@@ -84,7 +85,8 @@ def loads(data: bytes, where: str) -> Manifest:
         if known is not None:
             _parsed.move_to_end(key)
             return known[0]
-    doc, size = _loads(data, where)
+    with collection_paused():
+        doc, size = _loads(data, where)
     _remember(key, doc, size)
     return doc
 
@@ -144,13 +146,14 @@ def seal(manifest: Manifest, where: str) -> tuple[bytes, Manifest]:
         ManifestError: naming the first problem.
     """
     kinds = tuple(codecs.kinds())
-    data = dumps(manifest)
-    doc, size = json.loads(data), len(data)
-    doc.pop("checksum")
-    if compact.is_compact(doc):
-        parsed, size = compact.read(doc, where)
-    else:
-        parsed = parse(doc, where)
+    with collection_paused():
+        data = dumps(manifest)
+        doc, size = json.loads(data), len(data)
+        doc.pop("checksum")
+        if compact.is_compact(doc):
+            parsed, size = compact.read(doc, where)
+        else:
+            parsed = parse(doc, where)
     _remember((chunk_hash(data), kinds), parsed, size)
     return data, parsed
 

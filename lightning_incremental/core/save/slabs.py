@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_incremental.core.buffers import BufferPool
+from lightning_incremental.core.buffers import BufferPool, collection_paused
 from lightning_incremental.core.codecs.bytes import group_width
 from lightning_incremental.core.format.tree import Leaf, dtype_name, key_path
 
@@ -121,6 +121,11 @@ class SlabLeaf(Leaf):
 
 def complete(slabs: Slabs, leaves: list[Leaf | None]) -> None:
     """Build the leaves of the copied slabs into their places in ``leaves``."""
+    with collection_paused():
+        _complete(slabs, leaves)
+
+
+def _complete(slabs: Slabs, leaves: list[Leaf | None]) -> None:
     for slab in slabs.copied:
         name = dtype_name(slab.dtype)
         width = group_width(slab.dtype.itemsize, slab.dtype.is_complex)

@@ -19,7 +19,6 @@ plain tensors are identical on every rank and snapshotted by rank 0 only."""
 from __future__ import annotations
 
 import base64
-import gc
 import pickle
 from collections import OrderedDict
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_incremental.core.buffers import BufferPool
+from lightning_incremental.core.buffers import BufferPool, collection_paused
 from lightning_incremental.core.codecs.bytes import group_width
 from lightning_incremental.core.errors import (
     UnsupportedValueError,
@@ -375,19 +374,14 @@ def flatten_state(
         UnsupportedValueError: a value the skeleton cannot express, naming its key path.
     """
     flattener = _Flattener(allow_pickle, pool, rank)
-    collecting = gc.isenabled()
     # The walk makes a few small objects per tensor, none of them garbage; the collections they
     # would trigger only scan them again and again (half the walk's time at 20,000 tensors).
-    gc.disable()
-    try:
+    with collection_paused():
         try:
             skeleton = flattener.node(state, ())
         finally:
             ready = flattener.cuda.finish()  # also when the walk failed: no copy left unordered
         flattener.slabs.copy(pool)
-    finally:
-        if collecting:
-            gc.enable()
     slabs = flattener.slabs
     return Flat(
         skeleton, flattener.leaves, flattener.pickled, flattener.slots, flattener.sharded,

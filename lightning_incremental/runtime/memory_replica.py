@@ -3,11 +3,12 @@ host buffers (no server of our own).
 
 - :func:`exchange`: the sends and receives of one round, in two phases (sizes, then bytes), all
   posted at once so that no order of ranks can deadlock;
-- :class:`Replicator`: the per-step background work of a rank — write its part to its node's
+- :class:`Replicator`: the per-step background work of a rank — finish its part in its node's
   memory, send it to the same local rank on the next ``replicas`` nodes of the ring (and keep
-  what the previous nodes send), then agree (one all-reduce) whether every rank's part of the
-  step is now held by ``replicas + 1`` nodes: only then is the step *recoverable*, and older
-  parts are deleted. A failed transfer is a warning; replication stops for the rest of the run
+  what the previous nodes send, received straight into files of the node's memory), then agree
+  (one all-reduce) whether every rank's part of the step is now held by ``replicas + 1`` nodes:
+  only then is the step *recoverable*, and older parts go (this process's become the files of
+  the next steps). A failed transfer is a warning; replication stops for the rest of the run
   (the ranks may disagree on where the exchange broke) and recovery falls back to the store.
 """
 

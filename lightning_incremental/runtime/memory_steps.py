@@ -136,8 +136,9 @@ class MemorySteps:
         return step > 0 and step % self.every == 0
 
     def take(self, step: int, checkpoint: Any) -> None:
-        """Copy ``checkpoint`` (this rank's part of ``step``) to host memory now; it is written
-        to the node's memory and replicated in the background."""
+        """Copy ``checkpoint`` (this rank's part of ``step``) now, into the file in the node's
+        memory that becomes its part (host buffers on a process's first step); it is hashed,
+        made visible and replicated in the background."""
         self.replicator.wait()  # the previous step's slot (or buffers) free again: reused
         snap = self.tier.snapshot(checkpoint, self.rank, pool=self.pool)
         self.replicator.submit(step, snap)

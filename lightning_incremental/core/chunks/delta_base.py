@@ -175,7 +175,10 @@ def next_parent(
             continue
         used += raw.size
         before = previous.base.get(key) if previous is not None else None
-        held = _held(entry, before, raw, manifest, config) if before is not None else []
+        if before is None or before[1] == entry.chunks:  # unchanged: nothing coded to hold
+            held = []
+        else:
+            held = _held(entry, before, raw, manifest, config)
         if not any(held):
             parent.base[key] = (raw, entry.chunks)
             if slab is None:

@@ -115,7 +115,8 @@ class _Flattener:
         self.sharded: dict[int, ShardedInfo] = {}
         # data address -> the tensors seen there and their slots (tensors at one address are
         # compared in full only then: most addresses hold one tensor)
-        self.addresses: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        # (one pair, not a list of one: an object fewer per tensor)
+        self.addresses: dict[int, Any] = {}
         self.pickled: list[str] = []
         self.cuda = _DeviceCopies()
         self.slabs = Slabs()
@@ -212,8 +213,10 @@ class _Flattener:
             address = t.data_ptr()
             seen = self.addresses.get(address)
             if seen is None:
-                self.addresses[address] = [(t, slot)]
+                self.addresses[address] = (t, slot)
             else:
+                if type(seen) is tuple:
+                    seen = self.addresses[address] = [seen]
                 same = _same_view(t, seen)
                 if same is not None:
                     return same

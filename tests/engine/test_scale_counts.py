@@ -317,9 +317,7 @@ def test_leaves_of_a_slab_make_no_tensor_view_until_one_is_asked_for() -> None:
 
 
 @pytest.mark.parametrize("n", [300, 3000])
-def test_the_background_of_a_save_triggers_few_garbage_collections(
-    tmp_path: Path, n: int
-) -> None:
+def test_the_background_of_a_save_triggers_few_garbage_collections(tmp_path: Path, n: int) -> None:
     """A save makes a few objects per tensor (leaves, manifest records and tables), all of them
     live: each collection they trigger scans them again (a third of sealing a manifest of
     20,000 tensors). Those steps pause collection, so their number does not grow with the
@@ -344,3 +342,56 @@ def test_the_background_of_a_save_triggers_few_garbage_collections(
                 gc.callbacks.remove(count)
             assert len(started) <= 12, (step, started)
     assert gc.isenabled()
+
+
+def test_the_manifest_is_prepared_while_the_packs_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pack writes of a save (I/O: a write and an fsync each) and the sealing of its
+    manifest (CPU: per tensor) overlap: the tables are complete once the last pack is handed to
+    a writer. The manifest itself is still written only after every pack is durable."""
+    import threading
+
+    from lightning_incremental.core.commit import committer
+    from lightning_incremental.core.format import layout as mf_layout
+
+    state = _small_state(600)
+    sealing = threading.Event()
+    in_flight_at_seal: list[int] = []
+    writing = 0
+    lock = threading.Lock()
+    with CheckpointStore(tmp_path / "s") as store:
+        storage = store.storage
+        original_put_parts, original_put = storage.put_parts, storage.put
+        manifest_after: list[int] = []
+
+        def put_parts(path: str, parts: Any, **kw: Any) -> Any:
+            nonlocal writing
+            with lock:
+                writing += 1
+            try:
+                sealing.wait(2.0)  # held until the manifest is being prepared
+                return original_put_parts(path, parts, **kw)
+            finally:
+                with lock:
+                    writing -= 1
+
+        def put(path: str, data: Any, **kw: Any) -> Any:
+            if path.startswith(mf_layout.MANIFEST_DIR):
+                manifest_after.append(writing)
+            return original_put(path, data, **kw)
+
+        seal = committer.canonical.seal
+
+        def counted_seal(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                in_flight_at_seal.append(writing)
+            sealing.set()
+            return seal(*args, **kwargs)
+
+        monkeypatch.setattr(storage, "put_parts", put_parts)
+        monkeypatch.setattr(storage, "put", put)
+        monkeypatch.setattr(committer.canonical, "seal", counted_seal)
+        store.save(state, step=1).result()
+    assert in_flight_at_seal and in_flight_at_seal[0] > 0
+    assert manifest_after == [0]

@@ -60,6 +60,8 @@ class Encoded:
     fast: bool = False  # changed chunks stored as they are (codec_effort)
     cpu_run_s: float = 0.0  # the encoding thread's time on a CPU during encode
     cpu_wait_s: float = 0.0  # ... and runnable but waiting for one (see workers.cpu_times)
+    # encode(durable=False): waits until the packs it wrote are durable (raising write errors)
+    pending: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -237,9 +239,12 @@ def encode(
     avoid: set[str] | frozenset[str] = frozenset(),
     hints: Hints | None = None,
     fast: bool = False,
+    durable: bool = True,
 ) -> Encoded:
     """Encode and write the data of one checkpoint; returns its manifest tables once every object
-    it wrote is durable. Writes nothing visible: the caller commits the manifest. Chunks are
+    it wrote is durable — or, without ``durable``, once every pack is handed to a writer, the
+    tables complete: ``Encoded.pending`` then waits for the writes (the caller prepares the
+    manifest meanwhile). Writes nothing visible: the caller commits the manifest. Chunks are
     encoded on ``pool``, packs written on ``writer`` (default: ``pool``). Chunks whose chain
     touches an object in ``avoid`` (found damaged) are neither reused nor delta bases. ``hints``:
     the store's memory of how each place was coded (read, and updated when this save is done).
@@ -424,7 +429,9 @@ def encode(
             )
         drain(0)
         out.tensors = entries  # type: ignore[assignment]  # every one is filled in
-        pack.finish()
+        pack.finish(wait=durable)
+        if not durable:
+            out.pending = pack.wait
         after = cpu_times()
         if times is not None and after is not None:
             out.cpu_run_s, out.cpu_wait_s = after[0] - times[0], after[1] - times[1]
@@ -442,6 +449,8 @@ def encode(
         if full_base:  # no delta, no adopted chain: every key has one meaning
             raise AssertionError(f"chunk {mixed} is both lossy and lossless in one save")
         # What this attempt wrote is left unreferenced (gc collects it).
+        if out.pending is not None:
+            out.pending()
         log.warning(
             "chunk %s of checkpoint step %s is keyed by its raw hash and lossy, and this save "
             "needs that key for a lossless chunk: writing this save as a full base",
@@ -459,6 +468,7 @@ def encode(
             avoid=avoid,
             hints=hints,
             fast=fast,
+            durable=durable,
         )
     if hints is not None:
         hints.update(made, {leaf.key for leaf in leaves})

@@ -27,8 +27,15 @@ TAIL_PACK = 2 << 20  # the smallest pack written near the end of a save (see Pac
 class PackWriter:
     """Appends encoded chunks to pack objects and writes full packs in the background.
 
-    A pack is assembled, hashed (its name) and written on a writer thread, off the thread that
-    schedules the encoding; its chunks join the tables when its write has completed."""
+    A pack is named (the hash of its parts) when it is full, on the thread that schedules the
+    encoding, and its chunks join the tables then; its write and fsync run on a writer thread.
+    The tables are thus complete once the last pack is handed to a writer, and the manifest
+    can be prepared while the writes finish (:meth:`wait` says when they are durable).
+
+    At most two packs of *owned* payloads (bytes the encoder made) are in flight: they are
+    memory the save holds. Parts *borrowed* from the snapshot (a small tensor stored as it is,
+    a view of its slab) cost nothing to hold, and their packs are not waited for before the
+    next is assembled."""
 
     def __init__(
         self,
@@ -47,17 +54,21 @@ class PackWriter:
         self.remaining = remaining  # raw bytes of the chunks not scheduled yet
         self.parts: list[bytes | memoryview] = []
         self.filled = 0
+        self.owned = False  # whether the current pack holds a payload the encoder made
         self.pending: list[tuple[str, dict[str, Any]]] = []
-        self.writes: deque[tuple[Future[tuple[str, int, float]], list[tuple[str, dict[str, Any]]]]]
-        self.writes = deque()
+        self.writes: deque[tuple[Future[float], bool]] = deque()
 
-    def add(self, digest: str, blob: bytes | memoryview, fields: dict[str, Any]) -> None:
+    def add(
+        self, digest: str, blob: bytes | memoryview, fields: dict[str, Any], borrowed: bool = False
+    ) -> None:
         """Append ``blob``; its recipe (``fields`` of a ``ChunkRecipe``, and where it lies) joins
-        the tables once its pack is written."""
+        the tables once its pack is full. ``borrowed``: ``blob`` is the snapshot's memory, not a
+        payload made for the pack (see the class's documentation)."""
         fields["offset"], fields["length"] = self.filled, len(blob)
         self.pending.append((digest, fields))
         self.parts.append(blob)
         self.filled += len(blob)
+        self.owned = self.owned or not borrowed
         if self.filled >= self.limit():
             self.flush()
 
@@ -71,29 +82,32 @@ class PackWriter:
     def flush(self) -> None:
         if not self.parts:
             return
-        self.writes.append((self.pool.submit(self._write, self.parts), self.pending))
-        self.parts, self.filled, self.pending = [], 0, []
-        while len(self.writes) > 2:
-            self._collect()
-
-    def _collect(self) -> None:
-        future, pending = self.writes.popleft()
-        path, size, seconds = future.result()
-        for digest, fields in pending:
-            # A chunk adopted meanwhile as another's delta base keeps its adopted recipe.
-            if digest not in self.out.chunks:
-                self.out.chunks[digest] = ChunkRecipe(pack=path, **fields)
-        self.out.packs[path] = size
-        self.out.written.add(path)
-        self.out.bytes_written += size
-        self.out.write_s += seconds
-
-    def _write(self, parts: list[bytes | memoryview]) -> tuple[str, int, float]:
-        start = time.perf_counter()
+        parts = self.parts
         hasher = chunk_hasher()  # the pack's name: the hash of its parts, in order, unjoined
         for part in parts:
             hasher.update(part)
         path = pack_path(hasher.hexdigest())
+        size = sum(len(part) for part in parts)
+        out = self.out
+        for digest, fields in self.pending:
+            # A chunk adopted meanwhile as another's delta base keeps its adopted recipe.
+            if digest not in out.chunks:
+                out.chunks[digest] = ChunkRecipe(pack=path, **fields)
+        if path not in out.written:  # the same content twice in one save: written once
+            out.packs[path] = size
+            out.written.add(path)
+            out.bytes_written += size
+            self.writes.append((self.pool.submit(self._write, path, parts), self.owned))
+        self.parts, self.filled, self.pending, self.owned = [], 0, [], False
+        while sum(owned for _, owned in self.writes) > 2:
+            self._collect()
+
+    def _collect(self) -> None:
+        future, _ = self.writes.popleft()
+        self.out.write_s += future.result()
+
+    def _write(self, path: str, parts: list[bytes | memoryview]) -> float:
+        start = time.perf_counter()
         if not self.storage.put_parts(path, parts):
             # Same content, same name: an earlier checkpoint's object, or one left behind by a
             # deleted checkpoint or a crashed save. It is written again all the same: it may
@@ -101,13 +115,24 @@ class PackWriter:
             # be collected by a concurrent gc at any moment — a fresh one is protected by its
             # grace period, like every other object this save writes.
             self.storage.put_parts(path, parts, overwrite=True)
-        return path, sum(len(part) for part in parts), time.perf_counter() - start
+        return time.perf_counter() - start
 
-    def finish(self) -> None:
-        """Flush the last pack and wait until every pack is durable (re-raising write errors)."""
+    def finish(self, *, wait: bool = True) -> None:
+        """Flush the last pack; with ``wait``, wait until every pack is durable (re-raising
+        write errors), else leave that to :meth:`wait`."""
         self.flush()
-        while self.writes:
-            self._collect()
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait until every pack handed to a writer is durable (re-raising the first write
+        error, once every write has ended)."""
+        try:
+            while self.writes:
+                self._collect()
+        except BaseException:
+            self.abandon()
+            raise
 
     def abandon(self) -> None:
         for fut, _ in self.writes:
@@ -115,6 +140,7 @@ class PackWriter:
         for fut, _ in self.writes:
             if not fut.cancelled():
                 fut.exception()  # wait; the first error is already being raised
+        self.writes.clear()
 
 
 def damaged_objects(storage: Storage, packs: Mapping[str, int]) -> set[str]:

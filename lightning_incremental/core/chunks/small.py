@@ -107,7 +107,7 @@ def encode_small(
             else:
                 scheduled.add(digest)
                 fields = {"kind": STORED.kind, "size": size, "width": leaf.width, "chain": size}
-                pack.add(digest, raw.data, fields)  # type: ignore[union-attr]  # the slab's bytes
+                pack.add(digest, raw.data, fields, borrowed=True)  # type: ignore[union-attr]
                 written += 1
         total += 1
         pack.remaining -= size

@@ -176,10 +176,18 @@ class Committer:
     # ------------------------------------------------------------------ phase 1
 
     def write_part(
-        self, step: int, leaves: list[Leaf], *, parent: Parent | None = None, full: bool = False
+        self,
+        step: int,
+        leaves: list[Leaf],
+        *,
+        parent: Parent | None = None,
+        full: bool = False,
+        durable: bool = True,
     ) -> Part:
         """Encode ``leaves`` against ``parent`` (default: the delta base) and write their objects;
-        returns once every object the part names is durable (or known intact).
+        returns once every object the part names is durable (or known intact) — without
+        ``durable``, once the objects it writes are handed to the writers: :meth:`commit` then
+        prepares the manifest while they are written, and waits for them before writing it.
 
         Chunks are reused by hash from the parent only while their objects are known intact:
         an object this store neither wrote nor checked since it last saw damage is read back
@@ -208,74 +216,82 @@ class Committer:
                 avoid=avoid,
                 hints=self.hints,
                 fast=fast,
+                durable=durable,
             )
             adopted = {p: enc.packs[p] for p in set(enc.packs) - enc.written}
-            vanished = sorted(p for p in adopted if not self.storage.exists(p))
-            if vanished and explicit:
-                raise CorruptCheckpointError(
-                    f"step {step} not committed: objects it would reuse are missing from "
-                    f"{self.storage.url} ({', '.join(vanished[:3])}): lost, or deleted by "
-                    "another process (give a gc beside training a grace period, grace_s)"
-                )
-            if vanished and reloaded:
-                # Still missing from what is committed now: lost (or still being deleted).
-                # Their chunks are encoded again from the state; each round avoids more
-                # objects, so this ends (at worst with nothing reused).
+            try:
+                vanished = sorted(p for p in adopted if not self.storage.exists(p))
+                if vanished and explicit:
+                    raise CorruptCheckpointError(
+                        f"step {step} not committed: objects it would reuse are missing from "
+                        f"{self.storage.url} ({', '.join(vanished[:3])}): lost, or deleted by "
+                        "another process (give a gc beside training a grace period, grace_s)"
+                    )
+                if vanished and reloaded:
+                    # Still missing from what is committed now: lost (or still being deleted).
+                    # Their chunks are encoded again from the state; each round avoids more
+                    # objects, so this ends (at worst with nothing reused).
+                    log.warning(
+                        "step %d: objects it would reuse are missing (%s); encoding their chunks "
+                        "again from the state being saved",
+                        step,
+                        ", ".join(vanished[:3]),
+                    )
+                    self.history.saw_damage()
+                    avoid |= set(vanished)
+                    _drop(enc)  # this attempt's writes end before the next
+                    continue
+                if vanished:
+                    # Another process compacted and collected this store since our parent was
+                    # read: build on what is committed now, as a full base, not on what is gone.
+                    log.warning(
+                        "objects of checkpoint step %s vanished (%s): another process ran gc or "
+                        "compact on %s; writing step %d as a full base",
+                        parent.step if parent else None,
+                        ", ".join(vanished[:3]),
+                        self.storage.url,
+                        step,
+                    )
+                    newest = self.history.newest_readable()
+                    parent = Parent(newest.step, newest) if newest is not None else None
+                    self.base.set(parent)
+                    full, avoid, reloaded = True, set(), True
+                    _drop(enc)  # this attempt's writes end before the next
+                    continue
+                unknown = self.history.untrusted(adopted)
+                damaged = damaged_objects(self.storage, unknown)
+                if not damaged:
+                    self.history.trust(unknown)
+                    said = self.effort.observe(
+                        fast=fast,
+                        seconds=time.perf_counter() - started,
+                        cpu_run_s=enc.cpu_run_s,
+                        cpu_wait_s=enc.cpu_wait_s,
+                    )
+                    if said is not None:
+                        log.info("store %s: %s", self.storage.url, said)
+                    return Part(
+                        step=step,
+                        parent=parent.step if parent else None,
+                        since_base=0 if full else parent.manifest.since_base + 1,  # type: ignore[union-attr]
+                        tensors=tuple(enc.tensors),
+                        chunks=enc.chunks,
+                        packs=enc.packs,
+                        written=frozenset(enc.written),
+                        encoded=enc,
+                    )
                 log.warning(
-                    "step %d: objects it would reuse are missing (%s); encoding their chunks "
-                    "again from the state being saved",
+                    "step %d: objects it would reuse are damaged (%s); encoding their chunks again "
+                    "from the state being saved",
                     step,
-                    ", ".join(vanished[:3]),
+                    ", ".join(sorted(damaged)[:3]),
                 )
                 self.history.saw_damage()
-                avoid |= set(vanished)
-                continue
-            if vanished:
-                # Another process compacted and collected this store since our parent was
-                # read: build on what is committed now, as a full base, not on what is gone.
-                log.warning(
-                    "objects of checkpoint step %s vanished (%s): another process ran gc or "
-                    "compact on %s; writing step %d as a full base",
-                    parent.step if parent else None,
-                    ", ".join(vanished[:3]),
-                    self.storage.url,
-                    step,
-                )
-                newest = self.history.newest_readable()
-                parent = Parent(newest.step, newest) if newest is not None else None
-                self.base.set(parent)
-                full, avoid, reloaded = True, set(), True
-                continue
-            unknown = self.history.untrusted(adopted)
-            damaged = damaged_objects(self.storage, unknown)
-            if not damaged:
-                self.history.trust(unknown)
-                said = self.effort.observe(
-                    fast=fast,
-                    seconds=time.perf_counter() - started,
-                    cpu_run_s=enc.cpu_run_s,
-                    cpu_wait_s=enc.cpu_wait_s,
-                )
-                if said is not None:
-                    log.info("store %s: %s", self.storage.url, said)
-                return Part(
-                    step=step,
-                    parent=parent.step if parent else None,
-                    since_base=0 if full else parent.manifest.since_base + 1,  # type: ignore[union-attr]
-                    tensors=tuple(enc.tensors),
-                    chunks=enc.chunks,
-                    packs=enc.packs,
-                    written=frozenset(enc.written),
-                    encoded=enc,
-                )
-            log.warning(
-                "step %d: objects it would reuse are damaged (%s); encoding their chunks again "
-                "from the state being saved",
-                step,
-                ", ".join(sorted(damaged)[:3]),
-            )
-            self.history.saw_damage()
-            avoid |= damaged
+                avoid |= damaged
+                _drop(enc)  # this attempt's writes end before the next
+            except BaseException:
+                _drop(enc, quiet=True)  # no write may outlive the save's buffers
+                raise
 
     # ------------------------------------------------------------------ phase 2
 
@@ -300,17 +316,22 @@ class Committer:
             FencedError: a newer generation fenced this writer off.
             StepError: another writer committed ``step`` already.
         """
-        manifest = assemble(
-            step,
-            parts,
-            generation=generation,
-            chunk_size=self.config.chunk_size,
-            audit=audit,
-            tree=tree,
-            pickled=pickled,
-            tensors=tensors,
-        )
-        data, manifest = canonical.seal(manifest, f"step {step} of {self.storage.url}")
+        try:
+            manifest = assemble(
+                step,
+                parts,
+                generation=generation,
+                chunk_size=self.config.chunk_size,
+                audit=audit,
+                tree=tree,
+                pickled=pickled,
+                tensors=tensors,
+            )
+            data, manifest = canonical.seal(manifest, f"step {step} of {self.storage.url}")
+        except BaseException:
+            _wait_written(parts, quiet=True)  # no write may outlive the save's buffers
+            raise
+        _wait_written(parts)  # the manifest is prepared while they were written
         with self.location.lock:  # no sweep of this process between the checks and the write
             return self._commit(step, parts, data, manifest, generation)
 
@@ -465,6 +486,24 @@ class Committer:
             log.warning(message)
             return (message,)
         return ()
+
+
+def _wait_written(parts: Sequence[Part], *, quiet: bool = False) -> None:
+    for part in parts:
+        _drop(part.encoded, quiet=quiet)
+
+
+def _drop(enc: Encoded, *, quiet: bool = False) -> None:
+    """Wait until the objects ``enc`` wrote with ``durable=False`` are durable, re-raising the
+    first write error (``quiet``: none, another error is being raised)."""
+    pending, enc.pending = enc.pending, None
+    if pending is None:
+        return
+    try:
+        pending()
+    except BaseException:
+        if not quiet:
+            raise
 
 
 def save_result(

@@ -164,7 +164,8 @@ class Saver:
                 self.admit()  # one writer per store
                 self.history.write_marker()
                 previous = self.base.parent
-                part: Part = self.committer.write_part(step, leaves)
+                # the manifest is prepared while the part's last writes run (commit waits)
+                part: Part = self.committer.write_part(step, leaves, durable=False)
                 if part.parent != (previous.step if previous else None):
                     previous = self.base.parent  # rebuilt on what is committed now
                 committed = self.committer.commit(

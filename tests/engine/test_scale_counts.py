@@ -357,41 +357,39 @@ def test_the_manifest_is_prepared_while_the_packs_are_written(
 
     state = _small_state(600)
     sealing = threading.Event()
-    in_flight_at_seal: list[int] = []
-    writing = 0
+    done_at_seal: list[int] = []
+    done_at_manifest: list[int] = []
+    done = 0
     lock = threading.Lock()
     with CheckpointStore(tmp_path / "s") as store:
         storage = store.storage
         original_put_parts, original_put = storage.put_parts, storage.put
-        manifest_after: list[int] = []
 
         def put_parts(path: str, parts: Any, **kw: Any) -> Any:
-            nonlocal writing
-            with lock:
-                writing += 1
-            try:
-                sealing.wait(2.0)  # held until the manifest is being prepared
+            nonlocal done
+            if not path.startswith(mf_layout.PACK_DIR):
                 return original_put_parts(path, parts, **kw)
-            finally:
-                with lock:
-                    writing -= 1
+            sealing.wait(5.0)  # a pack's write ends only once the manifest is being sealed
+            result = original_put_parts(path, parts, **kw)
+            with lock:
+                done += 1
+            return result
 
         def put(path: str, data: Any, **kw: Any) -> Any:
             if path.startswith(mf_layout.MANIFEST_DIR):
-                manifest_after.append(writing)
+                done_at_manifest.append(done)
             return original_put(path, data, **kw)
 
         seal = committer.canonical.seal
 
-        def counted_seal(*args: Any, **kwargs: Any) -> Any:
-            with lock:
-                in_flight_at_seal.append(writing)
+        def sealed(*args: Any, **kwargs: Any) -> Any:
+            done_at_seal.append(done)
             sealing.set()
             return seal(*args, **kwargs)
 
         monkeypatch.setattr(storage, "put_parts", put_parts)
         monkeypatch.setattr(storage, "put", put)
-        monkeypatch.setattr(committer.canonical, "seal", counted_seal)
-        store.save(state, step=1).result()
-    assert in_flight_at_seal and in_flight_at_seal[0] > 0
-    assert manifest_after == [0]
+        monkeypatch.setattr(committer.canonical, "seal", sealed)
+        result = store.save(state, step=1).result()
+    assert done_at_seal == [0]  # sealed before any pack's write had ended
+    assert done_at_manifest == [result.objects_written]  # every pack, then the manifest

@@ -143,61 +143,32 @@ def _manifest(
         held = np.bincount(owner, weights=size[used] if n else None, minlength=m)
         if (held != np.asarray(nbytes, dtype=np.float64)).any():
             return None
-    recipes = _records(
+    recipes = map(
         ChunkRecipe,
-        ("kind", "pack", "offset", "length", "size", "width", "base", "depth", "chain"),
-        zip(
-            chunk["kind"],
-            [pack_names[p] for p in chunk["pack"]],
-            chunk["offset"],
-            chunk["length"],
-            chunk["size"],
-            chunk["width"],
-            [digests[b] if b >= 0 else None for b in chunk["base"]],
-            chunk["depth"],
-            chunk["chain"],
-        ),
-        {"lossless": True, "decoded": None},
+        chunk["kind"],
+        [pack_names[p] for p in chunk["pack"]],
+        chunk["offset"],
+        chunk["length"],
+        chunk["size"],
+        chunk["width"],
+        [digests[b] if b >= 0 else None for b in chunk["base"]],
+        chunk["depth"],
+        chunk["chain"],
     )
-    entries = _records(
+    entries = map(
         TensorEntry,
-        ("path", "dtype", "shape", "nbytes", "width", "device", "numpy", "param", "requires_grad",
-         "chunks"),
-        zip(
-            tensor["path"],
-            tensor["dtype"],
-            map(tuple, shapes),
-            nbytes,
-            tensor["width"],
-            tensor["device"],
-            map(bool, tensor["numpy"]),
-            map(bool, tensor["param"]),
-            map(bool, tensor["requires_grad"]),
-            [tuple(map(digests.__getitem__, own)) for own in listed],
-        ),
-        {"pieces": None},
-    )  # fmt: skip
+        tensor["path"],
+        tensor["dtype"],
+        map(tuple, shapes),
+        nbytes,
+        tensor["width"],
+        tensor["device"],
+        map(bool, tensor["numpy"]),
+        map(bool, tensor["param"]),
+        map(bool, tensor["requires_grad"]),
+        [tuple(map(digests.__getitem__, own)) for own in listed],
+    )
     return dataclasses.replace(outer, tensors=tuple(entries), chunks=dict(zip(digests, recipes)))
 
 
 _FLAGS = ("numpy", "param", "requires_grad")
-
-
-def _records(
-    cls: type[Any], names: tuple[str, ...], rows: Any, defaults: dict[str, Any]
-) -> list[Any]:
-    """Instances of the frozen dataclass ``cls``, one per row of values for ``names`` (the
-    other fields from ``defaults``), made without its ``__init__``: a frozen dataclass sets
-    each field through ``object.__setattr__``, three times the cost of filling the instance's
-    dictionary at once, and a manifest of 20,000 tensors makes 40,000 of them. Every field is
-    set (the records define no ``__post_init__``)."""
-    assert set(names) | set(defaults) == {f.name for f in dataclasses.fields(cls)}
-    new = object.__new__
-    out = []
-    for values in rows:
-        record = new(cls)
-        fields = record.__dict__
-        fields.update(defaults)
-        fields.update(zip(names, values))
-        out.append(record)
-    return out

@@ -101,22 +101,21 @@ class SlabLeaf(Leaf):
         slab: torch.Tensor,
         start: int,
     ) -> None:
-        self.__dict__.update(
-            path=path, dtype=dtype, shape=shape, device="cpu", width=width, is_numpy=False,
-            parameter=parameter, requires_grad=requires_grad, slot=slot, offsets=None,
-            flat_bytes=flat_bytes, slab=slab, _start=start,
-        )  # fmt: skip
+        self.path, self.dtype, self.shape, self.device = path, dtype, shape, "cpu"
+        self.width, self.is_numpy, self.parameter = width, False, parameter
+        self.requires_grad, self.slot, self.offsets = requires_grad, slot, None
+        self.flat_bytes, self.slab, self._start = flat_bytes, slab, start
+        self._data: torch.Tensor | None = None
 
     @property  # type: ignore[override]
     def data(self) -> torch.Tensor:
-        view = self.__dict__.get("_data")
+        view = self._data
         if view is None:
             shape = self.shape
             numel = self.flat_bytes.size // self.slab.element_size()  # type: ignore[union-attr]
             view = self.slab[self._start : self._start + numel]  # type: ignore[index]
-            view = view if len(shape) == 1 else view.view(shape)
-            self.__dict__["_data"] = view
-        return view  # type: ignore[no-any-return]
+            view = self._data = view if len(shape) == 1 else view.view(shape)
+        return view
 
 
 def complete(slabs: Slabs, leaves: list[Leaf | None]) -> None:

@@ -442,6 +442,38 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+SWEEPS = ("tensors", "big", "ranks")
+_SETTINGS = {"tensors": ("tensors",), "big": ("big_gb",), "ranks": ("ranks",)}
+
+
+def keep_other_sweeps(
+    previous: Path,
+    ran: set[str],
+    records: list[dict[str, Any]],
+    notes: list[str],
+    settings: dict[str, Any],
+) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
+    """With ``--results`` for some of the sweeps: the rows of the others kept from the results
+    already there (``previous``), with a note naming the run they come from."""
+    if not previous.is_file():
+        return records, notes, settings
+    before = json.loads(previous.read_text())
+    kept = [r for r in before.get("records", []) if r.get("sweep") not in ran]
+    if not kept:
+        return records, notes, settings
+    names = sorted({r["sweep"] for r in kept}, key=SWEEPS.index)
+    commit = str(before.get("machine", {}).get("git_commit"))[:10]
+    merged = {**before.get("settings", {}), **settings}
+    for sweep in names:
+        for key in _SETTINGS[sweep]:
+            merged[key] = before.get("settings", {}).get(key)
+    note = f"the rows of {', '.join(names)} are kept from the run of commit {commit}"
+    old_notes = [n for n in before.get("notes", []) if "kept from the run" not in n]
+    order = {sweep: i for i, sweep in enumerate(SWEEPS)}
+    rows = sorted([*records, *kept], key=lambda r: order.get(r.get("sweep", ""), len(order)))
+    return rows, [*notes, *old_notes, note], merged
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
@@ -475,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "seconds": time.perf_counter() - started,
     }
+    if args.results and args.sweeps != set(SWEEPS):
+        records, notes, settings = keep_other_sweeps(args.out / "scale.json", args.sweeps,
+                                                     records, notes, settings)  # fmt: skip
     text = write_outputs(args.out, machine, settings, records, notes)
     print(text)
     if args.results:

@@ -65,7 +65,7 @@ class Slot:
         fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, capacity)
-            if capacity:
+            if capacity and hasattr(os, "posix_fallocate"):  # not on macOS
                 os.posix_fallocate(fd, 0, capacity)  # ENOSPC here, not SIGBUS in a copy
         finally:
             os.close(fd)

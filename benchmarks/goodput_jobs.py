@@ -145,20 +145,10 @@ def _ckpt_steps(root: Path) -> list[int]:
 # ---------------------------------------------------------------------------- Lightning
 
 
-def run_lightning(spec: dict[str, Any], cfg: ModelConfig, root: Path) -> dict[str, Any]:
-    import logging
-
+def lightning_lm(cfg: ModelConfig, data: Any) -> Any:
+    """A LightningModule training :class:`TinyLM` with AdamW over ``data`` (batches of
+    ``cfg.batch``)."""
     import lightning.pytorch as L
-    from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO
-
-    from lightning_incremental import IncrementalCheckpoint, IncrementalCheckpointIO
-    from lightning_incremental.core import CheckpointStore
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    system, k, warmup = spec["system"], spec["interval"], spec["warmup"]
-    total = warmup + spec["steps"]
-    data: Any = token_data(cfg, total)
 
     class LM(L.LightningModule):
         def __init__(self) -> None:
@@ -173,6 +163,24 @@ def run_lightning(spec: dict[str, Any], cfg: ModelConfig, root: Path) -> dict[st
 
         def train_dataloader(self) -> Any:
             return torch.utils.data.DataLoader(data, batch_size=cfg.batch)
+
+    return LM()
+
+
+def run_lightning(spec: dict[str, Any], cfg: ModelConfig, root: Path) -> dict[str, Any]:
+    import logging
+
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from lightning_incremental import IncrementalCheckpoint, IncrementalCheckpointIO
+    from lightning_incremental.core import CheckpointStore
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    system, k, warmup = spec["system"], spec["interval"], spec["warmup"]
+    total = warmup + spec["steps"]
+    data: Any = token_data(cfg, total)
 
     class Dcp(L.Callback):
         def __init__(self) -> None:
@@ -245,7 +253,7 @@ def run_lightning(spec: dict[str, Any], cfg: ModelConfig, root: Path) -> dict[st
         plugins=plugins,
         default_root_dir=root,
     )
-    module = LM()
+    module = lightning_lm(cfg, data)
     trainer.fit(module)
     timed = time.perf_counter() - clock["start"]
     assert trainer.global_step == total, trainer.global_step

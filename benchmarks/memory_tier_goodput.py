@@ -108,30 +108,15 @@ def _lightning(spec: dict[str, Any], root: Path, memdir: Path) -> float:
     import logging
 
     import lightning.pytorch as L
-    import torch
 
-    from benchmarks.goodput_jobs import token_data
-    from benchmarks.model import FULL, QUICK, TinyLM
+    from benchmarks.goodput_jobs import lightning_lm, token_data
+    from benchmarks.model import FULL, QUICK
     from lightning_incremental import IncrementalCheckpoint
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     cfg = QUICK if spec["quick"] else FULL
     warmup, total = spec["warmup"], spec["warmup"] + spec["steps"]
     data: Any = token_data(cfg, total)
-
-    class LM(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = TinyLM(cfg)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            return self.model.loss(batch)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-        def train_dataloader(self) -> Any:
-            return torch.utils.data.DataLoader(data, batch_size=cfg.batch)
 
     callbacks: list[Any] = []
     if spec["system"] != "none":
@@ -167,7 +152,7 @@ def _lightning(spec: dict[str, Any], root: Path, memdir: Path) -> float:
         callbacks=[Clock(), *callbacks],
         default_root_dir=root,
     )
-    trainer.fit(LM())
+    trainer.fit(lightning_lm(cfg, data))
     assert trainer.global_step == total, trainer.global_step
     return time.perf_counter() - clock["start"]
 

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import goodput_jobs as jobs
+from benchmarks.job_process import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 REGIMES = ("all", "free")
@@ -208,27 +208,9 @@ def run_one(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     """Run one job in a fresh process; its record, or one with ``error``."""
     job_dir = Path(tempfile.mkdtemp(prefix="goodput-", dir=work))
     spec = {**spec, "dir": str(job_dir / "ckpt"), "result": str(job_dir / "result.json")}
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     started = time.perf_counter()
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", "benchmarks.goodput", "--job", json.dumps(spec)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=JOB_TIMEOUT_S,
-            check=False,
-        )
-        result = Path(spec["result"])
-        if out.returncode == 0 and result.exists():
-            record: dict[str, Any] = json.loads(result.read_text())
-        else:
-            tail = (out.stdout + out.stderr)[-3000:]
-            record = {**spec, "error": f"exit code {out.returncode}: {tail}"}
-    except subprocess.TimeoutExpired:
-        record = {**spec, "error": f"timed out after {JOB_TIMEOUT_S} s"}
+        record = run_job("benchmarks.goodput", spec, ROOT, JOB_TIMEOUT_S)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
     record.pop("dir", None)

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.job_process import run_job as in_process
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("none", "store50", "memory")
 BEFORE = "memory_before"  # ``memory`` from the checkout given by --before
@@ -237,26 +239,11 @@ def run_one(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     job_dir = Path(tempfile.mkdtemp(prefix="memory-goodput-", dir=work))
     spec = {**spec, "dir": str(job_dir), "result": str(job_dir / "result.json")}
     root = Path(spec.get("root") or ROOT)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    module = "benchmarks.memory_tier_goodput"
+    # the checkout before runs its memory tier under this module's job
     job = {**spec, "system": "memory"} if spec["system"] == BEFORE else spec
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", module, "--job", json.dumps(job)],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=JOB_TIMEOUT_S,
-            check=False,
-        )
-        result = Path(spec["result"])
-        if out.returncode == 0 and result.exists():
-            return {**json.loads(result.read_text()), "system": spec["system"]}
-        return {**spec, "error": f"exit code {out.returncode}: {(out.stdout + out.stderr)[-3000:]}"}
-    except subprocess.TimeoutExpired:
-        return {**spec, "error": f"timed out after {JOB_TIMEOUT_S} s"}
+        record = in_process("benchmarks.memory_tier_goodput", job, root, JOB_TIMEOUT_S)
+        return {**record, "system": spec["system"]}
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
 

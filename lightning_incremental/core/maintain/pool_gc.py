@@ -1,7 +1,7 @@
 """The pool's collection: remove the objects of a shared pool that no member needs.
 
 A member's own ``gc`` never deletes an object of its pool (:mod:`..storage.linked`); this does,
-from one process, with no lease: run one collection of a pool at a time (see the last point).
+one collection of a pool at a time: it holds the pool's collection lease (see the last point).
 
 1. Fix the time by the pool's clock (:func:`.sweep.plan_clock`), before anything is listed.
 2. Mark: list the members, and for each every manifest file (visible, superseded by a
@@ -62,30 +62,45 @@ deletes the last copy of a named object, and a collection stopped at any point l
 an entry left behind only waits for a later collection.
 
 A collection may pause anywhere, for any time: only saves are bound by the minimum age (a purge
-judges markers against the collection's own time, fixed before it marks). Two collections that
-overlap (one paused in the middle of a move while another runs), with a member writing the same
-object again meanwhile, could drop both copies: run one at a time (a scheduled job, not one per
-member).
+judges markers against the collection's own time, fixed before it marks). Two collections must
+not overlap: one paused between reading a trash entry's marker and purging it while another
+moves a re-written object over that entry would purge the new bytes. So a collection (not a dry
+run) first takes the pool's lease (``lease/`` in the pool: the writer lease of
+:mod:`..commit.lease`, with its heartbeat thread), and a second one is refused
+(:class:`PoolGcBusyError`, naming the holder) while the holder's heartbeat is fresh and its
+process lives. It checks it still holds the lease before it moves, purges or restores anything,
+again every few objects and every second (the sweep's guard), and stops at once when another
+collection took the lease over (the holder froze for longer than ``POOL_LEASE_TTL_S``): the
+overlap left is the one object in flight when the holder froze — the same bound as a store's
+own gc under its writer lease. Two collections in one process share no lease: the second is
+refused by a process-wide lock.
 
-Cost: one listing per member per pass (one pass, unless manifests vanish meanwhile), one read
-per manifest and pin, one listing of the pool's objects and one of its trash, and a few requests
-per unreferenced object or trash entry (a rename and a marker write per move on a local disk; a
-read, a write, a delete and a marker write on object stores, which cannot rename): linear in
-members, manifests and objects. Space is freed when an entry is purged, by the first
-collection at least the minimum age after the one that moved it.
+Cost: the lease (a record written, a heartbeat every ``POOL_LEASE_TTL_S / 4`` seconds, a listing and
+a read per check), one listing per member per pass (one pass, unless manifests vanish meanwhile),
+one read per manifest and pin, one listing of the pool's objects and one of its trash, and a few
+requests per unreferenced object or trash entry (a rename and a marker write per move on a local
+disk; a read, a write, a delete and a marker write on object stores, which cannot rename): linear in
+members, manifests and objects. Space is freed when an entry is purged, by the first collection at
+least the minimum age after the one that moved it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_incremental.core.commit.lease import Lease, lease_path, newest
 from lightning_incremental.core.errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpointError,
+    WriterLeaseError,
 )
 from lightning_incremental.core.format import canonical
 from lightning_incremental.core.format import layout as mf
@@ -97,7 +112,13 @@ from lightning_incremental.core.maintain.pool import (
     members,
     open_location,
 )
-from lightning_incremental.core.maintain.sweep import STALE_TMP_S, plan_clock, sweep
+from lightning_incremental.core.maintain.sweep import (
+    GUARD_EVERY,
+    GUARD_EVERY_S,
+    STALE_TMP_S,
+    plan_clock,
+    sweep,
+)
 from lightning_incremental.core.storage import (
     TMP_PREFIX,
     LocalStorage,
@@ -111,10 +132,79 @@ log = logging.getLogger("lightning_incremental")
 
 MAX_PASSES = 8  # mark passes before giving up on manifests that vanish faster than they are read
 MOVED = ".moved"  # beside a trash entry: its modification time is when the entry entered it
+# The pool's collection lease: a collection whose heartbeat is older than this (its process
+# froze or is cut off) may be taken over by another; the holder renews it 4 times as often.
+POOL_LEASE_TTL_S = 60.0
 
 
 class PoolMemberError(CheckpointError):
     """A member of the pool cannot be read: the pool's collection deleted nothing."""
+
+
+class PoolGcBusyError(WriterLeaseError):
+    """Another collection of the pool is running (or this one lost the pool's lease to another
+    and stopped): run one collection of a pool at a time."""
+
+
+_RUNNING: set[str] = set()  # pools this process is collecting now
+_RUNNING_LOCK = threading.Lock()
+
+
+@contextmanager
+def _collection_lease(pool: Storage) -> Iterator[Callable[[], None]]:
+    """Hold the pool's collection lease for the ``with`` block; yields the guard that raises
+    :class:`PoolGcBusyError` once the lease was lost."""
+    with _RUNNING_LOCK:
+        if pool.url in _RUNNING:
+            raise PoolGcBusyError(
+                f"pool gc of {pool.url} deleted nothing: this process is collecting that pool "
+                "already; run one collection of a pool at a time"
+            )
+        _RUNNING.add(pool.url)
+    lease = Lease(pool, POOL_LEASE_TTL_S)
+    try:
+        try:
+            lease.acquire(0)
+        except WriterLeaseError as exc:
+            holder = newest(pool)
+            who = holder.describe() if holder is not None else "a process"
+            path = lease_path(holder.sequence) if holder is not None else "lease/"
+            raise PoolGcBusyError(
+                f"pool gc of {pool.url} deleted nothing: another collection of the pool is "
+                f"running ({who}); run one at a time. If that process is gone, its lease "
+                f"expires {POOL_LEASE_TTL_S:.0f}s after its last heartbeat (or delete {path} "
+                "of the pool once you are sure)"
+            ) from exc
+
+        checked = {"at": -GUARD_EVERY_S, "calls": 0}
+
+        def guard() -> None:  # a listing and a read: every GUARD_EVERY calls or seconds
+            checked["calls"] += 1
+            now = time.monotonic()
+            if checked["calls"] < GUARD_EVERY and now - checked["at"] < GUARD_EVERY_S:
+                return
+            checked["at"], checked["calls"] = now, 0
+            try:
+                lease.check()
+            except WriterLeaseError as exc:
+                raise PoolGcBusyError(
+                    f"pool gc of {pool.url} stopped: {exc}. Another collection took the pool's "
+                    "lease over (this one was frozen or cut off longer than "
+                    f"{POOL_LEASE_TTL_S:.0f}s); what this one did is complete up to here"
+                ) from exc
+
+        yield guard
+    finally:
+        try:
+            lease.release()
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(pool.url)
+
+
+@contextmanager
+def _no_lease() -> Iterator[Callable[[], None]]:  # a dry run deletes nothing
+    yield lambda: None
 
 
 @dataclass
@@ -240,11 +330,17 @@ class _Trash:
         pool.put(entry + MOVED, b"", overwrite=True)
 
     def tidy(
-        self, live: set[str], planned_at: float, min_age_s: float, dry_run: bool
+        self,
+        live: set[str],
+        planned_at: float,
+        min_age_s: float,
+        dry_run: bool,
+        guard: Callable[[], None],
     ) -> tuple[list[str], list[str], int]:
         """Restore the listed entries that ``live`` names, purge those that entered the trash
         at least ``min_age_s`` before ``planned_at`` (see the module docstring); returns the
-        objects restored, purged, and the bytes purged (or that would be, with ``dry_run``)."""
+        objects restored, purged, and the bytes purged (or that would be, with ``dry_run``).
+        ``guard`` runs before each change: it raises once this collection lost the lease."""
         pool = self.pool
         restored: list[str] = []
         purged: list[str] = []
@@ -256,6 +352,7 @@ class _Trash:
                     continue  # a move stopped before its delete: packs/ holds the object
                 if path in live:
                     if not dry_run:
+                        guard()
                         if not pool.exists(path):
                             pool.put(path, pool.get(entry))  # create-only
                         pool.delete(entry)
@@ -275,6 +372,7 @@ class _Trash:
                         continue
                 size = pool.size(entry)
                 if not dry_run:
+                    guard()  # just before: the marker read above is still this entry's
                     pool.delete(entry)
                     pool.delete(entry + MOVED)
             except FileNotFoundError:
@@ -282,6 +380,7 @@ class _Trash:
             purged.append(path)
             freed += size
         if not dry_run:
+            guard()
             for path in sorted(self.marked - self.entries):  # a purge or restore stopped
                 pool.delete(trash_path(path) + MOVED)
             for name in self.temporary:  # of copies into the trash that were interrupted
@@ -319,6 +418,8 @@ def collect_pool(
         storage_options: for the pool's URL. member_options: per member URL.
 
     Raises:
+        PoolGcBusyError: another collection of the pool holds its lease (nothing is moved or
+            purged), or took it over while this one was frozen (this one stopped).
         PoolMemberError: a member cannot be listed or read (nothing is moved or purged).
         OSError: the pool or its trash cannot be listed (nothing is moved or purged).
         CheckpointError: manifests keep vanishing before a mark pass reads them.
@@ -331,31 +432,35 @@ def collect_pool(
         raise ConfigError(
             f"{storage.url} is not a shared object pool (no {POOL_MARKER}); pool gc deleted nothing"
         )
-    marker = _Marker(storage, member_options or {})
-    # The time before anything is listed: a member's save in flight writes its objects after.
-    planned_at = plan_clock(storage, dry_run, max(grace_s, min_age_s, 1.0))
-    for _ in range(MAX_PASSES):
-        if not marker.one_pass():
-            break
-    else:
-        raise CheckpointError(
-            f"pool gc of {storage.url} deleted nothing: manifests it listed vanished before "
-            f"it read them in each of {MAX_PASSES} passes; run it again when its members "
-            "remove checkpoints less often"
+    with _no_lease() if dry_run else _collection_lease(storage) as guard:
+        marker = _Marker(storage, member_options or {})
+        # The time before anything is listed: a member's save in flight writes its objects after.
+        planned_at = plan_clock(storage, dry_run, max(grace_s, min_age_s, 1.0))
+        for _ in range(MAX_PASSES):
+            if not marker.one_pass():
+                break
+        else:
+            raise CheckpointError(
+                f"pool gc of {storage.url} deleted nothing: manifests it listed vanished before "
+                f"it read them in each of {MAX_PASSES} passes; run it again when its members "
+                "remove checkpoints less often"
+            )
+        age = max([min_age_s, *marker.min_ages])
+        trash = _Trash(storage)
+        trash.list()
+        restored, purged, freed = trash.tidy(
+            marker.live, planned_at, max(age, grace_s), dry_run, guard
         )
-    age = max([min_age_s, *marker.min_ages])
-    trash = _Trash(storage)
-    trash.list()
-    restored, purged, freed = trash.tidy(marker.live, planned_at, max(age, grace_s), dry_run)
-    moved, moved_bytes = sweep(
-        storage,
-        marker.live,
-        grace_s,
-        dry_run,
-        planned_at=planned_at,
-        min_age_s=age,
-        remove=trash.move,
-    )
+        moved, moved_bytes = sweep(
+            storage,
+            marker.live,
+            grace_s,
+            dry_run,
+            planned_at=planned_at,
+            min_age_s=age,
+            guard=guard,
+            remove=trash.move,
+        )
     report = PoolGcReport(
         sorted(marker.read),
         len(marker.live),

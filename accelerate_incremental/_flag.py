@@ -51,6 +51,7 @@ _KEYS = {
     "memory_replicas",
     "memory_dir",
     "fork_from",
+    "fork_weights_only",
 }
 _NOT_PATHS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
 

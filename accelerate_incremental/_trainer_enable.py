@@ -25,6 +25,7 @@ from typing import Any
 from accelerate_incremental import _hf_compat, _trainer
 from accelerate_incremental._flag import settings
 from accelerate_incremental._trainer import TrainerCheckpointer
+from lightning_incremental.core import ConfigError
 
 log = logging.getLogger("lightning_incremental")
 # Each enabled Trainer's checkpointer, by a weak reference: a checkpointer refers to its Trainer,
@@ -118,6 +119,13 @@ def _split(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 ignored.append(f"{key} is ignored for a Trainer: its {_TRAINER_OWNS[key]} rules")
         elif key in _RECOVERY:
             ignored.append(f"{key} is not used for a Trainer (no watchdog or replica check)")
+        elif key == "fork_weights_only":
+            if value:
+                raise ConfigError(
+                    "fork_weights_only is not available for a Trainer: it takes its weights from "
+                    "its model (from_pretrained, or `lightning-incremental export --format hf`); "
+                    "fork_from forks the whole checkpoint"
+                )
         elif key in _MEMORY:
             ignored.append(
                 f"{key} is not used for a Trainer (no memory tier yet: it checkpoints to the "

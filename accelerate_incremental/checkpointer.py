@@ -83,10 +83,8 @@ class IncrementalCheckpointer:
             seconds (see :class:`~lightning_incremental.runtime.WatchdogConfig`); progress is a
             prepared optimizer step, a batch from :meth:`iterate` (or from a plain loop over a
             loader tracked after :meth:`take_over`) or a :meth:`save`.
-        recovery: all of ``watchdog``, the three timings, ``replica_check`` and
-            ``max_consecutive_failures`` as one
-            :class:`~lightning_incremental.runtime.RecoveryOptions` (then leave those at their
-            defaults).
+        recovery: ``watchdog``, the timings, ``replica_check``, ``max_consecutive_failures`` as
+            one :class:`~lightning_incremental.runtime.RecoveryOptions` (leave those default).
         optimizer_state: ``"exact"`` (default: lossless, restored bit-exact), ``"bf16"`` or
             ``"int8"``: optimizer moments (``exp_avg``, ``exp_avg_sq``) stored quantized; a
             resume from such a checkpoint is not bit-exact (see
@@ -105,7 +103,8 @@ class IncrementalCheckpointer:
             :meth:`load` resumes from the newest step every process agrees on when it is at
             least the store's newest (see :mod:`~._memory`); :attr:`resumed_tier` says which.
         fork_from: ``"SRC[@STEP]"``: while ``dirpath`` holds no checkpoint, fork that step of SRC
-            (default: its newest) into it first, for :meth:`load` (see the pool guide).
+            (default: its newest) into it first, for :meth:`load` (see the pool guide);
+            ``fork_weights_only=True``: :meth:`load` then takes only its models' weights.
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 
@@ -152,6 +151,7 @@ class IncrementalCheckpointer:
         memory_replicas: int = 1,
         memory_dir: str | None = None,
         fork_from: str | None = None,
+        fork_weights_only: bool = False,
         **options: Any,
     ) -> None:
         check_accelerator(accelerator)
@@ -184,7 +184,7 @@ class IncrementalCheckpointer:
         self._pace = _pace.Pace.of(max_overhead, expected_mtbf, every_n_steps, accelerator)
         # FSDP: every process saves its own shards through a store it opens (a collective)
         self.sharded = _sharded.is_sharded(accelerator)
-        _fork.before_open(accelerator.is_main_process, dirpath, fork_from, storage_options)
+        self._fk = _fork.start(accelerator, dirpath, storage_options, fork_from, fork_weights_only)
         self.store = CheckpointStore(
             dirpath,
             storage_options=storage_options,
@@ -399,8 +399,8 @@ class IncrementalCheckpointer:
         self._deferred = None  # the state it would have held is being replaced
         into = _state.live(acc, is_sharded=self.sharded)  # every process: FSDP1's is a collective
         found = _source.newest(acc, self.store, self._memory, into, location)
-        if found is None:
-            return None
+        if found is None:  # a fork of weights only starts from its source's weights
+            return _fork.load_weights(acc, self._fk, sharded=self.sharded)
         step, state, self.resumed_tier = found
         # Accelerate's load pre-hooks: before the weights, which go to the models they leave
         models = list(_compat.models(acc)) if pre_hooks is None else pre_hooks(step)
@@ -506,9 +506,8 @@ class IncrementalCheckpointer:
         return self.store.steps()
 
     def close(self, *, finished: bool = True) -> None:
-        """Wait for pending saves, stop the watchdog and release the store. ``finished``
-        False: this process is failing; its watchdog stops without telling the others it is
-        done (if they wait for it, they find it dead and restart).
+        """Wait for pending saves, stop the watchdog, release the store. ``finished=False``: this
+        process is failing; its watchdog stops without telling the others (they find it dead).
 
         Raises:
             Exception: the error of a failed save.

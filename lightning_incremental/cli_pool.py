@@ -49,6 +49,12 @@ def register(command: Command) -> None:
     p = command("fork", _fork, "start a new store from a checkpoint of another (no copy)")
     p.add_argument("dst", help="the new store's location")
     p.add_argument("--pool", default=None, help="the new store's pool (default: the source's)")
+    p.add_argument(
+        "--as-base",
+        action="store_true",
+        help="make the step the new store's delta base, not a step of it (a run that starts "
+        "again on the source's weights: its own steps reference what did not change)",
+    )
     p = command("unpin", _unpin, "remove the pin a fork holds in its source")
     p.add_argument("dst", help="the fork's location")
     p.add_argument("--force", action="store_true", help="even while the fork still needs it")
@@ -92,10 +98,16 @@ def _fork(_: Any, args: argparse.Namespace, console: Console) -> int:
         storage_options=options,
         src_storage_options=options,
         pool_storage_options=options,
+        as_base=args.as_base,
     )
-    doc = {"source": src, "step": chosen, "fork": args.dst}
+    doc = {"source": src, "step": chosen, "fork": args.dst, "as_base": args.as_base}
     if args.json:
         console.print_json(json.dumps(doc))
+    elif args.as_base:
+        console.print(
+            f"forked step {chosen} of {src} into {args.dst} as its delta base (pinned in the "
+            "source; the new store holds no checkpoint until its first save)"
+        )
     else:
         console.print(f"forked step {chosen} of {src} into {args.dst} (pinned in the source)")
     return 0

@@ -38,7 +38,6 @@ from lightning_incremental.lightning.save_points import SaveNow, SavePoints
 from lightning_incremental.lightning.saver import Saver
 from lightning_incremental.lightning.schedule import Schedule
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
-from lightning_incremental.runtime.fork import check_source
 from lightning_incremental.runtime.options import RecoveryOptions
 from lightning_incremental.runtime.preemption import PreemptionConfig
 from lightning_incremental.runtime.watchdog import WatchdogConfig
@@ -134,6 +133,9 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
         fork_from: ``"SRC[@STEP]"``: while ``dirpath`` holds no checkpoint, fork that step of
             the store at SRC (default its newest) into it and resume from it (no copy; pinned
             in SRC); a restart only checks that ``dirpath`` was forked from SRC.
+        fork_weights_only: with ``fork_from``, take the step's model weights only: the run
+            starts at step 0 (fresh optimizer and loops) and its checkpoints are deltas of those
+            weights (the step is the store's delta base, not a step of it).
 
     Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` every rank
     saves its own shards (the sharded state dicts of ``torch.distributed.checkpoint.state_dict``,
@@ -184,9 +186,10 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
         memory_replicas: int = 1,
         memory_dir: _PATH | None = None,
         fork_from: _PATH | None = None,
+        fork_weights_only: bool = False,
     ) -> None:
         super().__init__()
-        self.fork_from = check_source(fork_from, resume=resume)
+        self.fork = fork.options(fork_from, fork_weights_only, resume=resume)
         self.memory = memory.MemoryOptions(
             memory_every_n_train_steps,
             memory_replicas,
@@ -318,8 +321,11 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
             fit.disabled = True
             return
         fit_checks.reachable_by_every_rank(url, trainer.world_size)
-        fork.before_open(trainer, url, self.fork_from, self.storage_options)
+        fork.before_open(trainer, url, self.fork, self.storage_options)
         store = open_fit_store(trainer, fit, self._open_store, claim_unless_refused=self.resume)
+        fork.load_weights(
+            pl_module, url, self.fork, fit.newest, self.storage_options, sharded=fit.sharded
+        )
         fit.saver = Saver(
             store,
             url,

@@ -1,27 +1,80 @@
 """``IncrementalCheckpoint(fork_from="SRC[@STEP]")``: global rank 0 forks the source's step into
 the run's store at setup, before any rank opens it (:func:`~lightning_incremental.runtime.fork.
 ensure_fork`); every rank learns the outcome, and the resume that follows loads the forked step.
+
+With ``fork_weights_only=True`` the step becomes the store's delta base instead of a step of it:
+while the store holds no checkpoint of its own, every rank loads the step's model weights
+(``state_dict``) from the source into the module and the run starts at step 0, with a fresh
+optimizer and loops; its first checkpoint references the weights that did not change.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_incremental.core import CheckpointStore, ConfigError
+from lightning_incremental.core.maintain.pool import open_location, read_links
 from lightning_incremental.runtime.coordinate import coordinated
-from lightning_incremental.runtime.fork import ensure_fork
+from lightning_incremental.runtime.fork import check_source, ensure_fork, split_step
+
+
+@dataclass(frozen=True)
+class ForkOptions:
+    source: str | None  # "SRC[@STEP]"
+    weights_only: bool = False
+
+
+def options(fork_from: Any, weights_only: Any, *, resume: bool) -> ForkOptions:
+    if not isinstance(weights_only, bool):
+        raise TypeError(f"fork_weights_only must be a bool, got {weights_only!r}")
+    source = check_source(fork_from, resume=resume)
+    if weights_only and source is None:
+        raise ConfigError("fork_weights_only=True needs fork_from='SRC[@STEP]'")
+    return ForkOptions(source, weights_only)
 
 
 def before_open(
-    trainer: pl.Trainer, url: str, fork_from: str | None, storage_options: dict[str, Any] | None
+    trainer: pl.Trainer, url: str, fork: ForkOptions, storage_options: dict[str, Any] | None
 ) -> None:
     """Fork into ``url`` on global rank 0 when ``fork_from`` is set (a collective)."""
-    if fork_from is None:
+    source = fork.source
+    if source is None:
         return
     coordinated(
-        lambda: ensure_fork(url, fork_from, storage_options),
-        what=f"fork {fork_from} into {url}",
+        lambda: ensure_fork(url, source, storage_options, weights_only=fork.weights_only),
+        what=f"fork {source} into {url}",
         is_coordinator=trainer.is_global_zero,
         broadcast=trainer.strategy.broadcast,
     )
+
+
+def load_weights(
+    module: pl.LightningModule,
+    url: str,
+    fork: ForkOptions,
+    newest: int | None,
+    storage_options: dict[str, Any] | None,
+    *,
+    sharded: bool,
+) -> None:
+    """A fork of weights only whose store holds no checkpoint yet (``newest`` is None): load the
+    forked step's ``state_dict`` from the source into ``module`` (every rank, before the
+    strategy wraps it)."""
+    if fork.source is None or not fork.weights_only or newest is not None:
+        return
+    if sharded:
+        raise ConfigError(
+            "fork_weights_only=True is not supported under sharded strategies (FSDP, "
+            "ModelParallelStrategy) yet; fork the whole checkpoint, or load the weights from "
+            f"{split_step(fork.source)[0]} yourself with CheckpointStore.load(keys='state_dict')"
+        )
+    links = read_links(open_location(url, storage_options))
+    origin = links.forked_from if links is not None else None
+    step = origin.get("step") if origin else None
+    src = origin.get("url") if origin else split_step(fork.source)[0]
+    with CheckpointStore(src, storage_options=storage_options) as store:
+        state = store.load(step, keys="state_dict", map_location="cpu")
+    module.load_state_dict(state["state_dict"], strict=module.strict_loading)

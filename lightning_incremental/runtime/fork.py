@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from lightning_incremental.core import CheckpointStore, ConfigError
+from lightning_incremental.core.commit.history import FORK_BASE
 from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.maintain.pool import open_location, read_links
 
@@ -39,14 +40,23 @@ def check_source(fork_from: str | os.PathLike[str] | None, *, resume: bool = Tru
 
 
 def ensure_fork(
-    dst: str, fork_from: str, storage_options: dict[str, Any] | None = None
+    dst: str,
+    fork_from: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    weights_only: bool = False,
 ) -> int | None:
     """Fork ``fork_from`` (``SRC[@STEP]``) into ``dst`` unless ``dst`` already holds a store;
     returns the step forked now, None when ``dst`` was forked before (a restart).
 
+    ``weights_only``: the step becomes ``dst``'s delta base, not a step of it
+    (``fork(..., as_base=True)``): the run starts afresh on the source's weights (the caller
+    loads them from the source) and its own checkpoints reference what did not change.
+
     Raises:
         ConfigError: ``dst`` holds checkpoints not forked from that source (or step), or a fork
-            that never got its checkpoint.
+            that never got its checkpoint, or a fork of the other kind (whole or weights only)
+            where that changes what the run starts from.
         CheckpointNotFoundError: no such step in the source.
     """
     src, step = split_step(fork_from)
@@ -61,6 +71,7 @@ def ensure_fork(
             storage_options=storage_options,
             src_storage_options=storage_options,
             pool_storage_options=storage_options,
+            as_base=weights_only,
         )
     origin = links.forked_from if links is not None else None
     wanted = open_location(src, storage_options).url
@@ -74,7 +85,15 @@ def ensure_fork(
             f"fork_from={fork_from!r} but {target.url} already holds {found}; use a new "
             "location for a new fork, or drop fork_from (or name that source) to resume this run"
         )
-    if not has_steps:
+    as_base = bool(origin.get("as_base"))
+    if as_base != weights_only and (weights_only or not has_steps):
+        kinds = ("of the whole checkpoint", "of weights only")
+        raise ConfigError(
+            f"{target.url} is a fork {kinds[as_base]} of step {origin.get('step')} of "
+            f"{origin.get('url')}, but this run asks for a fork {kinds[weights_only]}; use a "
+            "new location for a new fork, or ask for the kind it is"
+        )
+    if not has_steps and not (as_base and target.exists(FORK_BASE)):
         raise ConfigError(
             f"{target.url} records a fork of {origin.get('url')} but holds no checkpoint (the fork "
             f"was interrupted); delete {target.url}, run `lightning-incremental unpin "

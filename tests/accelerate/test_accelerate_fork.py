@@ -103,3 +103,57 @@ def test_the_launch_flag_json_forks(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     finally:
         ckpt.close()
     assert len(list((src / "pins").iterdir())) == 1 and not _packs(dst)  # a fork, no copy
+
+
+def test_a_fork_of_weights_only_loads_the_weights_and_nothing_else(tmp_path: Path) -> None:
+    """``fork_weights_only=True``: ``load`` puts the source step's weights into the model and
+    restores nothing else (a fresh optimizer, step 0); the fork's first checkpoint is coded
+    against the source's step; a restart loads the fork's own checkpoint; the launch flag's JSON
+    takes the key too."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    run = make_run()
+    with IncrementalCheckpointer(run.acc, str(src)) as ckpt:
+        epoch_batches(ckpt, run, stop_after=2)
+        ckpt.save(8)
+    trained = weights(run)
+
+    _fresh()
+    fresh = make_run()
+    with IncrementalCheckpointer(
+        fresh.acc, str(dst), fork_from=f"{src}@8", fork_weights_only=True
+    ) as ckpt:
+        assert not same(weights(fresh), trained)
+        assert ckpt.load() is None and ckpt.steps() == []
+        assert same(weights(fresh), trained)
+        assert fresh.opt.state_dict()["state"] == {}, "the optimizer is the run's own, fresh"
+        epoch_batches(ckpt, fresh, stop_after=2)
+        ckpt.save(2)
+        ckpt.wait()
+        assert ckpt.store.manifest(2).parent == 8
+    assert len(list((src / "pins").iterdir())) == 1
+
+    _fresh()  # a restart: the fork's own step, nothing from the source
+    again = make_run()
+    with IncrementalCheckpointer(
+        again.acc, str(dst), fork_from=f"{src}@8", fork_weights_only=True
+    ) as ckpt:
+        assert ckpt.load() == 2
+
+    config = tmp_path / "incremental.json"
+    config.write_text(
+        json.dumps(
+            {"dirpath": str(tmp_path / "flag"), "fork_from": f"{src}@8", "fork_weights_only": True}
+        )
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(accelerate_incremental.ENV_CONFIG, str(config))
+        _fresh()
+        third = make_run()
+        flagged = accelerate_incremental.enable(third.acc)
+        assert flagged is not None
+        try:
+            assert flagged.load() is None and same(weights(third), trained)
+        finally:
+            flagged.close()
+    with pytest.raises(ConfigError, match="needs fork_from"):
+        IncrementalCheckpointer(third.acc, str(tmp_path / "x"), fork_weights_only=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_incremental.core import CheckpointStore, ConfigError
 from tests.jobs.lightning_job import fit
@@ -63,3 +64,55 @@ def test_a_store_forked_from_another_source_or_step_is_refused(tmp_path: Path) -
         fit(plain, trainer={"max_steps": 8}, fork_from=str(src))
     with pytest.raises(ConfigError, match="needs resume=True"):
         fit(tmp_path / "new", fork_from=str(src), resume=False)
+
+
+class _LoadWeights(Callback):
+    """The run a user would write by hand: the source step's weights loaded at setup."""
+
+    def __init__(self, src: Path, step: int) -> None:
+        self.src, self.step = src, step
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        with CheckpointStore(self.src) as store:
+            pl_module.load_state_dict(store.load(self.step, keys="state_dict")["state_dict"])
+
+
+def test_a_fork_of_weights_only_trains_from_step_0_on_the_source_weights(tmp_path: Path) -> None:
+    src, dst, by_hand = tmp_path / "src", tmp_path / "dst", tmp_path / "by_hand"
+    fit(src, trainer={"max_steps": 8}, every_n_train_steps=4)
+    module, trainer, ckpt = fit(
+        dst,
+        trainer={"max_steps": 8},
+        every_n_train_steps=4,
+        fork_from=f"{src}@8",
+        fork_weights_only=True,
+    )
+    assert ckpt.resumed_from is None and trainer.global_step == 8
+    forked = final_state(module, trainer)
+    with CheckpointStore(dst) as store:
+        assert store.steps() == [4, 8], "the source's step 8 is no step of the fork"
+        assert store.manifest(4).parent == 8, "its first save is coded against the source's step"
+    assert len(list((src / "pins").iterdir())) == 1
+    # The same training with the weights loaded by hand into a fresh store, bit for bit.
+    module, trainer, _ = fit(
+        by_hand,
+        trainer={"max_steps": 8},
+        every_n_train_steps=4,
+        callbacks=[_LoadWeights(src, 8)],
+    )
+    assert_bit_identical(forked, final_state(module, trainer))
+    # A restart resumes the fork's own newest step and loads nothing from the source.
+    _, trainer, ckpt = fit(
+        dst,
+        trainer={"max_steps": 12},
+        every_n_train_steps=4,
+        fork_from=f"{src}@8",
+        fork_weights_only=True,
+    )
+    assert ckpt.resumed_from == 8 and trainer.global_step == 12
+    # Asking a whole fork's store for weights only (or the reverse) is refused.
+    fit(tmp_path / "whole", trainer={"max_steps": 8}, fork_from=f"{src}@4")
+    with pytest.raises(ConfigError, match="a fork of the whole checkpoint"):
+        fit(tmp_path / "whole", fork_from=f"{src}@4", fork_weights_only=True)
+    with pytest.raises(ConfigError, match="needs fork_from"):
+        fit(tmp_path / "new", fork_weights_only=True)

@@ -42,7 +42,7 @@ def test_fork_ls_inspect_unpin_and_pool_gc(
         for step in (1, 2, 3):
             store.save(state(step), step).wait()
     doc = run_json(capsys, "fork", f"{src}@2", dst)
-    assert doc == {"source": src, "step": 2, "fork": dst}
+    assert doc == {"source": src, "step": 2, "fork": dst, "as_base": False}
     with CheckpointStore(dst) as fork:
         assert_state_equal(fork.load(), state(2))
     listed = run_json(capsys, "ls", dst)
@@ -60,6 +60,26 @@ def test_fork_ls_inspect_unpin_and_pool_gc(
     capsys.readouterr()
     gc = run_json(capsys, "pool-gc", pool, "--min-age", "0")
     assert sorted(gc["members"]) == [dst, src]
+
+
+def test_fork_as_base_makes_the_step_a_delta_base(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    with CheckpointStore(src, **OPTIONS) as store:
+        store.save(state(1), 1).wait()
+    doc = run_json(capsys, "fork", src, dst, "--as-base")
+    assert doc == {"source": src, "step": 1, "fork": dst, "as_base": True}
+    assert run_json(capsys, "ls", src)["pinned_by_forks"] == [{"step": 1, "fork": dst}]
+    with CheckpointStore(dst, **OPTIONS) as fork:
+        assert fork.steps() == []
+        result = fork.save(state(0), 0).wait()  # its own steps, the weights referenced
+    assert result.bytes_written < 64 * 256 * 4 / 4
+    listed = run_json(capsys, "ls", dst)
+    assert [r["step"] for r in listed["checkpoints"]] == [0]
+    assert listed["forked_from"] == {"url": src, "step": 1, "as_base": True}
+    assert main(["unpin", src, dst]) == 2  # the fork still names the source's objects
+    capsys.readouterr()
 
 
 def test_inspect_of_a_plain_fork_shows_owned_and_source_bytes(

@@ -48,6 +48,23 @@ def read_manifest(storage: Storage, step: int, version: Version = None) -> Manif
     return doc
 
 
+FORK_BASE = "fork-base.json"  # a fork's delta base that is no step of it (``fork(as_base=True)``)
+
+
+def read_fork_base(storage: Storage) -> Manifest | None:
+    """The manifest a fork made with ``as_base=True`` builds its first save on (a step of its
+    source, not of this store); None when there is none.
+
+    Raises:
+        CorruptCheckpointError: it does not validate.
+    """
+    try:
+        data = storage.get(FORK_BASE)
+    except FileNotFoundError:
+        return None
+    return canonical.loads(data, f"the fork base {FORK_BASE} of {storage.url}")
+
+
 def check_step_type(step: Any) -> None:
     """Raises StepError unless ``step`` is an int a manifest name can hold."""
     if isinstance(step, bool) or not isinstance(step, int):

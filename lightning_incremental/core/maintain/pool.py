@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_incremental.core.commit.fencing import Fencing
-from lightning_incremental.core.commit.history import History, read_manifest
+from lightning_incremental.core.commit.history import FORK_BASE, History, read_manifest
 from lightning_incremental.core.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -241,9 +241,15 @@ def fork(
     src_storage_options: dict[str, Any] | None = None,
     pool_storage_options: dict[str, Any] | None = None,
     min_age_s: float = 900.0,
+    as_base: bool = False,
 ) -> int:
     """Make a new store at ``dst`` whose step ``step`` (default: the newest) is that of
     ``src``, referencing ``src``'s objects instead of copying them; returns the step.
+
+    With ``as_base`` the step is not a step of ``dst``: ``dst`` holds no checkpoint, and its
+    first save is encoded against that step (:data:`~..commit.history.FORK_BASE`), so what did
+    not change is referenced, what changed is a delta, and the new run numbers its steps from
+    wherever it starts (a run that takes only the weights and starts again at step 0).
 
     The source step is pinned first (a pin record in the source, :mod:`.pins`), then the pinned
     objects are checked to exist, then ``dst`` records its links and gets a copy of the step's
@@ -297,12 +303,14 @@ def fork(
             raise ConfigError(f"{target.url} cannot be its own pool")
         check_pool(open_location(pool_url, pool_storage_options))
     reads = [u for u in object_locations(source) if u not in (pool_url, target.url)]
-    origin = {"url": source.url, "step": chosen}
+    origin: dict[str, Any] = {"url": source.url, "step": chosen}
+    if as_base:
+        origin["as_base"] = True
     target.put(LINKS, Links(pool_url, tuple(dict.fromkeys(reads)), origin).to_bytes())
     if pool_url is not None:
         join_pool(open_location(pool_url, pool_storage_options), target.url, min_age_s)
     target.put(mf.MARKER, mf.marker_bytes())
-    target.put(mf.manifest_path(chosen), data)
+    target.put(FORK_BASE if as_base else mf.manifest_path(chosen), data)
     return chosen
 
 
@@ -329,6 +337,13 @@ def unpin(
         parse_pin(source.get(path), f"{path} of {source.url}")
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{source.url} holds no pin for {target_own.url}") from exc
+    base = target_own.exists(FORK_BASE)
+    if base and not force and not target_own.list(mf.MANIFEST_DIR):
+        raise ConfigError(
+            f"{target_own.url} holds no checkpoint yet: its next save is encoded against the "
+            f"step of {source.url} it was forked from ({FORK_BASE}); unpin it after its first "
+            "checkpoint, or pass force=True (its next save is then a full one)"
+        )
     if not force and read_links(target_own) is not None:
         target = attach(
             target_own,
@@ -359,6 +374,8 @@ def unpin(
                     "delete those checkpoints of the fork (or compact it and gc it with "
                     "keep_last=1) first, or pass force=True to drop the pin anyway"
                 )
+    if base:  # no save builds on it any more: the newest step of the fork (or nothing)
+        target_own.delete(FORK_BASE)
     source.delete(path)
 
 

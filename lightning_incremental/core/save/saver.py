@@ -22,7 +22,7 @@ from lightning_incremental.core.chunks.delta_base import DeltaBase, Parent
 from lightning_incremental.core.commit.committer import Committer, Part, save_result
 from lightning_incremental.core.commit.fencing import Generation
 from lightning_incremental.core.commit.group import Group
-from lightning_incremental.core.commit.history import History
+from lightning_incremental.core.commit.history import History, read_fork_base
 from lightning_incremental.core.commit.lease import Lease
 from lightning_incremental.core.commit.sharded import commit_sharded, rank_result
 from lightning_incremental.core.config import StoreConfig
@@ -83,7 +83,11 @@ class Saver:
         _ = self.generation.value  # fixed now: a later claim fences this writer off
         self.history.last_step = steps[-1] if steps else None
         newest = self.history.newest_readable(steps)
-        self.base.set(Parent(newest.step, newest) if newest is not None else None)
+        if newest is None:  # a fork of weights only: its first save builds on the source's step
+            base = read_fork_base(self.storage)
+            self.base.set(Parent(base.step, base) if base is not None else None)
+        else:
+            self.base.set(Parent(newest.step, newest))
         self.history.committed = newest.step if newest is not None else None
         self.initialised = True
 

@@ -36,7 +36,11 @@ SCHEME = "litrash"  # the pool through a wrapper: no rename, so moves copy then 
 
 def state(seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
-    return {"model": {"w": torch.randn(64, 256, generator=g), "b": torch.zeros(16)}, "step": 0}
+    # every tensor differs by seed: a seed's objects are its own (no pack shared with another)
+    return {
+        "model": {"w": torch.randn(64, 256, generator=g), "b": torch.full((16,), float(seed))},
+        "step": 0,
+    }
 
 
 def files(root: Path, under: str) -> set[str]:

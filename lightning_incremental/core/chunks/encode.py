@@ -28,7 +28,7 @@ from lightning_incremental.core.chunks.lossy import (
     lossy_key,
     reusable,
 )
-from lightning_incremental.core.chunks.packs import PackWriter
+from lightning_incremental.core.chunks.packs import PackWriter, aligned_from
 from lightning_incremental.core.chunks.small import STORE_SMALL, encode_small, small_leaves
 from lightning_incremental.core.codecs import STORED, Codec, Hint, chunk_hash
 from lightning_incremental.core.codecs.stored import stored
@@ -78,6 +78,8 @@ class _Task:
     place: tuple[str, int] = ("", 0)  # tensor key, chunk index
     hint: Hint | None = None  # how the same place was coded last time (see Hints)
     raw_digest: str = ""  # the raw hash: the key if its lossy codec declines it (stored exactly)
+    tensor_bytes: int = 0  # the size of the tensor it belongs to (for aligned packs)
+    last: bool = True  # it is that tensor's last chunk
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,7 @@ def encode(
     touches an object in ``avoid`` (found damaged) are neither reused nor delta bases. ``hints``:
     the store's memory of how each place was coded (read, and updated when this save is done).
     ``fast``: changed chunks are stored as they are (codec ``s``), lossy ones excepted.
+    A member of a shared pool writes aligned packs (see :class:`~.packs.PackWriter`).
 
     A chunk coded lossily is keyed by :func:`lossy_key`, apart from a lossless chunk of the same
     bytes; one its lossy codec declines is stored exactly, under its raw hash."""
@@ -263,7 +266,12 @@ def encode(
     out = Encoded(tensors=[], chunks={}, packs={}, fast=fast)
     times = cpu_times()
     pack = PackWriter(
-        storage, writer or pool, config.pack_size, out, sum(leaf.nbytes for leaf in leaves)
+        storage,
+        writer or pool,
+        config.pack_size,
+        out,
+        sum(leaf.nbytes for leaf in leaves),
+        aligned_from=aligned_from(storage),
     )
     fetch = None
     stored: dict[str, TensorEntry] = {}
@@ -320,7 +328,7 @@ def encode(
             key = task.digest
             if task.lossy is not None and done.codec.lossless:
                 key = declined[task.digest] = task.raw_digest
-            pack.add(key, done.blob, fields)
+            pack.add(key, done.blob, fields, tensor_bytes=task.tensor_bytes, last=task.last)
 
     entries: list[TensorEntry | None] = [None] * len(leaves)
 
@@ -381,6 +389,8 @@ def encode(
                 task = _Task(
                     digest, piece, width, None, None, None, lossy=lossy, raw_digest=raw_digest
                 )
+                task.tensor_bytes = int(raw.size)
+                task.last = offset + config.chunk_size >= raw.size
                 index = offset // config.chunk_size
                 base_digests = xor_base[1] if xor_base is not None else stored_base
                 if base_digests is not None and not full_base and index < len(base_digests):

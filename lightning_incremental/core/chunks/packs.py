@@ -22,6 +22,30 @@ if TYPE_CHECKING:
 
 
 TAIL_PACK = 2 << 20  # the smallest pack written near the end of a save (see PackWriter.limit)
+# In a shared pool: chunks of tensors of at least this many bytes go to packs of their own kind,
+# ended at a tensor's end once this full (see PackWriter), so that equal tensors make equal packs.
+ALIGNED_FROM = 64 << 10
+ALIGNED_MIN = TAIL_PACK
+
+
+class _Open:
+    """A pack being filled: its parts, their recipes' fields, and whether it holds a payload
+    the encoder made."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes | memoryview] = []
+        self.pending: list[tuple[str, dict[str, Any]]] = []
+        self.filled = 0
+        self.owned = False
+
+    def append(
+        self, digest: str, blob: bytes | memoryview, fields: dict[str, Any], borrowed: bool
+    ) -> None:
+        fields["offset"], fields["length"] = self.filled, len(blob)
+        self.pending.append((digest, fields))
+        self.parts.append(blob)
+        self.filled += len(blob)
+        self.owned = self.owned or not borrowed
 
 
 class PackWriter:
@@ -35,7 +59,18 @@ class PackWriter:
     At most two packs of *owned* payloads (bytes the encoder made) are in flight: they are
     memory the save holds. Parts *borrowed* from the snapshot (a small tensor stored as it is,
     a view of its slab) cost nothing to hold, and their packs are not waited for before the
-    next is assembled."""
+    next is assembled.
+
+    **Aligned packs** (``aligned_from``, set for the members of a shared object pool): the
+    chunks of tensors of at least ``aligned_from`` bytes go to a second stream of packs, ended
+    at the end of a tensor once it holds :data:`ALIGNED_MIN` bytes (or mid-tensor at
+    ``pack_size``), never by what else the save holds. Two runs that store the same tensors in
+    the same order — a sweep's frozen base, each run with adapters of its own in between —
+    then write byte-identical packs under one name, which the pool holds once; a run whose
+    tensors differ somewhere falls back into step at the next pack boundary after the
+    difference. The cost: more, smaller packs near the end of a save (no tail sizing), and a
+    pack boundary at most every ``aligned_from`` bytes in the worst case.
+    """
 
     def __init__(
         self,
@@ -44,6 +79,7 @@ class PackWriter:
         pack_size: int,
         out: Encoded,
         remaining: int,
+        aligned_from: int | None = None,
     ) -> None:
         self.storage, self.pool, self.pack_size, self.out = (
             storage,
@@ -52,24 +88,34 @@ class PackWriter:
             out,
         )
         self.remaining = remaining  # raw bytes of the chunks not scheduled yet
-        self.parts: list[bytes | memoryview] = []
-        self.filled = 0
-        self.owned = False  # whether the current pack holds a payload the encoder made
-        self.pending: list[tuple[str, dict[str, Any]]] = []
+        self.open = _Open()
+        self.aligned_from = aligned_from
+        self.aligned = _Open()
         self.writes: deque[tuple[Future[float], bool]] = deque()
 
     def add(
-        self, digest: str, blob: bytes | memoryview, fields: dict[str, Any], borrowed: bool = False
+        self,
+        digest: str,
+        blob: bytes | memoryview,
+        fields: dict[str, Any],
+        borrowed: bool = False,
+        *,
+        tensor_bytes: int = 0,
+        last: bool = True,
     ) -> None:
         """Append ``blob``; its recipe (``fields`` of a ``ChunkRecipe``, and where it lies) joins
         the tables once its pack is full. ``borrowed``: ``blob`` is the snapshot's memory, not a
-        payload made for the pack (see the class's documentation)."""
-        fields["offset"], fields["length"] = self.filled, len(blob)
-        self.pending.append((digest, fields))
-        self.parts.append(blob)
-        self.filled += len(blob)
-        self.owned = self.owned or not borrowed
-        if self.filled >= self.limit():
+        payload made for the pack (see the class's documentation). ``tensor_bytes``: the size of
+        the tensor the chunk belongs to; ``last``: it is that tensor's last chunk."""
+        if self.aligned_from is not None and tensor_bytes >= self.aligned_from:
+            aligned = self.aligned
+            aligned.append(digest, blob, fields, borrowed)
+            if aligned.filled >= self.pack_size or (last and aligned.filled >= ALIGNED_MIN):
+                self.aligned = _Open()
+                self._emit(aligned)
+            return
+        self.open.append(digest, blob, fields, borrowed)
+        if self.open.filled >= self.limit():
             self.flush()
 
     def limit(self) -> int:
@@ -80,16 +126,21 @@ class PackWriter:
         return min(self.pack_size, max(TAIL_PACK, self.remaining // 4))
 
     def flush(self) -> None:
-        if not self.parts:
+        """Hand the pack being filled to a writer (the aligned one too: at the end of a save)."""
+        current, self.open = self.open, _Open()
+        self._emit(current)
+
+    def _emit(self, pack: _Open) -> None:
+        if not pack.parts:
             return
-        parts = self.parts
+        parts = pack.parts
         hasher = chunk_hasher()  # the pack's name: the hash of its parts, in order, unjoined
         for part in parts:
             hasher.update(part)
         path = pack_path(hasher.hexdigest())
         size = sum(len(part) for part in parts)
         out = self.out
-        for digest, fields in self.pending:
+        for digest, fields in pack.pending:
             # A chunk adopted meanwhile as another's delta base keeps its adopted recipe.
             if digest not in out.chunks:
                 out.chunks[digest] = ChunkRecipe(pack=path, **fields)
@@ -97,8 +148,7 @@ class PackWriter:
             out.packs[path] = size
             out.written.add(path)
             out.bytes_written += size
-            self.writes.append((self.pool.submit(self._write, path, parts), self.owned))
-        self.parts, self.filled, self.pending, self.owned = [], 0, [], False
+            self.writes.append((self.pool.submit(self._write, path, parts), pack.owned))
         while sum(owned for _, owned in self.writes) > 2:
             self._collect()
 
@@ -118,9 +168,11 @@ class PackWriter:
         return time.perf_counter() - start
 
     def finish(self, *, wait: bool = True) -> None:
-        """Flush the last pack; with ``wait``, wait until every pack is durable (re-raising
+        """Flush the last packs; with ``wait``, wait until every pack is durable (re-raising
         write errors), else leave that to :meth:`wait`."""
         self.flush()
+        aligned, self.aligned = self.aligned, _Open()
+        self._emit(aligned)
         if wait:
             self.wait()
 
@@ -141,6 +193,14 @@ class PackWriter:
             if not fut.cancelled():
                 fut.exception()  # wait; the first error is already being raised
         self.writes.clear()
+
+
+def aligned_from(storage: Storage) -> int | None:
+    """:data:`ALIGNED_FROM` for a member of a shared object pool (its data objects live in the
+    pool, shared with other stores), else None (see :class:`PackWriter`)."""
+    objects = getattr(storage, "objects", None)
+    own = getattr(storage, "own", None)
+    return ALIGNED_FROM if objects is not None and objects is not own else None
 
 
 def damaged_objects(storage: Storage, packs: Mapping[str, int]) -> set[str]:

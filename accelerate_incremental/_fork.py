@@ -54,6 +54,18 @@ def start(
     return before_open(accelerator.is_main_process, dirpath, fork_from, options, weights_only)
 
 
+def source_weights(fork: tuple[str, dict[str, Any] | None], key: str) -> Any:
+    """The top-level ``key`` of the step a fork of weights only was made from, read from its
+    source (on the CPU)."""
+    dirpath, storage_options = fork
+    links = read_links(open_location(dirpath, storage_options))
+    origin = links.forked_from if links is not None else None
+    if not origin:
+        raise ConfigError(f"{dirpath} records no fork: drop fork_weights_only")
+    with CheckpointStore(origin["url"], storage_options=storage_options) as store:
+        return store.load(origin["step"], keys=key, map_location="cpu")[key]
+
+
 def load_weights(
     accelerator: Any, fork: tuple[str, dict[str, Any] | None] | None, *, sharded: bool
 ) -> None:
@@ -61,22 +73,16 @@ def load_weights(
     step's model weights from the source into the prepared models (nothing else)."""
     if fork is None:
         return
-    dirpath, storage_options = fork
     if sharded:
         raise ConfigError(
             "fork_weights_only=True is not supported under FSDP yet; fork the whole checkpoint"
         )
-    links = read_links(open_location(dirpath, storage_options))
-    origin = links.forked_from if links is not None else None
-    if not origin:
-        raise ConfigError(f"{dirpath} records no fork: drop fork_weights_only")
-    with CheckpointStore(origin["url"], storage_options=storage_options) as store:
-        saved = store.load(origin["step"], keys="models", map_location="cpu")["models"]
+    saved = source_weights(fork, "models")
     models = list(_compat.models(accelerator))
     if len(saved) != len(models):
         raise ConfigError(
-            f"step {origin['step']} of {origin['url']} holds {len(saved)} models, this run "
-            f"prepared {len(models)}"
+            f"the step forked into {fork[0]} holds {len(saved)} models, this run prepared "
+            f"{len(models)}"
         )
     for model, weights in zip(models, saved, strict=True):
         accelerator.unwrap_model(model).load_state_dict(weights)

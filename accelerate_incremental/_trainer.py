@@ -97,8 +97,10 @@ class TrainerCheckpointer:
         materialize: ``"last"``, ``"best"`` or True (both): when ``train()`` ends, those
             folders also get the model's weights as ``save_pretrained`` writes them, from the
             store, so ``from_pretrained(folder)`` loads them (:mod:`~._trainer_files`).
-        storage_options, optimizer_state, max_consecutive_failures, fork_from, **options: as
-            for :class:`~accelerate_incremental.IncrementalCheckpointer`.
+        storage_options, optimizer_state, max_consecutive_failures, fork_from,
+            fork_weights_only, **options: as for
+            :class:`~accelerate_incremental.IncrementalCheckpointer` (with ``fork_weights_only``
+            a ``train()`` that resumes no checkpoint starts from the forked step's weights).
 
     Raises:
         ConfigError: a bad ``materialize`` or store option.
@@ -116,6 +118,7 @@ class TrainerCheckpointer:
         preemption: PreemptionConfig | bool = True,
         materialize: Any = False,
         fork_from: str | None = None,
+        fork_weights_only: bool = False,
         **options: Any,
     ) -> None:
         self.trainer = trainer
@@ -128,7 +131,9 @@ class TrainerCheckpointer:
                 "use `lightning-incremental export STORE STEP --format hf` or trainer.save_model()"
             )
         is_main = trainer.is_world_process_zero()
-        _fork.before_open(is_main, dirpath, fork_from, storage_options)
+        self._fork = _fork.before_open(
+            is_main, dirpath, fork_from, storage_options, fork_weights_only
+        )
         self.store = CheckpointStore(
             dirpath, storage_options=storage_options, optimizer_state=optimizer_state, **options
         )
@@ -167,7 +172,11 @@ class TrainerCheckpointer:
             self._last_saved = None
             self.preemption.start()
             try:
-                result = own(self.resume_point(resume_from_checkpoint), *args, **kwargs)
+                point = self.resume_point(resume_from_checkpoint)
+                if point is None and self._fork is not None:  # a fork of weights only
+                    model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+                    model.load_state_dict(_fork.source_weights(self._fork, "model"))
+                result = own(point, *args, **kwargs)
                 self.wait()
             except BaseException:
                 self.preemption.stop()

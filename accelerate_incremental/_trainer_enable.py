@@ -25,7 +25,6 @@ from typing import Any
 from accelerate_incremental import _hf_compat, _trainer
 from accelerate_incremental._flag import settings
 from accelerate_incremental._trainer import TrainerCheckpointer
-from lightning_incremental.core import ConfigError
 
 log = logging.getLogger("lightning_incremental")
 # Each enabled Trainer's checkpointer, by a weak reference: a checkpointer refers to its Trainer,
@@ -54,6 +53,7 @@ _PASSED = {
     "preemption",
     "materialize",
     "fork_from",
+    "fork_weights_only",
 }
 _RECOVERY = {
     "watchdog",
@@ -119,13 +119,6 @@ def _split(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 ignored.append(f"{key} is ignored for a Trainer: its {_TRAINER_OWNS[key]} rules")
         elif key in _RECOVERY:
             ignored.append(f"{key} is not used for a Trainer (no watchdog or replica check)")
-        elif key == "fork_weights_only":
-            if value:
-                raise ConfigError(
-                    "fork_weights_only is not available for a Trainer: it takes its weights from "
-                    "its model (from_pretrained, or `lightning-incremental export --format hf`); "
-                    "fork_from forks the whole checkpoint"
-                )
         elif key in _MEMORY:
             ignored.append(
                 f"{key} is not used for a Trainer (no memory tier yet: it checkpoints to the "
@@ -151,8 +144,9 @@ def enable_trainer(
     saves the step every process reaches next, then they exit 143), ``materialize`` (``"last"``,
     ``"best"`` or True: when ``train()`` ends, those ``checkpoint-N`` folders also get the
     model's weights, so ``from_pretrained`` loads them), ``fork_from`` (``"SRC[@STEP]"``: while
-    the store holds no checkpoint, fork that step into it first, as IncrementalCheckpointer does)
-    and store options (``full_every``, ...).
+    the store holds no checkpoint, fork that step into it first, as IncrementalCheckpointer does),
+    ``fork_weights_only`` (True: a ``train()`` that resumes no checkpoint starts from the forked
+    step's model weights, at step 0) and store options (``full_every``, ...).
 
     Raises:
         ValueError: a Trainer this integration cannot cover (DeepSpeed, FSDP, an unsupported

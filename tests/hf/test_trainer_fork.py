@@ -57,3 +57,42 @@ def test_the_launch_flag_json_forks_a_trainer(tmp_path: Path) -> None:
     assert forked.train().global_step == 4
     assert CheckpointStore(dst).steps() == [2, 4]
     assert len(list((src / "pins").iterdir())) == 1
+
+
+def test_a_fork_of_weights_only_trains_from_step_0_on_the_source_weights(tmp_path: Path) -> None:
+    """``fork_weights_only=True``: ``train()`` starts at step 0 from the source step's weights
+    (a fresh optimizer and schedule), its first checkpoint is coded against that step, and a
+    restart resumes the fork's own checkpoint."""
+    import torch
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    enable_trainer(first := tiny_trainer(tmp_path / "a", **SHORT), str(src))
+    first.train()
+    trained = weights(first)
+    forked = tiny_trainer(tmp_path / "b", **SHORT)
+    assert not _equal(weights(forked), trained)
+    enable_trainer(forked, str(dst), fork_from=f"{src}@2", fork_weights_only=True)
+    seen: list[dict] = []
+    real = forked.training_step
+
+    def first_step(*args, **kwargs):
+        if not seen:
+            seen.append(weights(forked))
+        return real(*args, **kwargs)
+
+    forked.training_step = first_step
+    assert forked.train().global_step == 2
+    assert _equal(seen[0], trained), "training did not start from the source's weights"
+    with CheckpointStore(dst) as store:
+        assert store.steps() == [2] and store.manifest(2).parent == 2
+    # By hand: the same Trainer started from the source's weights, bit for bit.
+    by_hand = tiny_trainer(tmp_path / "c", **SHORT)
+    with CheckpointStore(src) as store:
+        by_hand.model.load_state_dict(store.load(2, keys="model")["model"])
+    by_hand.train()
+    assert _equal(weights(forked), weights(by_hand))
+    again = tiny_trainer(tmp_path / "b", **LONG)
+    enable_trainer(again, str(dst), fork_from=f"{src}@2", fork_weights_only=True)
+    with pytest.warns(UserWarning, match="step 2 of"):  # its own checkpoint
+        assert again.train().global_step == 4
+    assert torch.is_tensor(next(iter(weights(again).values())))

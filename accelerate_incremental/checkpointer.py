@@ -103,8 +103,8 @@ class IncrementalCheckpointer:
             :meth:`load` resumes from the newest step every process agrees on when it is at
             least the store's newest (see :mod:`~._memory`); :attr:`resumed_tier` says which.
         fork_from: ``"SRC[@STEP]"``: while ``dirpath`` holds no checkpoint, fork that step of SRC
-            (default: its newest) into it first, for :meth:`load` (see the pool guide);
-            ``fork_weights_only=True``: :meth:`load` then takes only its models' weights.
+            (default: its newest) into it first, for :meth:`load` (see the pool guide).
+        fork_weights_only: with ``fork_from``, :meth:`load` takes only its models' weights.
         **options: further :class:`~lightning_incremental.core.StoreConfig` options
             (``full_every``, ``allow_pickle``, ...).
 

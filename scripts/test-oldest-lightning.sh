@@ -11,5 +11,4 @@ echo "$OLDEST" > "$constraints"
 PIP_CONSTRAINT="$constraints" VENV=.venv-oldest-lightning bash scripts/setup.sh test
 .venv-oldest-lightning/bin/python -c "import lightning; print('[test] against lightning', lightning.__version__)"
 exec .venv-oldest-lightning/bin/python -m pytest -q -p no:cacheprovider -m "not slow" \
-    -n "${TEST_WORKERS:-auto}" \
     tests/lightning tests/runtime/test_failure_policy.py tests/tools/test_cli.py "$@"

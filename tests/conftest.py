@@ -163,18 +163,6 @@ SPREAD_MODULES = frozenset(
         "test_cli.py",
         "test_demo.py",
         "test_scale_benchmark.py",
-        # Launches (torchrun, accelerate launch, Lightning's DDP) that check what a run ends
-        # with, bit for bit: no signal grace, freeze or heartbeat deadline of their own.
-        "test_sharded_torchrun.py",
-        "test_callback_sharded.py",
-        "test_accelerate_launch.py",
-        "test_accelerate_zero_edit.py",
-        "test_accelerate_resize.py",
-        "test_checkpoint_io.py",
-        "test_callback.py",
-        "test_sharded_retention.py",
-        "test_replicas.py",
-        "test_plugin_compat.py",
     }
 )
 

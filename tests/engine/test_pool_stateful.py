@@ -2,7 +2,8 @@
 faults.
 
 Hypothesis drives several stores — members of one pool, plain stores, forks of either (into the
-pool or not, forks of forks) — through random sequences of: save (after a load, so that chunks
+pool or not, forks of forks, whole or of weights only: the step as the fork's delta base) —
+through random sequences of: save (after a load, so that chunks
 are referenced, not written), a manifest write that fails before or after it landed, a pool gc
 in the middle of a save (between its objects and its manifest), member gc with any
 ``keep_last`` and no minimum age, delete, compaction, unpin, time passing (every object older
@@ -69,6 +70,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.expected: dict[str, dict[int, dict[str, Any]]] = {}  # store -> step -> state
         self.next_step: dict[str, int] = {}
         self.forks: list[tuple[str, str]] = []  # (source, fork)
+        self.bases: dict[str, dict[str, Any]] = {}  # a fork of weights only -> its first state
         self.refusals = 0
 
     @initialize(root=st.just(None))
@@ -125,6 +127,8 @@ class PoolMachine(RuleBasedStateMachine):
             state: dict[str, Any]
             if store.steps():
                 state = store.load()
+            elif name in self.bases:  # a fork of weights only starts from its source's step
+                state = {"model": {k: v.clone() for k, v in self.bases[name]["model"].items()}}
             else:
                 state = {"model": {"backbone": BACKBONE.clone(), "head": torch.zeros(64)}}
             state = {"model": dict(state["model"]), "step": step}
@@ -177,8 +181,14 @@ class PoolMachine(RuleBasedStateMachine):
                 store.gc()
 
     @precondition(lambda self: len(self.expected) < MAX_STORES)
-    @rule(data=st.data(), into=st.sampled_from(["default", "pool", "plain"]))
-    def fork(self, data: st.DataObject, into: str) -> None:
+    @rule(
+        data=st.data(),
+        into=st.sampled_from(["default", "pool", "plain"]),
+        whole=st.sampled_from([True, True, False]),
+    )
+    def fork(self, data: st.DataObject, into: str, whole: bool) -> None:
+        """Fork a recent step: whole (the step is the fork's), or as its delta base (a run
+        that starts again on those weights, numbering its own steps)."""
         sources = sorted(n for n, steps in self.expected.items() if steps)
         if not sources:
             return
@@ -186,9 +196,15 @@ class PoolMachine(RuleBasedStateMachine):
         step = data.draw(st.sampled_from(sorted(self.expected[src])[-2:]))  # not just 1
         dst = f"f{len(self.expected)}"
         pool = self.pool if into == "pool" else None
-        CheckpointStore.fork(self.url(src), self.url(dst), step, pool=pool, min_age_s=0.0)
-        self.expected[dst] = {step: self.expected[src][step]}
-        self.next_step[dst] = self.next_step[src]
+        CheckpointStore.fork(
+            self.url(src), self.url(dst), step, pool=pool, min_age_s=0.0, as_base=not whole
+        )
+        if whole:
+            self.expected[dst] = {step: self.expected[src][step]}
+            self.next_step[dst] = self.next_step[src]
+        else:
+            self.expected[dst], self.next_step[dst] = {}, 1
+            self.bases[dst] = self.expected[src][step]
         self.forks.append((src, dst))
 
     @precondition(lambda self: bool(self.forks))

@@ -10,13 +10,24 @@ with its own optimizer, schedulers and counters); its checkpoints are deltas of 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from accelerate_incremental import _compat
-from lightning_incremental.core import CheckpointStore, ConfigError
-from lightning_incremental.core.maintain.pool import open_location, read_links
+from lightning_incremental.core import ConfigError
 from lightning_incremental.runtime.coordinate import coordinated
-from lightning_incremental.runtime.fork import check_source, ensure_fork
+from lightning_incremental.runtime.fork import check_source, ensure_fork, forked_weights
+
+
+class WeightsFrom(NamedTuple):
+    """A fork of weights only: the store it was made into, whose source step holds the weights
+    the run starts from."""
+
+    dirpath: str
+    storage_options: dict[str, Any] | None
+
+    def load(self, key: str) -> Any:
+        """The source step's top-level ``key`` (the model's weights), on the CPU."""
+        return forked_weights(self.dirpath, key, self.storage_options)
 
 
 def before_open(
@@ -25,22 +36,18 @@ def before_open(
     fork_from: Any,
     storage_options: dict[str, Any] | None,
     weights_only: Any = False,
-) -> tuple[str, dict[str, Any] | None] | None:
+) -> WeightsFrom | None:
     """Fork into ``dirpath`` on the main process when ``fork_from`` is set (a collective);
-    returns what :func:`load_weights` needs for a fork of weights only, else None."""
-    if not isinstance(weights_only, bool):
-        raise TypeError(f"fork_weights_only must be a bool, got {weights_only!r}")
-    source = check_source(fork_from)
+    returns where a fork of weights only reads its weights, else None."""
+    source = check_source(fork_from, weights_only=weights_only)
     if source is None:
-        if weights_only:
-            raise ConfigError("fork_weights_only=True needs fork_from='SRC[@STEP]'")
         return None
     coordinated(
         lambda: ensure_fork(str(dirpath), source, storage_options, weights_only=weights_only),
         what=f"fork {source} into {dirpath}",
         is_coordinator=is_main_process,
     )
-    return (str(dirpath), storage_options) if weights_only else None
+    return WeightsFrom(str(dirpath), storage_options) if weights_only else None
 
 
 def start(
@@ -49,26 +56,12 @@ def start(
     options: dict[str, Any] | None,
     fork_from: Any,
     weights_only: Any,
-) -> tuple[str, dict[str, Any] | None] | None:
+) -> WeightsFrom | None:
     """:func:`before_open` for :class:`~accelerate_incremental.IncrementalCheckpointer`."""
     return before_open(accelerator.is_main_process, dirpath, fork_from, options, weights_only)
 
 
-def source_weights(fork: tuple[str, dict[str, Any] | None], key: str) -> Any:
-    """The top-level ``key`` of the step a fork of weights only was made from, read from its
-    source (on the CPU)."""
-    dirpath, storage_options = fork
-    links = read_links(open_location(dirpath, storage_options))
-    origin = links.forked_from if links is not None else None
-    if not origin:
-        raise ConfigError(f"{dirpath} records no fork: drop fork_weights_only")
-    with CheckpointStore(origin["url"], storage_options=storage_options) as store:
-        return store.load(origin["step"], keys=key, map_location="cpu")[key]
-
-
-def load_weights(
-    accelerator: Any, fork: tuple[str, dict[str, Any] | None] | None, *, sharded: bool
-) -> None:
+def load_weights(accelerator: Any, fork: WeightsFrom | None, *, sharded: bool) -> None:
     """A fork of weights only whose store holds no checkpoint: every process loads the forked
     step's model weights from the source into the prepared models (nothing else)."""
     if fork is None:
@@ -77,11 +70,11 @@ def load_weights(
         raise ConfigError(
             "fork_weights_only=True is not supported under FSDP yet; fork the whole checkpoint"
         )
-    saved = source_weights(fork, "models")
+    saved = fork.load("models")
     models = list(_compat.models(accelerator))
     if len(saved) != len(models):
         raise ConfigError(
-            f"the step forked into {fork[0]} holds {len(saved)} models, this run prepared "
+            f"the step forked into {fork.dirpath} holds {len(saved)} models, this run prepared "
             f"{len(models)}"
         )
     for model, weights in zip(models, saved, strict=True):

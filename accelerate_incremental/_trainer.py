@@ -175,7 +175,7 @@ class TrainerCheckpointer:
                 point = self.resume_point(resume_from_checkpoint)
                 if point is None and self._fork is not None:  # a fork of weights only
                     model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-                    model.load_state_dict(_fork.source_weights(self._fork, "model"))
+                    model.load_state_dict(self._fork.load("model"))
                 result = own(point, *args, **kwargs)
                 self.wait()
             except BaseException:

@@ -15,10 +15,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_incremental.core import CheckpointStore, ConfigError
-from lightning_incremental.core.maintain.pool import open_location, read_links
+from lightning_incremental.core import ConfigError
 from lightning_incremental.runtime.coordinate import coordinated
-from lightning_incremental.runtime.fork import check_source, ensure_fork, split_step
+from lightning_incremental.runtime.fork import (
+    check_source,
+    ensure_fork,
+    forked_weights,
+    split_step,
+)
 
 
 @dataclass(frozen=True)
@@ -28,12 +32,9 @@ class ForkOptions:
 
 
 def options(fork_from: Any, weights_only: Any, *, resume: bool) -> ForkOptions:
-    if not isinstance(weights_only, bool):
-        raise TypeError(f"fork_weights_only must be a bool, got {weights_only!r}")
-    source = check_source(fork_from, resume=resume)
-    if weights_only and source is None:
-        raise ConfigError("fork_weights_only=True needs fork_from='SRC[@STEP]'")
-    return ForkOptions(source, weights_only)
+    return ForkOptions(
+        check_source(fork_from, resume=resume, weights_only=weights_only), weights_only
+    )
 
 
 def before_open(
@@ -71,10 +72,5 @@ def load_weights(
             "ModelParallelStrategy) yet; fork the whole checkpoint, or load the weights from "
             f"{split_step(fork.source)[0]} yourself with CheckpointStore.load(keys='state_dict')"
         )
-    links = read_links(open_location(url, storage_options))
-    origin = links.forked_from if links is not None else None
-    step = origin.get("step") if origin else None
-    src = origin.get("url") if origin else split_step(fork.source)[0]
-    with CheckpointStore(src, storage_options=storage_options) as store:
-        state = store.load(step, keys="state_dict", map_location="cpu")
-    module.load_state_dict(state["state_dict"], strict=module.strict_loading)
+    weights = forked_weights(url, "state_dict", storage_options)
+    module.load_state_dict(weights, strict=module.strict_loading)

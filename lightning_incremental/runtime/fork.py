@@ -26,10 +26,17 @@ def split_step(source: str) -> tuple[str, int | None]:
     return source, None
 
 
-def check_source(fork_from: str | os.PathLike[str] | None, *, resume: bool = True) -> str | None:
+def check_source(
+    fork_from: str | os.PathLike[str] | None, *, resume: bool = True, weights_only: Any = False
+) -> str | None:
     """``fork_from`` as given to a plug-in: None, or a non-empty ``SRC[@STEP]`` (which needs
-    ``resume``: the run starts from the forked step)."""
+    ``resume``: the run starts from the forked step); ``weights_only`` (``fork_weights_only``)
+    is a bool, and True only with a ``fork_from``."""
+    if not isinstance(weights_only, bool):
+        raise TypeError(f"fork_weights_only must be a bool, got {weights_only!r}")
     if fork_from is None:
+        if weights_only:
+            raise ConfigError("fork_weights_only=True needs fork_from='SRC[@STEP]'")
         return None
     if not resume:
         raise ConfigError("fork_from starts the run from the forked step: it needs resume=True")
@@ -100,3 +107,18 @@ def ensure_fork(
             f"{origin.get('url')} {target.url}`, and start again"
         )
     return None
+
+
+def forked_weights(dst: str, key: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """The top-level ``key`` (the model's weights) of the step ``dst`` was forked from, read from
+    its source on the CPU: what a fork of weights only starts from.
+
+    Raises:
+        ConfigError: ``dst`` records no fork.
+    """
+    links = read_links(open_location(dst, storage_options))
+    origin = links.forked_from if links is not None else None
+    if not origin:
+        raise ConfigError(f"{dst} records no fork: drop fork_weights_only")
+    with CheckpointStore(origin["url"], storage_options=storage_options) as store:
+        return store.load(origin["step"], keys=key, map_location="cpu")[key]

@@ -387,10 +387,9 @@ def encode(
                     out.chunks_reused += 1
                     continue
                 task = _Task(
-                    digest, piece, width, None, None, None, lossy=lossy, raw_digest=raw_digest
-                )
-                task.tensor_bytes = int(raw.size)
-                task.last = offset + config.chunk_size >= raw.size
+                    digest, piece, width, None, None, None, lossy=lossy, raw_digest=raw_digest,
+                    tensor_bytes=int(raw.size), last=offset + config.chunk_size >= raw.size,
+                )  # fmt: skip
                 index = offset // config.chunk_size
                 base_digests = xor_base[1] if xor_base is not None else stored_base
                 if base_digests is not None and not full_base and index < len(base_digests):

@@ -361,6 +361,10 @@ class Preemption:
             timer, self._fallback = self._fallback, None
         if timer is not None:
             timer.cancel()
+            if timer is not threading.current_thread():
+                # Cancelled, the thread ends at once: wait for it, so that an undone install
+                # leaves no thread behind (one that already fired is acting: not waited long).
+                timer.join(1.0)
 
     def _log_request(self, reason: str) -> None:
         log.warning(

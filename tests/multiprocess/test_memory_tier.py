@@ -43,6 +43,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _wait_for_port(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+
+
 def _agent(tmp: Path, node: int, port: int) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
@@ -72,12 +81,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     port = _free_port()
     started = time.monotonic()
     nodes = [_agent(tmp, 0, port)]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # the first agent hosts the rendezvous
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.1)
+    _wait_for_port(port)  # the first agent hosts the rendezvous
     nodes.append(_agent(tmp, 1, port))
     events = tmp / "out" / "events.jsonl"
     deadline = time.monotonic() + TIMEOUT_S

@@ -1,0 +1,135 @@
+"""An Accelerate training loop over two torchrun agents (two nodes, one process each) through the
+API (``IncrementalCheckpointer``: ``load``, ``iterate``, ``maybe_save``) with the memory tier
+every step and the store every 10 steps, for ``tests/multiprocess/test_accelerate_memory_tier.py``.
+
+``python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 ...
+tests/jobs/memory_accelerate_job.py --dir D --out O [--kill RANK:STEP[:wipe] ...]``, each agent
+with its own ``LIGHTNING_INCREMENTAL_MEMORY_DIR``.
+
+The first incarnation first trains an uninterrupted reference (memory tier off, its own store)
+and writes each process's final state to ``O/ref_rank<r>.pt``; then the run under test starts.
+Each ``--kill`` SIGKILLs RANK's training process once it finished STEP and its memory step is
+taken and replicated (once in the job; its agent restarts the group); with ``wipe`` it first
+empties its node's memory directory, so that its part must come from the other node. The
+incarnation that finishes writes ``O/final_rank<r>.pt``. Events (starts with ``resumed_from``,
+``resumed_tier`` and the node's memory directory, the kills, the end) go to ``O/events.jsonl``.
+
+The DataLoader shuffles with its own seeded generator, the model has dropout, and each process
+seeds its global RNG differently: the run ends bit-identical to the reference only if the
+weights, the optimizer, the scheduler, the sampler state, the data position and each process's
+random state all come back from memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+if __package__ in (None, ""):  # run as a script: make the packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from accelerate_incremental import IncrementalCheckpointer
+from lightning_incremental.runtime.memory_tier import ENV
+from tests.jobs.torchrun_job import Events
+
+EPOCHS = 2  # 16 steps an epoch on each of the two processes
+
+
+def train(
+    store: Path, kills: list[str], events: Events | None, out: Path, **memory: Any
+) -> dict[str, Any]:
+    """One run into ``store`` (an accelerator of its own); returns this process's final state."""
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    loader = DataLoader(
+        data, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(7)
+    )
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.9)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    torch.manual_seed(100 + accelerator.process_index)  # per-process dropout streams
+    ckpt = IncrementalCheckpointer(accelerator, str(store), every_n_steps=10, **memory)
+    resumed = ckpt.load()
+    step = resumed or 0
+    if events is not None:
+        events(
+            "started", step=step, resumed_from=resumed, resumed_tier=ckpt.resumed_tier,
+            node=os.environ[ENV],
+        )  # fmt: skip
+    while loader.iteration < EPOCHS:
+        for x, y in ckpt.iterate(loader):
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+            ckpt.maybe_save(step)
+            for spec in kills:
+                _maybe_kill(ckpt, spec, step, accelerator.process_index, events, out)
+    ckpt.wait()
+    final = {
+        "step": step,
+        "model": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
+        "rng": torch.get_rng_state(),
+    }
+    ckpt.close()
+    return final
+
+
+def _maybe_kill(
+    ckpt: IncrementalCheckpointer, spec: str, step: int, rank: int, events: Events | None, out: Path
+) -> None:
+    who, at, *how = spec.split(":")
+    if step != int(at) or rank != int(who):
+        return
+    try:
+        (out / f"killed-{who}-{at}").touch(exist_ok=False)
+    except FileExistsError:  # once in the job
+        return
+    ckpt.wait()  # this process's memory step, replicated
+    if how == ["wipe"]:
+        shutil.rmtree(os.environ[ENV])
+    if events is not None:
+        events("kill", step=step, wiped=how == ["wipe"], node=os.environ[ENV])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kill", action="append", default=[])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("accelerate_incremental").setLevel(logging.INFO)  # the resume line
+    out, root = Path(args.out), Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    events = Events(out)
+    rank = int(os.environ["RANK"])
+    if not all((out / f"ref_rank{r}.pt").exists() for r in (0, 1)):
+        torch.save(train(root / "ref", [], None, out), out / f"ref_rank{rank}.pt")
+    final = train(root / "final", args.kill, events, out, memory_every_n_steps=1)
+    torch.save(final, out / f"final_rank{rank}.pt")
+    events("finished", step=final["step"])
+    torch.distributed.barrier()
+    logging.shutdown()
+    os._exit(0)  # without gloo's teardown at exit (see torchrun_job)
+
+
+if __name__ == "__main__":
+    main()

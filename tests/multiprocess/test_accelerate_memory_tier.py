@@ -1,0 +1,107 @@
+"""The memory tier under Accelerate, end to end: a plain training loop through the API
+(``IncrementalCheckpointer``) over two torchrun agents as two nodes (``--nnodes=2``, one process
+each, each with its own memory directory), memory every step, store every 10 steps, one launch:
+
+- at step 25 one node's memory directory is emptied and its process SIGKILLed; its agent
+  restarts the group, which resumes from the memory tier at step 25, above the store's step 20:
+  the part of the emptied node's rank comes from the other node's replica (``resumed_tier`` is
+  ``"peer"``, the group's);
+- at step 29 the other node's process is SIGKILLed: both resume from their own node's memory;
+
+and the run ends bit-identical (weights and each process's random state) to an uninterrupted run
+of the same loop (trained first, in the same launch)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_incremental.runtime.memory_tier import ENV
+from tests.multiprocess.test_memory_tier import _free_port, _incarnations, _wait_for_port
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "tests" / "jobs" / "memory_accelerate_job.py"
+TIMEOUT_S = 300
+
+
+def _agent(tmp: Path, node: int, port: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=memory",
+        f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120", "--max-restarts=3",
+        "--monitor-interval=0.1", str(JOB), "--dir", str(tmp / "stores"), "--out",
+        str(tmp / "out"), "--kill", "1:25:wipe", "--kill", "0:29",
+    ]  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        **{ENV: str(tmp / f"memory{node}")},
+    )
+    with (tmp / f"node{node}.log").open("w") as sink:
+        return subprocess.Popen(
+            command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("accelerate_memory_tier")
+    port = _free_port()
+    nodes = [_agent(tmp, 0, port)]
+    _wait_for_port(port)  # the first agent hosts the rendezvous
+    nodes.append(_agent(tmp, 1, port))
+    try:
+        for node in nodes:
+            node.wait(timeout=max(1.0, TIMEOUT_S))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    logs = "".join((tmp / f"node{n}.log").read_text() for n in range(len(nodes)))
+    assert [node.returncode for node in nodes] == [0, 0], logs[-8000:]
+    events = [json.loads(line) for line in (tmp / "out" / "events.jsonl").read_text().splitlines()]
+    return {"tmp": tmp, "events": events, "logs": logs}
+
+
+def test_an_accelerate_loop_resumes_from_its_memory_and_a_peers_bit_identically(
+    killed: dict[str, Any],
+) -> None:
+    events, out = killed["events"], killed["tmp"] / "out"
+    kills = [(e["rank"], e["step"], e["wiped"]) for e in events if e["event"] == "kill"]
+    assert kills == [(1, 25, True), (0, 29, False)], killed["logs"][-8000:]
+    first, after_wipe, after_kill = _incarnations(events)
+    assert {r: e["resumed_from"] for r, e in first.items()} == {0: None, 1: None}
+    for start in after_wipe.values():  # the store holds step 20; memory the step of the kill
+        # the group's tier: a part came from the other node (whichever rank each node now runs)
+        assert (start["resumed_from"], start["resumed_tier"]) == (25, "peer"), start
+    for start in after_kill.values():
+        assert (start["resumed_from"], start["resumed_tier"]) == (29, "memory"), start
+    finished = [e for e in events if e["event"] == "finished"]
+    assert {e["rank"] for e in finished} == {0, 1} and {e["step"] for e in finished} == {32}
+    assert "of the memory tier" in killed["logs"]
+    for rank in (0, 1):
+        final = torch.load(out / f"final_rank{rank}.pt")
+        reference = torch.load(out / f"ref_rank{rank}.pt")
+        assert final["step"] == reference["step"] == 32
+        assert final["model"].keys() == reference["model"].keys()
+        for key, value in reference["model"].items():
+            assert torch.equal(final["model"][key], value), (rank, key)
+        assert torch.equal(final["rng"], reference["rng"]), rank

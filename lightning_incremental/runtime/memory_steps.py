@@ -166,8 +166,10 @@ class MemorySteps:
         checkpoint, error = None, None
         try:
             received = fetch_plan(plan, self.tier, self.rank, self.group) if world > 1 else None
-            part = received or self.tier.part(self.rank, plan.step, plan.generation)
-            checkpoint = self.tier.restore(part)
+            if received is not None:
+                checkpoint = self.tier.restore(received)
+            else:  # this node's copy: read into the tensors, hashed on the way (one pass)
+                checkpoint = self.tier.load(self.rank, plan.step, plan.generation)
             check(checkpoint, plan.step)
         except Exception as exc:  # every rank learns below; all resume from the store
             error = exc

@@ -257,3 +257,17 @@ def test_goodput_benchmark_counts_saves_and_reports_overheads(tmp_path: Path) ->
     text = (tmp_path / "goodput.md").read_text()
     assert "| callback |" in text and "| modelcheckpoint |" in text and "## Goals" in text
     assert "a core free, every 5" in text
+
+
+@pytest.mark.slow
+def test_memory_restore_benchmark_reads_own_memory_and_a_peers(tmp_path: Path) -> None:
+    """The memory tier's restore benchmark: a resume from this node's memory and one from the
+    other node's (two gloo processes), each beside its baseline."""
+    _bench("benchmarks.memory_restore", "--mb", "8", "--repeats", "2", "--out", str(tmp_path))
+    doc = json.loads((tmp_path / "memory_restore.json").read_text())
+    own, peer = doc["own"], doc["peer"]
+    assert own["part_bytes"] >= 8 << 20 and peer["part_bytes"] >= 8 << 20
+    assert own["memory_s"] > 0 and own["torch_load_s"] > 0
+    assert peer["resume_s"] > 0 and peer["gloo_send_s"] > 0 and len(peer["rounds"]) == 2
+    table = (tmp_path / "memory_restore.md").read_text()
+    assert "own node's memory" in table and "from a peer" in table

@@ -68,6 +68,28 @@ def test_the_walk_triggers_no_garbage_collection() -> None:
     assert gc.isenabled()
 
 
+def test_what_the_walk_made_is_not_left_for_the_next_young_collection() -> None:
+    """Resumed with every object of the walk young, the first collection after it (on the
+    training thread, once ``save`` returned) scanned them all, and the next older one again:
+    they are promoted to the oldest generation, where only a full collection looks."""
+    state = _many(3000)
+    gc.collect()
+    flat = flatten_state(state, pool=BufferPool())
+    young = len(gc.get_objects(generation=0)) + len(gc.get_objects(generation=1))
+    assert young < 1000, young  # the walk made about 25,000
+    assert flat.leaves and gc.isenabled()
+
+
+def test_a_freeze_made_by_someone_else_is_left_as_it_is() -> None:
+    gc.freeze()  # a server that froze its objects before forking workers
+    try:
+        frozen = gc.get_freeze_count()
+        flatten_state(_many(100), pool=BufferPool())
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_collection_stays_off_when_the_caller_turned_it_off() -> None:
     gc.disable()
     try:

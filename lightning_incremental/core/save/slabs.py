@@ -31,10 +31,11 @@ from lightning_incremental.core.format.tree import Leaf, dtype_name, key_path
 SLAB_MAX = 256 << 10
 
 
-#: A small tensor seen by the walk, and what it looked like then (a plain tuple: the walk makes
-#: one per tensor): (tensor, key path, slot, index in the snapshot's leaves, shape,
-#: requires_grad, is a parameter).
-Noted = tuple[torch.Tensor, tuple[Any, ...], int, int, torch.Size, bool, bool]
+#: A small tensor seen by the walk, what it looked like then (a plain tuple: the walk makes one
+#: per tensor): (key path, slot, index in the snapshot's leaves, shape, requires_grad, is a
+#: parameter, bytes). The tensor itself is kept apart, in its dtype's list of sources, so that
+#: nothing is left to build to let go of it once copied.
+Noted = tuple[tuple[Any, ...], int, int, torch.Size, bool, bool, int]
 
 
 @dataclass
@@ -43,43 +44,44 @@ class Slab:
 
     dtype: torch.dtype
     data: torch.Tensor
-    noted: list[tuple[tuple[Any, ...], int, int, torch.Size, bool, bool]]  # Noted less tensor
-    numels: list[int]
+    noted: list[Noted]
 
 
 @dataclass
 class Slabs:
     """The small tensors of one snapshot: noted during the walk, copied after it."""
 
-    by_dtype: dict[torch.dtype, list[Noted]] = field(default_factory=dict)
+    #: dtype -> (the tensors, what was noted of each), in the order seen
+    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[Noted]]] = field(
+        default_factory=dict
+    )
     copied: list[Slab] = field(default_factory=list)
 
-    def note(self, noted: Noted, dtype: torch.dtype) -> None:
+    def note(self, tensor: torch.Tensor, noted: Noted, dtype: torch.dtype) -> None:
         group = self.by_dtype.get(dtype)
         if group is None:
-            group = self.by_dtype[dtype] = []
-        group.append(noted)
+            self.by_dtype[dtype] = ([tensor], [noted])
+        else:
+            group[0].append(tensor)
+            group[1].append(noted)
 
     def copy(self, pool: BufferPool | None) -> None:
         """Copy every noted tensor into its dtype's slab (the part of the snapshot that must
         happen before ``save`` returns)."""
-        for dtype, noted in self.by_dtype.items():
-            numels = [n[4].numel() for n in noted]
-            itemsize = dtype.itemsize
-            total = sum(numels)
+        for dtype, (tensors, noted) in self.by_dtype.items():
+            sizes = [n[6] for n in noted]
+            total = sum(sizes)
             if pool is not None:
-                starts = [0, *itertools.accumulate(numels[:-1])]
-                raw = pool.lend_slab(total * itemsize, [s * itemsize for s in starts])
+                raw = pool.lend_slab(total, [0, *itertools.accumulate(sizes[:-1])])
                 data = raw.view(dtype)
             else:
-                data = torch.empty(total, dtype=dtype)
-            sources = [n[0] if n[0].dim() == 1 else n[0].reshape(-1) for n in noted]
+                data = torch.empty(total // dtype.itemsize, dtype=dtype)
+            sources = [t if t.dim() == 1 else t.reshape(-1) for t in tensors]
             with torch.no_grad():  # out= refuses inputs that require grad otherwise
                 torch.cat(sources, out=data)
             del sources
-            kept = [n[1:] for n in noted]  # the copy is taken: let go of the tensors
-            self.copied.append(Slab(dtype, data, kept, numels))
-        self.by_dtype = {}
+            self.copied.append(Slab(dtype, data, noted))
+        self.by_dtype.clear()  # the copies are taken: let go of the tensors
 
 
 class SlabLeaf(Leaf):
@@ -130,15 +132,13 @@ def _complete(slabs: Slabs, leaves: list[Leaf | None]) -> None:
         width = group_width(slab.dtype.itemsize, slab.dtype.is_complex)
         raw = slab.data.view(torch.uint8).numpy()  # numpy slices cost a tenth of torch views
         itemsize = slab.dtype.itemsize
-        start = 0
+        start = 0  # bytes
         data = slab.data
-        for (path, slot, index, shape, requires_grad, parameter), numel in zip(
-            slab.noted, slab.numels
-        ):
-            end = start + numel
+        for path, slot, index, shape, requires_grad, parameter, size in slab.noted:
+            end = start + size
             leaves[index] = SlabLeaf(
                 key_path(path), name, list(shape), width, parameter, requires_grad, slot,
-                raw[start * itemsize : end * itemsize], data, start,
+                raw[start:end], data, start // itemsize,
             )  # fmt: skip
             start = end
     slabs.copied = []

@@ -228,12 +228,13 @@ class _Flattener:
             # copied with the other small tensors of its dtype once the walk is done
             parameter = type(t) is torch.nn.Parameter or bool(getattr(t, "_is_param", False))
             leaves = self.leaves
-            noted = (t, path, slot, len(leaves), t.shape, requires_grad, parameter)
+            noted = (path, slot, len(leaves), t.shape, requires_grad, parameter, nbytes)
             group = self.small.get(dtype)
             if group is None:
-                self.small[dtype] = [noted]
+                self.small[dtype] = ([t], [noted])
             else:
-                group.append(noted)
+                group[0].append(t)
+                group[1].append(noted)
             leaves.append(None)  # type: ignore[arg-type]  # built by slabs.complete
             return slot
         self.leaves.append(self.snapshot(t, key_path(path), slot))

@@ -2,11 +2,13 @@
 every step and the store every 10 steps, for ``tests/multiprocess/test_memory_tier.py``.
 
 ``python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 ... tests/jobs/memory_job.py
---dir D --out O [--kill RANK:STEP[:wipe|:node] ...]``, each agent with its own
-``LIGHTNING_INCREMENTAL_MEMORY_DIR``.
+--dir D --out O [--kill RANK:STEP[:wipe|:node] ...] [--memory-every N] [--no-reference]``, each
+agent with its own ``LIGHTNING_INCREMENTAL_MEMORY_DIR`` (``--memory-every 0``: the store alone, for
+``benchmarks.recovery``).
 
-The first incarnation first trains an uninterrupted reference (memory tier off, its own store)
-and saves each rank's final weights to ``O/ref_rank<r>.pt``; then the run under test starts.
+Unless ``--no-reference``, the first incarnation first trains an uninterrupted reference (memory
+tier off, its own store) and saves each rank's final weights to ``O/ref_rank<r>.pt``; then the
+run under test starts.
 Each ``--kill`` SIGKILLs RANK's training process (``@NAME``: the rank whose memory directory is
 named NAME) when it reaches STEP, once in the job, after its memory step in flight is
 replicated (its agent restarts the group); with ``wipe`` it first empties its node's memory
@@ -60,7 +62,7 @@ class Kill(L.Callback):
             except FileExistsError:
                 return
             self.ckpt.wait()
-            if self.wipe:
+            if self.wipe and Path(os.environ[ENV]).exists():  # none with the store alone
                 shutil.rmtree(os.environ[ENV])
             self.events("kill", step=self.step, wiped=self.wipe, node=self.node)
             if self.node:
@@ -109,19 +111,21 @@ def main() -> None:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill", action="append", default=[])
+    parser.add_argument("--memory-every", type=int, default=1, help="0: the store alone")
+    parser.add_argument("--no-reference", action="store_true", help="train no reference first")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out, root = Path(args.out), Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
     events = Events(out)
-    if not all((out / f"ref_rank{r}.pt").exists() for r in (0, 1)):
+    if not args.no_reference and not all((out / f"ref_rank{r}.pt").exists() for r in (0, 1)):
         fit(root / "ref", out, [])
     kills = [lambda ckpt, spec=spec: Kill(ckpt, spec, events, out) for spec in args.kill]
     trainer = fit(
         root / "final",
         out,
         [lambda ckpt: Record(ckpt, events), *kills],
-        memory_every_n_train_steps=1,
+        memory_every_n_train_steps=args.memory_every or None,
     )
     events("finished", step=trainer.global_step)
     trainer.strategy.barrier()

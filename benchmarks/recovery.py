@@ -1,0 +1,165 @@
+"""From a failure to training again: the memory tier every step against the store alone.
+
+``python -m benchmarks.recovery [--out DIR]``
+
+Two torchrun agents as two nodes on this machine (one training process each, each node with its
+own memory directory), running the Lightning DDP job of ``tests/jobs/memory_job.py`` (a tiny
+model, the store every 10 steps), twice: with the memory tier every step and with the store
+alone. Each run meets the same three failures, as a cluster does:
+
+- **process**: one node's training process SIGKILLed at step 25 (its agent restarts the group);
+- **node**: at step 29 the other node lost whole (agent and process SIGKILLed, its memory with
+  it) and a replacement agent with an empty memory directory started;
+- **both**: at step 31 both nodes' processes killed with their memory emptied.
+
+For each failure: the step the group resumed from, the steps it lost (the step reached less the
+step resumed from), the tier that gave it, and the seconds from the kill to training again
+(the restarted processes' ``on_train_start``; most of it is torchrun's restart, the rendezvous
+and the imports, the same with either). Writes ``recovery.{json,md}`` under ``--out`` (default
+``bench_out``; the committed results come from ``--out benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "jobs" / "memory_job.py"
+KILLS = ("1:25", "@memory1:29:node", "0:31:wipe", "1:31:wipe")
+FAILURES = ("process", "node", "both")
+TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _agent(tmp: Path, node: int, port: int, memory_every: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=recovery",
+        f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120", "--max-restarts=3",
+        "--monitor-interval=0.1", str(JOB), "--dir", str(tmp / "stores"), "--out",
+        str(tmp / "out"), "--no-reference", "--memory-every", str(memory_every),
+        *[arg for kill in KILLS for arg in ("--kill", kill)],
+    ]  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        LIGHTNING_INCREMENTAL_MEMORY_DIR=str(tmp / f"memory{node}"),
+    )
+    with (tmp / f"node{node}.log").open("w") as sink:
+        return subprocess.Popen(
+            command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+def _wait_for_port(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+
+
+def run(memory_every: int, scratch: Path) -> list[dict[str, Any]]:
+    """One job with the three failures; a record per failure."""
+    tmp = scratch / f"memory_every_{memory_every}"
+    tmp.mkdir()
+    port = _free_port()
+    nodes = [_agent(tmp, 0, port, memory_every)]
+    _wait_for_port(port)  # the first agent hosts the rendezvous
+    nodes.append(_agent(tmp, 1, port, memory_every))
+    events_file = tmp / "out" / "events.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while any(n.poll() is None for n in nodes) and time.monotonic() < deadline:
+            if (
+                len(nodes) == 2
+                and events_file.exists()
+                and '"node": true' in events_file.read_text()
+            ):
+                nodes[1].wait(timeout=30)  # the lost node's agent
+                nodes.append(_agent(tmp, 2, port, memory_every))  # its replacement
+            time.sleep(0.1)
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(n.pid, signal.SIGKILL)
+                n.wait()
+    logs = "".join((tmp / f"node{i}.log").read_text() for i in range(len(nodes)))
+    if [n.returncode for n in nodes] != [0, -signal.SIGKILL, 0]:
+        raise RuntimeError(f"the job did not end as planned:\n{logs[-6000:]}")
+    events = [json.loads(line) for line in events_file.read_text().splitlines()]
+    kills = [e for e in events if e["event"] == "kill"]
+    starts = [e for e in events if e["event"] == "started"]
+    rows = []
+    for name, kill in zip(FAILURES, kills[:3], strict=True):  # the two kills at 31 are one
+        back = min((e for e in starts if e["time"] > kill["time"]), key=lambda e: e["time"])
+        rows.append(
+            {
+                "failure": name,
+                "memory_every": memory_every,
+                "killed_at": kill["step"],
+                "resumed_from": back["resumed_from"],
+                "steps_lost": kill["step"] - back["resumed_from"],
+                "tier": back["resumed_tier"] or "store",
+                "seconds_to_training": back["time"] - kill["time"],
+            }
+        )
+    return rows
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| failure | tier | killed at | resumed from | steps lost | training again after |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        which = "memory every step + store every 10" if r["memory_every"] else "store every 10"
+        lines.append(
+            f"| {r['failure']} ({which}) | {r['tier']} | {r['killed_at']} | "
+            f"{r['resumed_from']} | {r['steps_lost']} | {r['seconds_to_training']:.1f} s |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.recovery")
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="li-bench-recovery-") as scratch:
+        for memory_every in (1, 0):
+            rows += run(memory_every, Path(scratch))
+    from benchmarks.machine import describe
+
+    doc = {"machine": describe(), "loadavg": os.getloadavg(), "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recovery.json").write_text(json.dumps(doc, indent=1))
+    text = report(rows)
+    (out / "recovery.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ them was given back (the delta base may keep some of them for a while).
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -116,6 +117,11 @@ def gather(parts: Sequence[bytes | memoryview]) -> memoryview:
     return out.data
 
 
+def _gil_enabled() -> bool:
+    probe = getattr(sys, "_is_gil_enabled", None)  # Python 3.13+
+    return True if probe is None else bool(probe())
+
+
 _collection_lock = threading.Lock()
 _collection_pauses = 0
 _collection_was_enabled = False
@@ -140,7 +146,8 @@ def collection_paused() -> Iterator[None]:
     (``gc.freeze`` then ``gc.unfreeze``: two list splices, no scan), where only a full collection
     looks at them; most die by reference count before one runs. Young garbage cycles made just
     before the block wait for that full collection too. Skipped when anything else in the
-    process froze objects (``gc.get_freeze_count()``): unfreezing would undo its freeze."""
+    process froze objects (``gc.get_freeze_count()``): unfreezing would undo its freeze; and on
+    a free-threaded build, whose freeze visits every object."""
     global _collection_pauses, _collection_was_enabled
     with _collection_lock:
         if _collection_pauses == 0:
@@ -153,7 +160,7 @@ def collection_paused() -> Iterator[None]:
         with _collection_lock:
             _collection_pauses -= 1
             if _collection_pauses == 0 and _collection_was_enabled:
-                if gc.get_freeze_count() == 0:
+                if gc.get_freeze_count() == 0 and _gil_enabled():
                     gc.freeze()
                     gc.unfreeze()
                 gc.enable()

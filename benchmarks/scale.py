@@ -33,6 +33,7 @@ import gc
 import importlib
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -444,6 +445,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 SWEEPS = ("tensors", "big", "ranks")
 _SETTINGS = {"tensors": ("tensors",), "big": ("big_gb",), "ranks": ("ranks",)}
+_KEPT = re.compile(
+    r"the rows of (?P<sweeps>[a-z, ]+) are kept from the run of commit (?P<commit>\S+)"
+)
 
 
 def keep_other_sweeps(
@@ -463,15 +467,26 @@ def keep_other_sweeps(
         return records, notes, settings
     names = sorted({r["sweep"] for r in kept}, key=SWEEPS.index)
     commit = str(before.get("machine", {}).get("git_commit"))[:10]
+    origin = {sweep: commit for sweep in names}  # rows the previous run kept keep their origin
+    for note in before.get("notes", []):
+        found = _KEPT.fullmatch(note)
+        if found:
+            for sweep in found["sweeps"].split(", "):
+                if sweep in origin:
+                    origin[sweep] = found["commit"]
     merged = {**before.get("settings", {}), **settings}
     for sweep in names:
         for key in _SETTINGS[sweep]:
             merged[key] = before.get("settings", {}).get(key)
-    note = f"the rows of {', '.join(names)} are kept from the run of commit {commit}"
+    kept_notes = [
+        f"the rows of {', '.join(s for s in names if origin[s] == c)} are kept from the run of "
+        f"commit {c}"
+        for c in dict.fromkeys(origin[s] for s in names)
+    ]
     old_notes = [n for n in before.get("notes", []) if "kept from the run" not in n]
     order = {sweep: i for i, sweep in enumerate(SWEEPS)}
     rows = sorted([*records, *kept], key=lambda r: order.get(r.get("sweep", ""), len(order)))
-    return rows, [*notes, *old_notes, note], merged
+    return rows, [*notes, *old_notes, *kept_notes], merged
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -159,6 +159,31 @@ def test_the_ranks_sweep_is_skipped_with_a_note_or_takes_the_modules_records(
     assert [(r["sweep"], r["ranks"]) for r in rows] == [("ranks", 2), ("ranks", 4)]
 
 
+def test_rows_kept_from_earlier_runs_name_the_run_that_measured_them(tmp_path: Path) -> None:
+    """A run of one sweep keeps the other sweeps' rows; rows the previous run had itself kept
+    still name the run that measured them, not the previous one."""
+    previous = tmp_path / "scale.json"
+    rows = [{"sweep": sweep, "figure": sweep} for sweep in ("tensors", "big", "ranks")]
+    previous.write_text(
+        json.dumps(
+            {
+                "machine": {"git_commit": "bbbbbbbbbbbbbbbb"},
+                "settings": {"tensors": [2000], "big_gb": [1.0], "ranks": [16]},
+                "notes": ["the rows of big, ranks are kept from the run of commit aaaaaaaaaa"],
+                "records": rows,
+            }
+        )
+    )
+    new = [{"sweep": "big", "figure": "new"}]
+    kept, notes, settings = scale.keep_other_sweeps(previous, {"big"}, new, [], {"big_gb": [4.0]})
+    assert [r["figure"] for r in kept] == ["tensors", "new", "ranks"]
+    assert notes == [
+        "the rows of tensors are kept from the run of commit bbbbbbbbbb",
+        "the rows of ranks are kept from the run of commit aaaaaaaaaa",
+    ]
+    assert settings["big_gb"] == [4.0] and settings["ranks"] == [16]
+
+
 def test_the_options_default_by_mode_and_refuse_unknown_sweeps() -> None:
     quick = scale.parse(["--quick"])
     assert quick.repeats == 1 and quick.sweeps == {"tensors", "big", "ranks"}

@@ -18,14 +18,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from lightning_incremental.runtime.memory_tier import ENV
+from tests.multiprocess.test_memory_tier import _agent as two_node_agent
 from tests.multiprocess.test_memory_tier import _free_port, _incarnations, _wait_for_port
 
 pytestmark = pytest.mark.slow
@@ -36,25 +35,7 @@ TIMEOUT_S = 300
 
 
 def _agent(tmp: Path, node: int, port: int) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=memory",
-        f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120", "--max-restarts=3",
-        "--monitor-interval=0.1", str(JOB), "--dir", str(tmp / "stores"), "--out",
-        str(tmp / "out"), "--kill", "1:25:wipe", "--kill", "0:29",
-    ]  # fmt: skip
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-        **{ENV: str(tmp / f"memory{node}")},
-    )
-    with (tmp / f"node{node}.log").open("w") as sink:
-        return subprocess.Popen(
-            command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
-            start_new_session=True,
-        )  # fmt: skip
+    return two_node_agent(tmp, node, port, JOB, ("1:25:wipe", "0:29"))
 
 
 @pytest.fixture(scope="module")

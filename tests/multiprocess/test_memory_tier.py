@@ -52,14 +52,19 @@ def _wait_for_port(port: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def _agent(tmp: Path, node: int, port: int) -> subprocess.Popen[bytes]:
+KILLS = ("1:25", "@memory1:29:node", "0:31:wipe", "1:31:wipe")
+
+
+def _agent(
+    tmp: Path, node: int, port: int, job: Path = JOB, kills: tuple[str, ...] = KILLS
+) -> subprocess.Popen[bytes]:
+    """Node ``node``'s torchrun agent (one process) running ``job`` with its ``--kill``s."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=memory",
         f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120", "--max-restarts=3",
-        "--monitor-interval=0.1", str(JOB), "--dir", str(tmp / "stores"), "--out",
-        str(tmp / "out"), "--kill", "1:25", "--kill", "@memory1:29:node", "--kill", "0:31:wipe",
-        "--kill", "1:31:wipe",
+        "--monitor-interval=0.1", str(job), "--dir", str(tmp / "stores"), "--out",
+        str(tmp / "out"), *[arg for kill in kills for arg in ("--kill", kill)],
     ]  # fmt: skip
     env = dict(
         os.environ,

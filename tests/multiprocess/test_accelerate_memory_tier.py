@@ -13,10 +13,7 @@ of the same loop (trained first, in the same launch)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -25,7 +22,7 @@ import pytest
 import torch
 
 from tests.multiprocess.test_memory_tier import _agent as two_node_agent
-from tests.multiprocess.test_memory_tier import _free_port, _incarnations, _wait_for_port
+from tests.multiprocess.test_memory_tier import _free_port, _incarnations, _reap, _wait_for_port
 
 pytestmark = pytest.mark.slow
 
@@ -51,11 +48,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         pass
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
+        _reap(nodes)
     logs = "".join((tmp / f"node{n}.log").read_text() for n in range(len(nodes)))
     assert [node.returncode for node in nodes] == [0, 0], logs[-8000:]
     events = [json.loads(line) for line in (tmp / "out" / "events.jsonl").read_text().splitlines()]

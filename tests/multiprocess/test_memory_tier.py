@@ -55,6 +55,15 @@ def _wait_for_port(port: int, timeout_s: float = 60.0) -> None:
 KILLS = ("1:25", "@memory1:29:node", "0:31:wipe", "1:31:wipe")
 
 
+def _reap(nodes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL the agents still running (with their workers: a session each) and reap all."""
+    for node in nodes:
+        if node.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+
+
 def _agent(
     tmp: Path, node: int, port: int, job: Path = JOB, kills: tuple[str, ...] = KILLS
 ) -> subprocess.Popen[bytes]:
@@ -97,11 +106,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 nodes.append(_agent(tmp, 2, port))  # its replacement, with empty memory
             time.sleep(0.1)
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
+        _reap(nodes)
     logs = "".join((tmp / f"node{n}.log").read_text() for n in range(len(nodes)))
     rcs = [node.returncode for node in nodes]
     assert rcs == [0, -signal.SIGKILL, 0], logs[-8000:]

@@ -22,17 +22,14 @@ and the imports, the same with either). Writes ``recovery.{json,md}`` under ``--
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from tests.jobs import two_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "jobs" / "memory_job.py"
@@ -41,73 +38,15 @@ FAILURES = ("process", "node", "both")
 TIMEOUT_S = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _agent(tmp: Path, node: int, port: int, memory_every: int) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=recovery",
-        f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120", "--max-restarts=3",
-        "--monitor-interval=0.1", str(JOB), "--dir", str(tmp / "stores"), "--out",
-        str(tmp / "out"), "--no-reference", "--memory-every", str(memory_every),
-        *[arg for kill in KILLS for arg in ("--kill", kill)],
-    ]  # fmt: skip
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-        LIGHTNING_INCREMENTAL_MEMORY_DIR=str(tmp / f"memory{node}"),
-    )
-    with (tmp / f"node{node}.log").open("w") as sink:
-        return subprocess.Popen(
-            command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
-            start_new_session=True,
-        )  # fmt: skip
-
-
-def _wait_for_port(port: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-
-
 def run(memory_every: int, scratch: Path) -> list[dict[str, Any]]:
     """One job with the three failures; a record per failure."""
     tmp = scratch / f"memory_every_{memory_every}"
     tmp.mkdir()
-    port = _free_port()
-    nodes = [_agent(tmp, 0, port, memory_every)]
-    _wait_for_port(port)  # the first agent hosts the rendezvous
-    nodes.append(_agent(tmp, 1, port, memory_every))
-    events_file = tmp / "out" / "events.jsonl"
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while any(n.poll() is None for n in nodes) and time.monotonic() < deadline:
-            if (
-                len(nodes) == 2
-                and events_file.exists()
-                and '"node": true' in events_file.read_text()
-            ):
-                nodes[1].wait(timeout=30)  # the lost node's agent
-                nodes.append(_agent(tmp, 2, port, memory_every))  # its replacement
-            time.sleep(0.1)
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(n.pid, signal.SIGKILL)
-                n.wait()
-    logs = "".join((tmp / f"node{i}.log").read_text() for i in range(len(nodes)))
-    if [n.returncode for n in nodes] != [0, -signal.SIGKILL, 0]:
+    args = ["--no-reference", "--memory-every", str(memory_every), *two_nodes.kill_args(KILLS)]
+    rcs, logs = two_nodes.run(tmp, JOB, args, TIMEOUT_S)
+    if rcs != [0, -signal.SIGKILL, 0]:
         raise RuntimeError(f"the job did not end as planned:\n{logs[-6000:]}")
+    events_file = tmp / "out" / "events.jsonl"
     events = [json.loads(line) for line in events_file.read_text().splitlines()]
     kills = [e for e in events if e["event"] == "kill"]
     starts = [e for e in events if e["event"] == "started"]

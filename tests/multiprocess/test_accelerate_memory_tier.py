@@ -14,15 +14,14 @@ of the same loop (trained first, in the same launch)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.multiprocess.test_memory_tier import _agent as two_node_agent
-from tests.multiprocess.test_memory_tier import _free_port, _incarnations, _reap, _wait_for_port
+from tests.jobs import two_nodes
+from tests.multiprocess.test_memory_tier import _incarnations
 
 pytestmark = pytest.mark.slow
 
@@ -31,26 +30,11 @@ JOB = ROOT / "tests" / "jobs" / "memory_accelerate_job.py"
 TIMEOUT_S = 300
 
 
-def _agent(tmp: Path, node: int, port: int) -> subprocess.Popen[bytes]:
-    return two_node_agent(tmp, node, port, JOB, ("1:25:wipe", "0:29"))
-
-
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("accelerate_memory_tier")
-    port = _free_port()
-    nodes = [_agent(tmp, 0, port)]
-    _wait_for_port(port)  # the first agent hosts the rendezvous
-    nodes.append(_agent(tmp, 1, port))
-    try:
-        for node in nodes:
-            node.wait(timeout=max(1.0, TIMEOUT_S))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        _reap(nodes)
-    logs = "".join((tmp / f"node{n}.log").read_text() for n in range(len(nodes)))
-    assert [node.returncode for node in nodes] == [0, 0], logs[-8000:]
+    rcs, logs = two_nodes.run(tmp, JOB, two_nodes.kill_args(("1:25:wipe", "0:29")), TIMEOUT_S)
+    assert rcs == [0, 0], logs[-8000:]
     events = [json.loads(line) for line in (tmp / "out" / "events.jsonl").read_text().splitlines()]
     return {"tmp": tmp, "events": events, "logs": logs}
 

@@ -14,13 +14,8 @@ same launch)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,87 +23,21 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_incremental.runtime.memory_tier import ENV
+from tests.jobs import two_nodes
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "jobs" / "memory_job.py"
 TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_for_port(port: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-
-
 KILLS = ("1:25", "@memory1:29:node", "0:31:wipe", "1:31:wipe")
-
-
-def _reap(nodes: list[subprocess.Popen[bytes]]) -> None:
-    """SIGKILL the agents still running (with their workers: a session each) and reap all."""
-    for node in nodes:
-        if node.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(node.pid, signal.SIGKILL)
-            node.wait()
-
-
-def _agent(
-    tmp: Path, node: int, port: int, job: Path = JOB, kills: tuple[str, ...] = KILLS
-) -> subprocess.Popen[bytes]:
-    """Node ``node``'s torchrun agent (one process) running ``job`` with its ``--kill``s."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=memory",
-        f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120", "--max-restarts=3",
-        "--monitor-interval=0.1", str(job), "--dir", str(tmp / "stores"), "--out",
-        str(tmp / "out"), *[arg for kill in kills for arg in ("--kill", kill)],
-    ]  # fmt: skip
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-        **{ENV: str(tmp / f"memory{node}")},
-    )
-    with (tmp / f"node{node}.log").open("w") as sink:
-        return subprocess.Popen(
-            command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
-            start_new_session=True,
-        )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("memory_tier")
-    port = _free_port()
     started = time.monotonic()
-    nodes = [_agent(tmp, 0, port)]
-    _wait_for_port(port)  # the first agent hosts the rendezvous
-    nodes.append(_agent(tmp, 1, port))
-    events = tmp / "out" / "events.jsonl"
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
-            if len(nodes) == 2 and events.exists() and '"node": true' in events.read_text():
-                nodes[1].wait(timeout=30)  # the lost node's agent
-                nodes.append(_agent(tmp, 2, port))  # its replacement, with empty memory
-            time.sleep(0.1)
-    finally:
-        _reap(nodes)
-    logs = "".join((tmp / f"node{n}.log").read_text() for n in range(len(nodes)))
-    rcs = [node.returncode for node in nodes]
+    rcs, logs = two_nodes.run(tmp, JOB, two_nodes.kill_args(KILLS), TIMEOUT_S)
     assert rcs == [0, -signal.SIGKILL, 0], logs[-8000:]
     events = [json.loads(line) for line in (tmp / "out" / "events.jsonl").read_text().splitlines()]
     kills = [e for e in events if e["event"] == "kill"]

@@ -57,14 +57,6 @@ class Slabs:
     )
     copied: list[Slab] = field(default_factory=list)
 
-    def note(self, tensor: torch.Tensor, noted: Noted, dtype: torch.dtype) -> None:
-        group = self.by_dtype.get(dtype)
-        if group is None:
-            self.by_dtype[dtype] = ([tensor], [noted])
-        else:
-            group[0].append(tensor)
-            group[1].append(noted)
-
     def copy(self, pool: BufferPool | None) -> None:
         """Copy every noted tensor into its dtype's slab (the part of the snapshot that must
         happen before ``save`` returns)."""

@@ -1,0 +1,100 @@
+"""Two torchrun agents as two nodes on this machine (one training process each, each node with its
+own memory directory), for the memory tier's two-node tests and ``benchmarks.recovery``.
+
+:func:`run` starts node 0 (it hosts the rendezvous) and node 1 with a job; when the job reports a
+node lost whole (a ``"node": true`` event: agent and process SIGKILLed), it starts a replacement
+agent, node 2, whose memory directory is empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_incremental.runtime.memory_tier import ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+
+
+def agent(
+    tmp: Path, node: int, port: int, job: Path, args: Sequence[str]
+) -> subprocess.Popen[bytes]:
+    """Node ``node``'s torchrun agent (one process) running ``job --dir TMP/stores --out TMP/out
+    ARGS``, its memory directory ``TMP/memory<node>``, its output in ``TMP/node<node>.log``."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=memory",
+        f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120", "--max-restarts=3",
+        "--monitor-interval=0.1", str(job), "--dir", str(tmp / "stores"), "--out",
+        str(tmp / "out"), *args,
+    ]  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        **{ENV: str(tmp / f"memory{node}")},
+    )
+    with (tmp / f"node{node}.log").open("w") as sink:
+        return subprocess.Popen(
+            command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+def kill_args(kills: Sequence[str]) -> list[str]:
+    """The job's ``--kill`` arguments for ``kills`` (``RANK:STEP[:HOW]`` each)."""
+    return [arg for kill in kills for arg in ("--kill", kill)]
+
+
+def reap(nodes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL the agents still running (with their workers: a session each) and reap all."""
+    for node in nodes:
+        if node.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+
+
+def run(tmp: Path, job: Path, args: Sequence[str], timeout_s: float) -> tuple[list[int], str]:
+    """Run ``job`` on two nodes (and a replacement for a node lost whole) until every agent
+    ended or ``timeout_s`` passed (then what is left is killed); returns the agents' exit codes
+    (node 0, 1, then the replacement's) and their logs."""
+    port = free_port()
+    nodes = [agent(tmp, 0, port, job, args)]
+    wait_for_port(port)  # the first agent hosts the rendezvous
+    nodes.append(agent(tmp, 1, port, job, args))
+    events = tmp / "out" / "events.jsonl"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+            if len(nodes) == 2 and events.exists() and '"node": true' in events.read_text():
+                nodes[1].wait(timeout=30)  # the lost node's agent
+                nodes.append(agent(tmp, 2, port, job, args))  # its replacement, empty memory
+            time.sleep(0.1)
+    finally:
+        reap(nodes)
+    logs = "".join((tmp / f"node{n}.log").read_text() for n in range(len(nodes)))
+    return [int(node.returncode) for node in nodes], logs

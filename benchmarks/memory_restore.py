@@ -132,12 +132,24 @@ os._exit(0)
 """
 
 
-def _python(code: str, *args: str, env: dict[str, str] | None = None) -> str:
-    full = f"TENSOR_BYTES = {TENSOR_BYTES}\n" + _COMMON + code
-    environ = dict(env or os.environ)
-    environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), environ.get("PYTHONPATH")) if p)
+def _script(code: str) -> str:
+    return f"TENSOR_BYTES = {TENSOR_BYTES}\n" + _COMMON + code
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This environment with this checkout first on the path, and ``extra``."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _python(code: str, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-c", full, *args], cwd=ROOT, env=environ, capture_output=True, text=True
+        [sys.executable, "-c", _script(code), *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
     )
     if done.returncode != 0:
         raise RuntimeError(f"benchmark process failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
@@ -174,12 +186,11 @@ def from_peer(mb: int, repeats: int, scratch: Path) -> dict[str, Any]:
     d = scratch / "peer"
     d.mkdir()
     port = str(_free_port())
-    code = f"TENSOR_BYTES = {TENSOR_BYTES}\n" + _COMMON + _PEER
+    code = _script(_PEER)
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, LOCAL_RANK="0", OMP_NUM_THREADS="1")  # fmt: skip
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   LOCAL_RANK="0", OMP_NUM_THREADS="1")  # fmt: skip
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", code, str(mb), str(d), str(repeats)],

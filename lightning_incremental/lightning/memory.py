@@ -9,21 +9,27 @@ Lightning's checkpoint of a step and puts a restored one back.
 
 A memory step is taken after a training batch, where a persistent save of the same step
 would be; a step whose batch ends an epoch or is followed by validation is not taken (the
-previous memory step stays). Sharded strategies keep the persistent store only.
+previous memory step stays). Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) each rank
+keeps its own shards (:mod:`lightning_incremental.runtime.memory_shards`); a resume on another
+mesh falls back to the store, which reshards. ``FSDPStrategy`` (FSDP1) keeps the persistent
+store only.
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning import resume
+from lightning_incremental.lightning import sharded as _sharded
 from lightning_incremental.lightning.resume import FORMAT, KEY
-from lightning_incremental.runtime import memory_steps
+from lightning_incremental.runtime import memory_shards, memory_steps
 from lightning_incremental.runtime.memory_steps import MemoryOptions, job_of
 
 __all__ = ["MemoryOptions", "MemorySteps", "job_of", "start"]
@@ -41,8 +47,10 @@ class MemorySteps(memory_steps.MemorySteps):
         url: str,
         generation: int | None,
         *,
+        sharded: bool = False,
         allow_pickle: bool,
     ) -> None:
+        self.sharded = sharded
         super().__init__(
             options,
             rank=trainer.global_rank,
@@ -63,9 +71,13 @@ class MemorySteps(memory_steps.MemorySteps):
             return
         if _compat.epoch_ends_here(trainer) or _compat.validation_follows(trainer):
             return
-        checkpoint = _compat.dump_checkpoint(trainer)
+        checkpoint = _sharded.dump_checkpoint(trainer, self.sharded)
         own = resume.rank_state(trainer, False, epoch_record)
         checkpoint[KEY] = {"format": FORMAT, "world_size": trainer.world_size, "ranks": [own]}
+        if self.sharded:  # this rank's shards as plain tensors, and how they were laid out
+            for name in _SHARDED_KEYS:
+                checkpoint[name], notes = memory_shards.to_local(checkpoint[name], (name,))
+                checkpoint[KEY].setdefault("shards", {}).update(notes)
         self.take(step, checkpoint)
 
     def resume(  # type: ignore[override]
@@ -73,10 +85,18 @@ class MemorySteps(memory_steps.MemorySteps):
     ) -> tuple[int, Any, str] | None:
         """Every rank together: ``(step, checkpoint, tier)`` from the memory tier, or None for
         the store (after saying why)."""
-        found = super().resume(newest_persistent, _check_step)
+        check, live = _check_step, None
+        if self.sharded:  # the live shards to fill (every rank: FSDP may create optimizer state)
+            live = _sharded.live_state(trainer)
+            check = partial(_check_shards, live)
+        found = super().resume(newest_persistent, check)
         if found is None:
             return None
         step, checkpoint, tier = found
+        if live is not None:
+            memory_shards.fill(live, checkpoint)
+            checkpoint.update(live)
+            _sharded.apply(trainer, checkpoint)
         saved = checkpoint[KEY]
         saved["ranks"] = saved["ranks"] * trainer.world_size  # this rank's own, at its index
         rank_zero_info(
@@ -87,9 +107,18 @@ class MemorySteps(memory_steps.MemorySteps):
         return step, checkpoint, tier
 
 
+_SHARDED_KEYS = ("state_dict", "optimizer_states")  # where a sharded checkpoint holds DTensors
+
+
 def _check_step(checkpoint: Any, step: int) -> None:
     if checkpoint.get("global_step") != step:
         raise ValueError(f"global_step {checkpoint.get('global_step')!r} in the part")
+
+
+def _check_shards(live: dict[str, Any], checkpoint: Any, step: int) -> None:
+    """The part holds ``step`` and a shard for each live DTensor, laid out as now."""
+    _check_step(checkpoint, step)
+    memory_shards.check(live, checkpoint, checkpoint.get(KEY, {}).get("shards"))
 
 
 def start(
@@ -101,13 +130,16 @@ def start(
     sharded: bool,
     allow_pickle: bool,
 ) -> MemorySteps | None:
-    """The fit's memory tier, or None when it is off (or the strategy shards the state)."""
+    """The fit's memory tier, or None when it is off (or the strategy is FSDP1's)."""
     if not options.enabled:
         return None
-    if sharded:
+    if isinstance(trainer.strategy, FSDPStrategy):
         rank_zero_warn(
-            "IncrementalCheckpoint: the memory tier does not support sharded strategies yet; "
-            "this run checkpoints to the persistent store only"
+            "IncrementalCheckpoint: the memory tier does not support FSDPStrategy (FSDP1's "
+            "ShardedTensor state) yet; this run checkpoints to the persistent store only. "
+            "ModelParallelStrategy (FSDP2) is supported"
         )
         return None
-    return MemorySteps(options, trainer, url, generation, allow_pickle=allow_pickle)
+    return MemorySteps(
+        options, trainer, url, generation, sharded=sharded, allow_pickle=allow_pickle
+    )

@@ -147,13 +147,7 @@ class Saver:
     def _dump(self, trainer: pl.Trainer) -> dict[str, Any]:
         """The trainer's checkpoint dump; sharded, with every rank's sharded state dicts (the
         strategy's own may gather to rank 0)."""
-        if not self.sharded:
-            return _compat.dump_checkpoint(trainer)
-        return _compat.dump_checkpoint(
-            trainer,
-            model_state=lambda: _sharded.model_state(trainer),
-            optimizer_state=lambda optimizer: _sharded.optimizer_state(trainer, optimizer),
-        )
+        return _sharded.dump_checkpoint(trainer, self.sharded)
 
     def in_flight(self) -> bool:
         """A save of this process is still running in the background."""

@@ -48,6 +48,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
 from lightning_incremental.core import ConfigError
+from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning.compat import raw_optimizer
 
 REPLICATED = "replicated"
@@ -111,6 +112,18 @@ def optimizer_state(trainer: pl.Trainer, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return get_optimizer_state_dict(_model(trainer), raw_optimizer(optimizer), options=_options())
+
+
+def dump_checkpoint(trainer: pl.Trainer, sharded: bool) -> dict[str, Any]:
+    """The trainer's checkpoint dump; ``sharded``, with this rank's sharded state dicts in place
+    of the strategy's (which may gather the whole state to rank 0)."""
+    if not sharded:
+        return _compat.dump_checkpoint(trainer)
+    return _compat.dump_checkpoint(
+        trainer,
+        model_state=lambda: model_state(trainer),
+        optimizer_state=lambda optimizer: optimizer_state(trainer, optimizer),
+    )
 
 
 def live_state(trainer: pl.Trainer) -> dict[str, Any]:

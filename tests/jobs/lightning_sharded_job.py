@@ -4,11 +4,15 @@ launcher (it re-runs this command for rank 1). The model, data and schedule are
 ``tests/jobs/lightning_job.py``'s (dropout, noise from three random streams, SGD with momentum,
 StepLR), its layers sharded:
 
-* ``kill --dir D``: 2 ranks train with a checkpoint every 3 steps; at step 10, once the step-9
-  checkpoint has committed, both end at once with ``os._exit(KILLED)`` (no teardown).
-* ``resume --dir D --out O``: 2 ranks resume ``D/run`` (mid-epoch, step 9) and finish, then an
-  uninterrupted reference run in ``D/ref``; every rank writes the final full weights and
-  momentum buffers of both runs to ``O/<run>_rank<r>.pt``.
+* ``kill --dir D``: 2 ranks train with a checkpoint every 3 steps and the memory tier every
+  step (in ``D/mem``); at step 11 (this callback runs before IncrementalCheckpoint: memory step
+  10 is the newest), once the step-9 checkpoint and memory step 10 are complete, both end at
+  once with ``os._exit(KILLED)`` (no teardown).
+* ``resume --dir D --out O``: 2 ranks resume ``D/run`` from the memory tier (step 10), then
+  ``D/store`` (a copy of the killed run's store: another job to the memory tier) from the store
+  (mid-epoch, step 9), and finish, then an uninterrupted reference run in ``D/ref``; every rank
+  writes the final full weights and momentum buffers of the three runs to
+  ``O/<run>_rank<r>.pt``, and rank 0 where each resumed from to ``O/result.json``.
 * ``fsdp --dir D --out O``: Lightning's ``FSDPStrategy`` (FSDP1) on one GPU, in one process:
   a run interrupted at step 10 (an exception) resumes from step 9; then an uninterrupted
   reference; writes ``O/fsdp_<run>.pt`` and ``O/result.json``.
@@ -123,6 +127,11 @@ def fit(
     return module, trainer, ckpt
 
 
+def memory(root: Path) -> dict[str, Any]:
+    """The memory tier every step, in ``root/mem`` (one node)."""
+    return {"memory_every_n_train_steps": 1, "memory_dir": root / "mem", "memory_replicas": 0}
+
+
 def _fsdp(root: Path, out: Path) -> None:
     from lightning.pytorch.strategies import FSDPStrategy
 
@@ -187,8 +196,8 @@ def main() -> None:
     torch.set_num_threads(1)
     root = Path(args.dir)
     if args.scenario == "kill":
-        ckpt = IncrementalCheckpoint(root / "run", every_n_train_steps=3)
-        fit(root / "run", 2, [Exit(10, ckpt)], ckpt)
+        ckpt = IncrementalCheckpoint(root / "run", every_n_train_steps=3, **memory(root))
+        fit(root / "run", 2, [Exit(11, ckpt)], ckpt)
         raise SystemExit("not killed")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -197,11 +206,12 @@ def main() -> None:
         return
     if args.scenario == "resume":
         results = {}
-        for name, schedule in (("run", 3), ("ref", 0)):
-            module, trainer, ckpt = fit(root / name, 2, every_n_train_steps=schedule)
+        for name, schedule in (("run", 3), ("store", 3), ("ref", 0)):
+            every = {"every_n_train_steps": schedule, **memory(root)}
+            module, trainer, ckpt = fit(root / name, 2, **every)
             state = full_state(module, trainer)
             torch.save(state, out / f"{name}_rank{trainer.global_rank}.pt")
-            results[name] = ckpt.resumed_from
+            results[name] = [ckpt.resumed_from, ckpt.resumed_tier]
         if trainer.is_global_zero:
             (out / "result.json").write_text(json.dumps({"resumed_from": results}))
         return

@@ -40,7 +40,7 @@ def _launch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str
 
 
 @pytest.mark.slow
-def test_model_parallel_two_ranks_killed_resume_bit_identical_and_onto_one_rank(
+def test_model_parallel_two_ranks_killed_resume_from_memory_and_store_and_onto_one_rank(
     tmp_path: Path,
 ) -> None:
     from tests.jobs.lightning_sharded_job import KILLED
@@ -49,17 +49,20 @@ def test_model_parallel_two_ranks_killed_resume_bit_identical_and_onto_one_rank(
     killed = _launch("kill", "--dir", str(root))
     assert killed.returncode == KILLED, killed.stderr[-4000:]
     shutil.copytree(root / "run", root / "one")  # the killed run's store, for the 1-rank resume
+    shutil.copytree(root / "run", root / "store")  # and for a 2-rank resume from the store
+    assert len(list((root / "mem").glob("*/s*10-g*-r*"))) == 2  # each rank's shards of step 10
 
     resumed = _launch("resume", "--dir", str(root), "--out", str(out))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert json.loads((out / "result.json").read_text()) == {
-        "resumed_from": {"run": 9, "ref": None}
+        "resumed_from": {"run": [10, "memory"], "store": [9, "store"], "ref": [None, None]}
     }
-    assert "resumed mid-epoch 2: skipped the 1 batches" in resumed.stderr
+    assert "resuming from step 10 (epoch 2) of the memory tier" in resumed.stderr
+    assert "resumed mid-epoch 2: skipped the 1 batches" in resumed.stderr  # the store's step 9
     for rank in (0, 1):
-        assert_bit_identical(
-            torch.load(out / f"run_rank{rank}.pt"), torch.load(out / f"ref_rank{rank}.pt")
-        )
+        reference = torch.load(out / f"ref_rank{rank}.pt")
+        for name in ("run", "store"):
+            assert_bit_identical(torch.load(out / f"{name}_rank{rank}.pt"), reference)
 
     one = _launch("one", "--dir", str(root), "--out", str(out))
     assert one.returncode == 0, one.stderr[-4000:]

@@ -17,7 +17,7 @@ import os
 import warnings
 from typing import Any
 
-from accelerate_incremental import _state
+from accelerate_incremental import _compat, _state
 from lightning_incremental.runtime import memory_steps, rng
 from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.memory_steps import MemoryOptions
@@ -58,6 +58,7 @@ class AccelerateMemory(memory_steps.MemorySteps):
             owner=OWNER,
             info=lambda text: log.info(text) if main else None,
             warn=lambda text: warnings.warn(text, UserWarning, stacklevel=3) if main else None,
+            replicated=True,  # FSDP keeps the store only (see start)
             **kw,
         )
 
@@ -67,6 +68,10 @@ class AccelerateMemory(memory_steps.MemorySteps):
             return
         acc = self.accelerator
         local = {"rng": rng.capture(), "loaders": loaders.states()}
+        if not self.whole:  # the node's first process takes the replicated state (see steps)
+            own_buffers = [memory_steps.buffers(acc.unwrap_model(m)) for m in _compat.models(acc)]
+            self.take(step, {"step": step, "buffers": own_buffers, "processes": [local]})
+            return
         models, optimizers = _state.full(acc)
         iteration = acc.project_configuration.iteration
         state = _state.checkpoint(acc, models, optimizers, iteration, [local])
@@ -76,7 +81,7 @@ class AccelerateMemory(memory_steps.MemorySteps):
         """Every process together: ``(step, state, tier)`` from the memory tier, the state as
         the store's would be (every process's part: this process's own), or None for the
         store. Logs the resume line."""
-        found = self.resume(newest_persistent, _check_step)
+        found = self.resume(newest_persistent, _check_step, _merge)
         if found is None:
             return None
         step, part, tier = found
@@ -88,6 +93,16 @@ class AccelerateMemory(memory_steps.MemorySteps):
                 f"({memory_steps.how(tier)}); tier={tier}"
             )
         return step, state, tier
+
+
+def _merge(whole: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """This process's part: its node's first process's, with this process's buffers and own
+    state."""
+    state = whole["state"]
+    for weights, buffers in zip(state["models"], own["buffers"], strict=True):
+        weights.update(buffers)
+    state["processes"] = own["processes"]
+    return whole
 
 
 def _check_step(part: Any, step: int) -> None:

@@ -62,6 +62,7 @@ class MemorySteps(memory_steps.MemorySteps):
             owner="IncrementalCheckpoint",
             info=rank_zero_info,
             warn=rank_zero_warn,
+            replicated=not sharded,
         )
 
     def after_batch(self, trainer: pl.Trainer, step_changed: bool, epoch_record: Any) -> None:
@@ -71,7 +72,11 @@ class MemorySteps(memory_steps.MemorySteps):
             return
         if _compat.epoch_ends_here(trainer) or _compat.validation_follows(trainer):
             return
-        checkpoint = _sharded.dump_checkpoint(trainer, self.sharded)
+        if self.whole:
+            checkpoint = _sharded.dump_checkpoint(trainer, self.sharded)
+        else:  # the node's first rank takes the replicated state (see memory_steps)
+            own_buffers = memory_steps.buffers(trainer.lightning_module)
+            checkpoint = {"global_step": step, "buffers": own_buffers}
         own = resume.rank_state(trainer, False, epoch_record)
         checkpoint[KEY] = {"format": FORMAT, "world_size": trainer.world_size, "ranks": [own]}
         if self.sharded:  # this rank's shards as plain tensors, and how they were laid out
@@ -89,7 +94,7 @@ class MemorySteps(memory_steps.MemorySteps):
         if self.sharded:  # the live shards to fill (every rank: FSDP may create optimizer state)
             live = _sharded.live_state(trainer)
             check = partial(_check_shards, live)
-        found = super().resume(newest_persistent, check)
+        found = super().resume(newest_persistent, check, _merge)
         if found is None:
             return None
         step, checkpoint, tier = found
@@ -108,6 +113,13 @@ class MemorySteps(memory_steps.MemorySteps):
 
 
 _SHARDED_KEYS = ("state_dict", "optimizer_states")  # where a sharded checkpoint holds DTensors
+
+
+def _merge(whole: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """This rank's checkpoint: its node's first rank's, with this rank's buffers and state."""
+    whole["state_dict"].update(own["buffers"])
+    whole[KEY] = own[KEY]
+    return whole
 
 
 def _check_step(checkpoint: Any, step: int) -> None:

@@ -3,7 +3,9 @@
 :func:`agree` is a pure function of what every rank tells (its :class:`Inventory`, gathered on
 every rank), so every rank computes the same :class:`Plan` without a coordinator:
 
-- parts of another job or of another world size are ignored (a resize resumes from the store);
+- parts of another job, of another world size (a resize resumes from the store) or of another
+  layout (where the replicated state is: every part, or one part a node of that many ranks,
+  see :mod:`.memory_steps`) are ignored;
 - a step counts only when one generation wrote every rank's part of it (a zombie's lone write
   never completes a step; parts of two incarnations are never mixed), and the generation is
   older than the one resuming;
@@ -63,6 +65,7 @@ def agree(
     world_size: int,
     generation: int,
     newest_persistent: int | None,
+    layout: int = 0,
 ) -> Plan:
     """The plan every rank follows (see the module's description); ``generation`` is the one
     resuming, ``newest_persistent`` the persistent store's newest step (None: empty)."""
@@ -72,6 +75,7 @@ def agree(
             if (
                 held.job != job
                 or held.world_size != world_size
+                or held.layout != layout
                 or held.generation >= generation
                 or not 0 <= held.rank < world_size
             ):

@@ -6,6 +6,22 @@ It joins the pieces under it: the tier on this node (:mod:`.memory_tier`), the r
 the next nodes over a gloo group (:mod:`.memory_replica`) and the agreement on the step every
 rank can restore (:mod:`.memory_agree`). The adapters build the checkpoint and put it back;
 this module neither knows nor imports a framework.
+
+One copy of replicated state a node
+-----------------------------------
+Under DDP every rank holds the same weights and optimizer state; only its random state and data
+position are its own. With ``replicated=True`` and several ranks a node, only the first rank of
+each node (its *leader*) takes the whole checkpoint; the others take their own state alone
+(:attr:`MemorySteps.whole` tells the adapter which). A node's memory then holds the state once,
+and so does each replica, not once a rank: 8 ranks a node, 1/8 of the memory and of the bytes
+sent. Every part still counts for the agreement (a step needs every rank's); the parts carry
+the layout (the ranks a node), so a step written with another number of ranks a node is
+ignored. A resume gives each other rank its leader's part besides its own, read from the
+node's memory, or — when the node's memory was lost and the leader received its part from a
+peer — sent on by the leader; the adapter's ``merge(whole, own)`` makes the rank's checkpoint.
+The persistent store is laid out the same way (rank 0 writes the replicated state once). A
+rank's own state includes its modules' buffers (:func:`buffers`: running statistics differ
+between ranks unless DDP broadcasts them), so a resume from memory stays exact.
 """
 
 from __future__ import annotations
@@ -24,9 +40,9 @@ import torch
 from lightning_incremental.core import ConfigError
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.runtime import collectives
-from lightning_incremental.runtime.memory_agree import Inventory, agree
-from lightning_incremental.runtime.memory_replica import Replicator, fetch_plan
-from lightning_incremental.runtime.memory_tier import MemoryTier, default_dir
+from lightning_incremental.runtime.memory_agree import Inventory, Plan, agree
+from lightning_incremental.runtime.memory_replica import Replicator, exchange, fetch_plan
+from lightning_incremental.runtime.memory_tier import MemoryPartError, MemoryTier, Part, default_dir
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +95,8 @@ class MemorySteps:
             any this node's memory holds.
         owner: names the adapter in messages.
         info, warn: say a line once for the job (the adapter's rank-zero logging and warning).
+        replicated: every rank holds the same model and optimizer state (DDP): only each
+            node's first rank takes it (see the module's notes).
     """
 
     def __init__(
@@ -94,6 +112,7 @@ class MemorySteps:
         owner: str,
         info: Say,
         warn: Say,
+        replicated: bool = False,
     ) -> None:
         self.every = int(options.every_n_train_steps or 1)
         self.owner, self.info, self.warn = owner, info, warn
@@ -113,6 +132,9 @@ class MemorySteps:
                 backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S)
             )
         per_node = max(1, int(ranks_per_node))
+        self.per_node = per_node
+        shared = replicated and per_node > 1 and world_size > 1
+        self.tier.layout = per_node if shared else 0
         self.pool = BufferPool()  # one snapshot's buffers, reused step after step
         self.replicator = Replicator(
             self.tier,
@@ -131,6 +153,17 @@ class MemorySteps:
                 f"{nodes} node(s): each memory step is held by {nodes} node(s)"
             )
 
+    @property
+    def whole(self) -> bool:
+        """Whether this rank takes the whole checkpoint (else its own state alone; see the
+        module's notes)."""
+        return self.tier.layout == 0 or self.rank % self.per_node == 0
+
+    @property
+    def leader(self) -> int:
+        """The rank whose part holds this rank's replicated state (itself when whole)."""
+        return self.rank if self.whole else self.rank - self.rank % self.per_node
+
     def due(self, step: int) -> bool:
         """Whether ``step`` falls on the memory tier's interval."""
         return step > 0 and step % self.every == 0
@@ -145,12 +178,16 @@ class MemorySteps:
         self.last_step = step
 
     def resume(
-        self, newest_persistent: int | None, check: Callable[[Any, int], None]
+        self,
+        newest_persistent: int | None,
+        check: Callable[[Any, int], None],
+        merge: Callable[[Any, Any], Any] | None = None,
     ) -> tuple[int, Any, str] | None:
         """Every process together: ``(step, checkpoint, tier)`` from the memory tier (tier
         ``"memory"`` or ``"peer"``), or None for the store (after saying why). ``check(
         checkpoint, step)`` raises when the restored part does not hold ``step``; any rank's
-        failure sends every rank to the store."""
+        failure sends every rank to the store. ``merge(whole, own)``: a rank that took its own
+        state alone (not :attr:`whole`) gets its leader's part and its own merged."""
         world = self.world
         inventory = Inventory(self.rank, tuple(self.tier.inventory()))
         plan = agree(
@@ -159,19 +196,29 @@ class MemorySteps:
             world_size=world,
             generation=self.tier.generation,
             newest_persistent=newest_persistent,
+            layout=self.tier.layout,
         )
         if plan.step is None:
             self.info(f"{self.owner}: memory tier not used: {plan.reason}")
             return None
-        checkpoint, error = None, None
+        checkpoint, error, received, whole = None, None, None, None
         try:
             received = fetch_plan(plan, self.tier, self.rank, self.group) if world > 1 else None
-            if received is not None:
-                checkpoint = self.tier.restore(received)
-            else:  # this node's copy: read into the tensors, hashed on the way (one pass)
-                checkpoint = self.tier.load(self.rank, plan.step, plan.generation)
-            check(checkpoint, plan.step)
         except Exception as exc:  # every rank learns below; all resume from the store
+            error = exc
+        try:  # the leaders whose part came from a peer send it on to their node (see notes)
+            if self.tier.layout:
+                whole = self._pass_on(plan, received if error is None else None)
+        except Exception as exc:
+            error = error or exc
+        try:
+            if error is None:
+                checkpoint = self._read(plan, self.rank, received)
+                if not self.whole:
+                    assert merge is not None, "an adapter taking own state alone must merge"
+                    checkpoint = merge(self._read(plan, self.leader, whole), checkpoint)
+                check(checkpoint, plan.step)
+        except Exception as exc:
             error = exc
         failed = collectives.any_true(error is not None) if world > 1 else error is not None
         if failed:
@@ -184,6 +231,29 @@ class MemorySteps:
                 log.warning("memory step %s unusable here: %r", plan.step, error)
             return None
         return plan.step, checkpoint, plan.tier_used
+
+    def _read(self, plan: Plan, rank: int, received: Part | None) -> Any:
+        """``rank``'s part of the plan's step: ``received`` from a peer, else this node's copy,
+        read into the tensors and hashed on the way (one pass)."""
+        assert plan.step is not None
+        if received is not None:
+            return self.tier.restore(received)
+        if rank != self.rank and plan.sources[rank] != rank:
+            raise MemoryPartError(f"rank {rank} could not pass on its part of step {plan.step}")
+        return self.tier.load(rank, plan.step, plan.generation)
+
+    def _pass_on(self, plan: Plan, received: Part | None) -> Part | None:
+        """Where a node's memory lacked its leader's part, the leader received it from a peer
+        and sends it on (``None`` when it failed: the others then fail too) to the other ranks
+        of its node; returns what this rank received so (None: nothing to receive)."""
+        leader = self.rank - self.rank % self.per_node
+        if plan.sources[leader] == leader:  # the node holds it: each rank reads it there
+            return None
+        if self.rank == leader:
+            mates = range(leader + 1, min(leader + self.per_node, self.world))
+            exchange({m: received for m in mates}, [], self.group)
+            return None
+        return exchange({}, [leader], self.group)[leader]
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for this rank's memory step in flight (written and replicated)."""
@@ -205,6 +275,13 @@ class MemorySteps:
         group, self.group = self.group, None
         if stopped and group is not None:
             torch.distributed.destroy_process_group(group)  # this process's handle only
+
+
+def buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The entries of ``module``'s state dict that are buffers, not parameters (each rank keeps
+    its own in the memory tier: see the module's notes)."""
+    names = {name for name, _ in module.named_buffers()}
+    return {k: v for k, v in module.state_dict().items() if k in names} if names else {}
 
 
 def how(tier: str) -> str:

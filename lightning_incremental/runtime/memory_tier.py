@@ -73,6 +73,7 @@ class Held:
     generation: int
     job: str
     world_size: int
+    layout: int = 0  # k > 0: only every k-th rank's part holds the replicated state (see steps)
 
 
 @dataclass
@@ -125,6 +126,7 @@ class MemoryTier:
         self.job = job
         self.generation = generation
         self.world_size = world_size
+        self.layout = 0  # what a part's header says of where the replicated state is (Held)
         self.allow_pickle = allow_pickle
         self.failures = 0  # writes that failed (each warned or logged)
         self.copies = 0  # copies of a tensor's bytes made by write() (after the snapshot's own)
@@ -244,6 +246,7 @@ class MemoryTier:
                 "job": self.job,
                 "generation": self.generation,
                 "world_size": self.world_size,
+                "layout": self.layout,
                 "rank": rank,
                 "step": step,
                 "files": {
@@ -297,11 +300,8 @@ class MemoryTier:
                 head = _parse_header((path / HEADER).read_bytes())
             except (OSError, MemoryPartError):
                 continue  # torn or foreign: not a part
-            held.append(
-                Held(
-                    head["rank"], head["step"], head["generation"], head["job"], head["world_size"]
-                )
-            )
+            fields = ("rank", "step", "generation", "job", "world_size", "layout")
+            held.append(Held(*(head[k] for k in fields)))
         return held
 
     def load(self, rank: int, step: int, generation: int) -> Any:
@@ -391,6 +391,8 @@ class MemoryTier:
             raise MemoryPartError(
                 f"part of job {head['job']!r} on {head['world_size']} ranks, not of this job"
             )
+        if head["layout"] != self.layout:
+            raise MemoryPartError(f"part of layout {head['layout']}, not {self.layout}")
         return head
 
     # ------------------------------------------------------------------ retention
@@ -491,7 +493,9 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
         head = json.loads(raw)
     except ValueError as exc:
         raise MemoryPartError(f"unreadable header: {exc}") from exc
-    ints = ("generation", "world_size", "rank", "step")
+    ints = ("generation", "world_size", "rank", "step", "layout")
+    if isinstance(head, dict):
+        head.setdefault("layout", 0)  # parts written before layouts: every part whole
     if (
         not isinstance(head, dict)
         or head.get("format") != FORMAT

@@ -1,8 +1,8 @@
-"""An Accelerate training loop over two torchrun agents (two nodes, one process each) through the
-API (``IncrementalCheckpointer``: ``load``, ``iterate``, ``maybe_save``) with the memory tier
+"""An Accelerate training loop over two torchrun agents (two nodes, two processes each) through
+the API (``IncrementalCheckpointer``: ``load``, ``iterate``, ``maybe_save``) with the memory tier
 every step and the store every 10 steps, for ``tests/multiprocess/test_accelerate_memory_tier.py``.
 
-``python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 ...
+``python -m torch.distributed.run --nnodes=2 --nproc-per-node=2 ...
 tests/jobs/memory_accelerate_job.py --dir D --out O [--kill RANK:STEP[:wipe] ...]``, each agent
 with its own ``LIGHTNING_INCREMENTAL_MEMORY_DIR``.
 
@@ -12,12 +12,15 @@ Each ``--kill`` SIGKILLs RANK's training process once it finished STEP and its m
 taken and replicated (once in the job; its agent restarts the group); with ``wipe`` it first
 empties its node's memory directory, so that its part must come from the other node. The
 incarnation that finishes writes ``O/final_rank<r>.pt``. Events (starts with ``resumed_from``,
-``resumed_tier`` and the node's memory directory, the kills, the end) go to ``O/events.jsonl``.
+``resumed_tier`` and the node's memory directory; the kills, with the size of each part the
+node's memory held and whether it holds the optimizer state; the end) go to ``O/events.jsonl``.
 
-The DataLoader shuffles with its own seeded generator, the model has dropout, and each process
-seeds its global RNG differently: the run ends bit-identical to the reference only if the
-weights, the optimizer, the scheduler, the sampler state, the data position and each process's
-random state all come back from memory.
+The DataLoader shuffles with its own seeded generator, the model has dropout and batch norm
+(DDP does not broadcast buffers here: each process's running statistics are its own; its
+gradient buckets are fixed, see ``train``), and each
+process seeds its global RNG differently: the run ends bit-identical to the reference only if
+the weights, the optimizer, the scheduler, the sampler state, the data position, each process's
+buffers and random state all come back from memory.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedDataParallelKwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -43,20 +46,27 @@ from accelerate_incremental import IncrementalCheckpointer
 from lightning_incremental.runtime.memory_tier import ENV
 from tests.jobs.torchrun_job import Events
 
-EPOCHS = 2  # 16 steps an epoch on each of the two processes
+EPOCHS = 2  # 16 steps an epoch on each of the four processes
 
 
 def train(
     store: Path, kills: list[str], events: Events | None, out: Path, **memory: Any
 ) -> dict[str, Any]:
     """One run into ``store`` (an accelerator of its own); returns this process's final state."""
-    accelerator = Accelerator(cpu=True)
+    # Buffers are each process's own. DDP regroups its gradient buckets after a process's first
+    # step (unless it looks for unused parameters), and with 3 or more processes the order of a
+    # float sum shows in the last bit: a restarted process would reduce its first step in
+    # another order than the uninterrupted run does at that step. Fixed buckets keep it exact.
+    ddp = DistributedDataParallelKwargs(broadcast_buffers=False, find_unused_parameters=True)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[ddp])
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    data = TensorDataset(torch.randn(128, 8), torch.randn(128, 1))
     loader = DataLoader(
         data, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(7)
     )
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+    model = nn.Sequential(
+        nn.Linear(8, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Dropout(0.3), nn.Linear(512, 1)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.9)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
@@ -101,11 +111,24 @@ def _maybe_kill(
     except FileExistsError:  # once in the job
         return
     ckpt.wait()  # this process's memory step, replicated
+    memory = Path(os.environ[ENV])
+    parts = {p.name: _part(p) for p in memory.glob("*/s*")}
+    parts = {name: part for name, part in parts.items() if part is not None}
     if how == ["wipe"]:
-        shutil.rmtree(os.environ[ENV])
+        shutil.rmtree(memory)
     if events is not None:
-        events("kill", step=step, wiped=how == ["wipe"], node=os.environ[ENV])
+        events("kill", step=step, wiped=how == ["wipe"], node=str(memory), parts=parts)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _part(path: Path) -> list[Any] | None:
+    """A memory part's size and whether it holds the optimizer state (None: another rank's
+    background work deleted it meanwhile)."""
+    try:
+        holds = b'"optimizers"' in (path / "index.json").read_bytes()
+        return [(path / "data.bin").stat().st_size, holds]
+    except FileNotFoundError:
+        return None
 
 
 def main() -> None:
@@ -121,7 +144,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     events = Events(out)
     rank = int(os.environ["RANK"])
-    if not all((out / f"ref_rank{r}.pt").exists() for r in (0, 1)):
+    world = int(os.environ["WORLD_SIZE"])
+    if not all((out / f"ref_rank{r}.pt").exists() for r in range(world)):
         torch.save(train(root / "ref", [], None, out), out / f"ref_rank{rank}.pt")
     final = train(root / "final", args.kill, events, out, memory_every_n_steps=1)
     torch.save(final, out / f"final_rank{rank}.pt")

@@ -1,7 +1,8 @@
-"""A Lightning DDP job over two torchrun agents (two nodes, one process each) with the memory tier
-every step and the store every 10 steps, for ``tests/multiprocess/test_memory_tier.py``.
+"""A Lightning DDP job over two torchrun agents (two nodes, of one or two processes each) with the
+memory tier every step and the store every 10 steps, for ``tests/multiprocess/test_memory_tier.py``
+(two processes a node) and ``benchmarks.recovery`` (one).
 
-``python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 ... tests/jobs/memory_job.py
+``python -m torch.distributed.run --nnodes=2 --nproc-per-node=P ... tests/jobs/memory_job.py
 --dir D --out O [--kill RANK:STEP[:wipe|:node] ...] [--memory-every N] [--no-reference]``, each
 agent with its own ``LIGHTNING_INCREMENTAL_MEMORY_DIR`` (``--memory-every 0``: the store alone, for
 ``benchmarks.recovery``).
@@ -17,7 +18,11 @@ lost node: the test starts a replacement). Each agent counts its
 own restarts (one whose workers stop for another node's failure does not count it), so files,
 not ``TORCHELASTIC_RESTART_COUNT``, say what already happened. The incarnation that finishes
 writes ``O/final_rank<r>.pt``. Events (starts with ``resumed_from``, ``resumed_tier`` and the
-node's memory directory, the kills, the end) go to ``O/events.jsonl``.
+node's memory directory; the kills, with the size of each part the node's memory held and
+whether it holds the optimizer state; the end) go to ``O/events.jsonl``. The run is 2 epochs
+of 16 steps with one or two processes a node; DDP's gradient buckets are fixed
+(``find_unused_parameters``: see ``tests/jobs/memory_accelerate_job.py``), so that a restart
+reduces in the same order.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
 if __package__ in (None, ""):  # run as a script: make the packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -62,9 +68,12 @@ class Kill(L.Callback):
             except FileExistsError:
                 return
             self.ckpt.wait()
-            if self.wipe and Path(os.environ[ENV]).exists():  # none with the store alone
-                shutil.rmtree(os.environ[ENV])
-            self.events("kill", step=self.step, wiped=self.wipe, node=self.node)
+            memory = Path(os.environ[ENV])
+            parts = {p.name: _part(p) for p in memory.glob("*/s*")}
+            parts = {name: part for name, part in parts.items() if part is not None}
+            if self.wipe and memory.exists():  # none with the store alone
+                shutil.rmtree(memory)
+            self.events("kill", step=self.step, wiped=self.wipe, node=self.node, parts=parts)
             if self.node:
                 os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -87,23 +96,34 @@ class Record(L.Callback):
 def fit(store: Path, out: Path, callbacks: list[L.Callback], **memory: Any) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     ckpt = IncrementalCheckpoint(store, every_n_train_steps=10, **TIMINGS, **memory)
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     trainer = L.Trainer(
         max_epochs=2,
         limit_val_batches=0,
         accelerator="cpu",
-        devices=1,
+        devices=per_node,
         num_nodes=2,
-        strategy="ddp",
+        strategy=DDPStrategy(find_unused_parameters=True),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(out),
         callbacks=[ckpt, *[cb(ckpt) for cb in callbacks]],
     )
-    module = TinyModel(batch_size=2)  # 16 steps an epoch on each of the two ranks
+    module = TinyModel(batch_size=2 // per_node)  # 16 steps an epoch on each rank
     trainer.fit(module)
     torch.save(weights(module), out / f"{store.name}_rank{trainer.global_rank}.pt")
     return trainer
+
+
+def _part(path: Path) -> list[Any] | None:
+    """A memory part's size and whether it holds the optimizer state (None: another rank's
+    background work deleted it meanwhile)."""
+    try:
+        holds = b'"optimizer_states"' in (path / "index.json").read_bytes()
+        return [(path / "data.bin").stat().st_size, holds]
+    except FileNotFoundError:
+        return None
 
 
 def main() -> None:
@@ -118,7 +138,9 @@ def main() -> None:
     out, root = Path(args.out), Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
     events = Events(out)
-    if not args.no_reference and not all((out / f"ref_rank{r}.pt").exists() for r in (0, 1)):
+    world = int(os.environ["WORLD_SIZE"])
+    references = all((out / f"ref_rank{r}.pt").exists() for r in range(world))
+    if not args.no_reference and not references:
         fit(root / "ref", out, [])
     kills = [lambda ckpt, spec=spec: Kill(ckpt, spec, events, out) for spec in args.kill]
     trainer = fit(

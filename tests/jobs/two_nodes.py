@@ -1,5 +1,6 @@
-"""Two torchrun agents as two nodes on this machine (one training process each, each node with its
-own memory directory), for the memory tier's two-node tests and ``benchmarks.recovery``.
+"""Two torchrun agents as two nodes on this machine (one training process each unless told, each
+node with its own memory directory), for the memory tier's two-node tests and
+``benchmarks.recovery``.
 
 :func:`run` starts node 0 (it hosts the rendezvous) and node 1 with a job; when the job reports a
 node lost whole (a ``"node": true`` event: agent and process SIGKILLed), it starts a replacement
@@ -39,12 +40,13 @@ def wait_for_port(port: int, timeout_s: float = 60.0) -> None:
 
 
 def agent(
-    tmp: Path, node: int, port: int, job: Path, args: Sequence[str]
+    tmp: Path, node: int, port: int, job: Path, args: Sequence[str], per_node: int = 1
 ) -> subprocess.Popen[bytes]:
-    """Node ``node``'s torchrun agent (one process) running ``job --dir TMP/stores --out TMP/out
-    ARGS``, its memory directory ``TMP/memory<node>``, its output in ``TMP/node<node>.log``."""
+    """Node ``node``'s torchrun agent (``per_node`` processes) running ``job --dir TMP/stores
+    --out TMP/out ARGS``, its memory directory ``TMP/memory<node>``, its output in
+    ``TMP/node<node>.log``."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={per_node}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=memory",
         f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120", "--max-restarts=3",
         "--monitor-interval=0.1", str(job), "--dir", str(tmp / "stores"), "--out",
@@ -78,21 +80,23 @@ def reap(nodes: list[subprocess.Popen[bytes]]) -> None:
             node.wait()
 
 
-def run(tmp: Path, job: Path, args: Sequence[str], timeout_s: float) -> tuple[list[int], str]:
-    """Run ``job`` on two nodes (and a replacement for a node lost whole) until every agent
-    ended or ``timeout_s`` passed (then what is left is killed); returns the agents' exit codes
-    (node 0, 1, then the replacement's) and their logs."""
+def run(
+    tmp: Path, job: Path, args: Sequence[str], timeout_s: float, per_node: int = 1
+) -> tuple[list[int], str]:
+    """Run ``job`` on two nodes of ``per_node`` processes (and a replacement for a node lost
+    whole) until every agent ended or ``timeout_s`` passed (then what is left is killed);
+    returns the agents' exit codes (node 0, 1, then the replacement's) and their logs."""
     port = free_port()
-    nodes = [agent(tmp, 0, port, job, args)]
+    nodes = [agent(tmp, 0, port, job, args, per_node)]
     wait_for_port(port)  # the first agent hosts the rendezvous
-    nodes.append(agent(tmp, 1, port, job, args))
+    nodes.append(agent(tmp, 1, port, job, args, per_node))
     events = tmp / "out" / "events.jsonl"
     deadline = time.monotonic() + timeout_s
     try:
         while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
             if len(nodes) == 2 and events.exists() and '"node": true' in events.read_text():
                 nodes[1].wait(timeout=30)  # the lost node's agent
-                nodes.append(agent(tmp, 2, port, job, args))  # its replacement, empty memory
+                nodes.append(agent(tmp, 2, port, job, args, per_node))  # replacement, no memory
             time.sleep(0.1)
     finally:
         reap(nodes)

@@ -1,15 +1,20 @@
 """The memory tier under Accelerate, end to end: a plain training loop through the API
-(``IncrementalCheckpointer``) over two torchrun agents as two nodes (``--nnodes=2``, one process
-each, each with its own memory directory), memory every step, store every 10 steps, one launch:
+(``IncrementalCheckpointer``) over two torchrun agents as two nodes (``--nnodes=2``, two
+processes each, each node with its own memory directory), memory every step, store every 10
+steps, one launch:
 
-- at step 25 one node's memory directory is emptied and its process SIGKILLed; its agent
+- each node's memory holds the replicated state (weights, optimizer) once: the second process of
+  a node takes its own state alone (random state, data position, its batch norm statistics);
+- at step 25 one node's memory directory is emptied and its rank-2 process SIGKILLed; its agent
   restarts the group, which resumes from the memory tier at step 25, above the store's step 20:
-  the part of the emptied node's rank comes from the other node's replica (``resumed_tier`` is
-  ``"peer"``, the group's);
-- at step 29 the other node's process is SIGKILLed: both resume from their own node's memory;
+  the parts of the emptied node's ranks come from the other node's replicas, the node's first
+  rank passing the replicated state on to the second (``resumed_tier`` is ``"peer"``, the
+  group's);
+- at step 29 the other node's first process is SIGKILLed: all resume from their own node's
+  memory;
 
-and the run ends bit-identical (weights and each process's random state) to an uninterrupted run
-of the same loop (trained first, in the same launch)."""
+and the run ends bit-identical (weights, buffers and each process's random state) to an
+uninterrupted run of the same loop (trained first, in the same launch)."""
 
 from __future__ import annotations
 
@@ -28,12 +33,14 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "jobs" / "memory_accelerate_job.py"
 TIMEOUT_S = 300
+WORLD = 4
 
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("accelerate_memory_tier")
-    rcs, logs = two_nodes.run(tmp, JOB, two_nodes.kill_args(("1:25:wipe", "0:29")), TIMEOUT_S)
+    kills = two_nodes.kill_args(("2:25:wipe", "0:29"))
+    rcs, logs = two_nodes.run(tmp, JOB, kills, TIMEOUT_S, per_node=2)
     assert rcs == [0, 0], logs[-8000:]
     events = [json.loads(line) for line in (tmp / "out" / "events.jsonl").read_text().splitlines()]
     return {"tmp": tmp, "events": events, "logs": logs}
@@ -44,18 +51,19 @@ def test_an_accelerate_loop_resumes_from_its_memory_and_a_peers_bit_identically(
 ) -> None:
     events, out = killed["events"], killed["tmp"] / "out"
     kills = [(e["rank"], e["step"], e["wiped"]) for e in events if e["event"] == "kill"]
-    assert kills == [(1, 25, True), (0, 29, False)], killed["logs"][-8000:]
-    first, after_wipe, after_kill = _incarnations(events)
-    assert {r: e["resumed_from"] for r, e in first.items()} == {0: None, 1: None}
+    assert kills == [(2, 25, True), (0, 29, False)], killed["logs"][-8000:]
+    first, after_wipe, after_kill = _incarnations(events, WORLD)
+    assert {r: e["resumed_from"] for r, e in first.items()} == dict.fromkeys(range(WORLD))
     for start in after_wipe.values():  # the store holds step 20; memory the step of the kill
         # the group's tier: a part came from the other node (whichever rank each node now runs)
         assert (start["resumed_from"], start["resumed_tier"]) == (25, "peer"), start
     for start in after_kill.values():
         assert (start["resumed_from"], start["resumed_tier"]) == (29, "memory"), start
     finished = [e for e in events if e["event"] == "finished"]
-    assert {e["rank"] for e in finished} == {0, 1} and {e["step"] for e in finished} == {32}
+    assert {e["rank"] for e in finished} == set(range(WORLD))
+    assert {e["step"] for e in finished} == {32}
     assert "of the memory tier" in killed["logs"]
-    for rank in (0, 1):
+    for rank in range(WORLD):
         final = torch.load(out / f"final_rank{rank}.pt")
         reference = torch.load(out / f"ref_rank{rank}.pt")
         assert final["step"] == reference["step"] == 32
@@ -63,3 +71,16 @@ def test_an_accelerate_loop_resumes_from_its_memory_and_a_peers_bit_identically(
         for key, value in reference["model"].items():
             assert torch.equal(final["model"][key], value), (rank, key)
         assert torch.equal(final["rng"], reference["rng"]), rank
+
+
+def test_a_node_holds_the_replicated_state_once(killed: dict[str, Any]) -> None:
+    """At the first kill the node's memory held its ranks' parts and the other node's replicas:
+    the replicated state (weights, optimizer) in the parts of each node's first rank only."""
+    kill = next(e for e in killed["events"] if e["event"] == "kill")
+    ranks: dict[int, list[list[Any]]] = {}
+    for name, part in kill["parts"].items():
+        ranks.setdefault(int(name.rsplit("-r", 1)[1]), []).append(part)
+    assert sorted(ranks) == list(range(WORLD)), kill["parts"]  # own ranks and the replicas
+    assert all(holds for r in (0, 2) for _, holds in ranks[r]), kill["parts"]
+    assert not any(holds for r in (1, 3) for _, holds in ranks[r]), kill["parts"]
+    assert max(n for r in (1, 3) for n, _ in ranks[r]) < min(n for r in (0, 2) for n, _ in ranks[r])

@@ -1,13 +1,17 @@
-"""The memory tier end to end: two torchrun agents as two nodes (``--nnodes=2``, one process each,
-each with its own memory directory), memory every step, store every 10 steps, one launch:
+"""The memory tier end to end: two torchrun agents as two nodes (``--nnodes=2``, two processes
+each, each node with its own memory directory), Lightning DDP, memory every step, store every 10
+steps, one launch:
 
-- one node's training process is SIGKILLed at step 25; its agent restarts the group, which
-  resumes from the memory tier at step 24 (the store holds step 20);
-- at step 29 the second node is lost whole (agent and training process SIGKILLed) and a
+- each node's memory holds the replicated state (weights, optimizer) once: a node's second rank
+  takes its own state alone (random state, data position);
+- rank 1's training process is SIGKILLed at step 25; its agent restarts the group, which resumes
+  from the memory tier at step 24 (the store holds step 20);
+- at step 29 the second node is lost whole (agent and training processes SIGKILLed) and a
   replacement agent with an empty memory directory joins: the group resumes at step 28, the
-  replacement's part received from the other node's replica;
-- at step 31 both nodes' processes empty their memory and are SIGKILLed (both nodes lost): the
-  group resumes from the store's step 30;
+  replacement's parts received from the other node's replicas, its first rank passing the
+  replicated state on to the second;
+- at step 31 both nodes' memory is emptied and a process of each SIGKILLed (both nodes lost):
+  the group resumes from the store's step 30;
 
 and the run ends bit-identical to an uninterrupted run of the same job (trained first, in the
 same launch)."""
@@ -30,14 +34,15 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "jobs" / "memory_job.py"
 TIMEOUT_S = 300
-KILLS = ("1:25", "@memory1:29:node", "0:31:wipe", "1:31:wipe")
+KILLS = ("1:25", "@memory1:29:node", "@memory0:31:wipe", "@memory2:31:wipe")
+WORLD = 4
 
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("memory_tier")
     started = time.monotonic()
-    rcs, logs = two_nodes.run(tmp, JOB, two_nodes.kill_args(KILLS), TIMEOUT_S)
+    rcs, logs = two_nodes.run(tmp, JOB, two_nodes.kill_args(KILLS), TIMEOUT_S, per_node=2)
     assert rcs == [0, -signal.SIGKILL, 0], logs[-8000:]
     events = [json.loads(line) for line in (tmp / "out" / "events.jsonl").read_text().splitlines()]
     kills = [e for e in events if e["event"] == "kill"]
@@ -51,10 +56,10 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"tmp": tmp, "events": events, "logs": logs}
 
 
-def _incarnations(events: list[dict[str, Any]]) -> list[dict[int, dict[str, Any]]]:
-    """Each incarnation's start events, by rank (starts come in pairs)."""
+def _incarnations(events: list[dict[str, Any]], world: int = 2) -> list[dict[int, dict[str, Any]]]:
+    """Each incarnation's start events, by rank (``world`` starts an incarnation)."""
     starts = [e for e in events if e["event"] == "started"]
-    return [{e["rank"]: e for e in starts[i : i + 2]} for i in range(0, len(starts), 2)]
+    return [{e["rank"]: e for e in starts[i : i + world]} for i in range(0, len(starts), world)]
 
 
 def test_killed_processes_resume_from_memory_a_peer_or_the_store_bit_identically(
@@ -63,11 +68,11 @@ def test_killed_processes_resume_from_memory_a_peer_or_the_store_bit_identically
     events, out = killed["events"], killed["tmp"] / "out"
     kills = [(e["step"], e["wiped"], e["node"]) for e in events if e["event"] == "kill"]
     assert kills == [(25, False, False), (29, True, True), (31, True, False), (31, True, False)]
-    first, after_kill, after_wipe, after_both = _incarnations(events)
-    assert {r: e["resumed_from"] for r, e in first.items()} == {0: None, 1: None}
+    first, after_kill, after_wipe, after_both = _incarnations(events, WORLD)
+    assert {r: e["resumed_from"] for r, e in first.items()} == dict.fromkeys(range(WORLD))
     # step 24: the store holds 20; each rank reads its own node's memory, unless the restart
     # put the ranks on the other nodes (then each receives its part from the node that has it)
-    same_nodes = all(after_kill[r]["node"] == first[r]["node"] for r in (0, 1))
+    same_nodes = all(after_kill[r]["node"] == first[r]["node"] for r in range(WORLD))
     for start in after_kill.values():
         assert start["resumed_from"] == 24, start
         assert start["resumed_tier"] == ("memory" if same_nodes else "peer"), start
@@ -77,13 +82,27 @@ def test_killed_processes_resume_from_memory_a_peer_or_the_store_bit_identically
     for start in after_both.values():  # no memory anywhere: the store
         assert (start["resumed_from"], start["resumed_tier"]) == (30, "store"), start
     finished = [e for e in events if e["event"] == "finished"]
-    assert {e["rank"] for e in finished} == {0, 1} and {e["step"] for e in finished} == {32}
+    assert {e["rank"] for e in finished} == set(range(WORLD))
+    assert {e["step"] for e in finished} == {32}
     assert "of the memory tier" in killed["logs"]
-    for rank in (0, 1):
+    for rank in range(WORLD):
         final = torch.load(out / f"final_rank{rank}.pt")
         reference = torch.load(out / f"ref_rank{rank}.pt")
         assert final.keys() == reference.keys()
         assert all(torch.equal(final[k], reference[k]) for k in reference), rank
+
+
+def test_a_node_holds_the_replicated_state_once(killed: dict[str, Any]) -> None:
+    """At the first kill the node's memory held its ranks' parts and the other node's replicas:
+    the replicated state (weights, optimizer) in the parts of each node's first rank only."""
+    kill = next(e for e in killed["events"] if e["event"] == "kill")
+    ranks: dict[int, list[list[Any]]] = {}
+    for name, part in kill["parts"].items():
+        ranks.setdefault(int(name.rsplit("-r", 1)[1]), []).append(part)
+    assert sorted(ranks) == list(range(WORLD)), kill["parts"]  # own ranks and the replicas
+    assert all(holds for r in (0, 2) for _, holds in ranks[r]), kill["parts"]
+    assert not any(holds for r in (1, 3) for _, holds in ranks[r]), kill["parts"]
+    assert max(n for r in (1, 3) for n, _ in ranks[r]) < min(n for r in (0, 2) for n, _ in ranks[r])
 
 
 def test_the_memory_is_freed_once_the_store_holds_the_end(killed: dict[str, Any]) -> None:

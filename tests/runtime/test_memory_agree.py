@@ -49,6 +49,21 @@ def test_the_store_when_memory_is_older_or_foreign() -> None:
     assert _agree(foreign).step is None
 
 
+def test_parts_of_another_layout_are_ignored() -> None:
+    """Parts written with the replicated state once a node of 2 ranks (layout 2) serve only a
+    job of that layout: not one whose every rank takes the whole state (0), nor another
+    number of ranks a node."""
+    ws = 4
+    invs = [Inventory(r, tuple(Held(q, 30, 1, JOB, ws, 2) for q in range(ws))) for r in range(ws)]
+    plan = agree(invs, job=JOB, world_size=ws, generation=2, newest_persistent=None, layout=2)
+    assert (plan.step, plan.tier_used) == (30, MEMORY)
+    for other in (0, 4):
+        plan = agree(
+            invs, job=JOB, world_size=ws, generation=2, newest_persistent=None, layout=other
+        )
+        assert plan.step is None
+
+
 def test_parts_of_two_generations_never_make_a_step() -> None:
     invs = [Inventory(0, (_held(0, 30, gen=1),)), Inventory(1, (_held(1, 30, gen=2),))]
     assert _agree(invs, gen=3).step is None

@@ -4,6 +4,7 @@ directory."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections import OrderedDict
@@ -91,6 +92,24 @@ def test_a_torn_write_is_not_a_part_and_other_jobs_are_refused(tmp_path: Path) -
     shutil.copytree(tier.parts / name, other.parts / name)
     with pytest.raises(MemoryPartError, match="not of this job"):
         other.load(0, 3, 1)
+
+
+def test_the_layout_is_in_the_header_and_older_parts_read_as_whole(tmp_path: Path) -> None:
+    """A part says where the replicated state is (its layout); a part of another layout is
+    refused, and a header written before layouts existed reads as layout 0 (every part whole)."""
+    tier = _tier(tmp_path)
+    tier.layout = 2
+    tier.write(snapshot({"w": torch.ones(3)}), 1, 5)
+    assert tier.inventory() == [Held(1, 5, 1, "job", 2, 2)]
+    whole = _tier(tmp_path)
+    with pytest.raises(MemoryPartError, match="part of layout 2, not 0"):
+        whole.load(1, 5, 1)
+    (header,) = tier.parts.glob("*/header.json")
+    head = json.loads(header.read_bytes())
+    del head["layout"]
+    header.write_text(json.dumps(head))
+    assert whole.inventory() == [Held(1, 5, 1, "job", 2, 0)]
+    assert torch.equal(whole.load(1, 5, 1)["w"], torch.ones(3))
 
 
 def test_prune_keeps_only_the_asked_steps_of_its_ranks(tmp_path: Path) -> None:

@@ -59,6 +59,7 @@ class AccelerateMemory(memory_steps.MemorySteps):
             info=lambda text: log.info(text) if main else None,
             warn=lambda text: warnings.warn(text, UserWarning, stacklevel=3) if main else None,
             replicated=True,  # FSDP keeps the store only (see start)
+            local_rank=acc.local_process_index,
             **kw,
         )
 

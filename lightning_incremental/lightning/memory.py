@@ -63,7 +63,10 @@ class MemorySteps(memory_steps.MemorySteps):
             info=rank_zero_info,
             warn=rank_zero_warn,
             replicated=not sharded,
+            sharded=sharded,
+            local_rank=trainer.local_rank,
         )
+        self.zero: bool | None = None  # an optimizer is torch's ZeroRedundancyOptimizer
 
     def after_batch(self, trainer: pl.Trainer, step_changed: bool, epoch_record: Any) -> None:
         """Take this step into memory when it is due and a resume could continue from it."""
@@ -72,18 +75,38 @@ class MemorySteps(memory_steps.MemorySteps):
             return
         if _compat.epoch_ends_here(trainer) or _compat.validation_follows(trainer):
             return
-        if self.whole:
-            checkpoint = _sharded.dump_checkpoint(trainer, self.sharded)
-        else:  # the node's first rank takes the replicated state (see memory_steps)
-            own_buffers = memory_steps.buffers(trainer.lightning_module)
-            checkpoint = {"global_step": step, "buffers": own_buffers}
+        if self._refused(trainer):
+            return
+        # every rank dumps, as for Trainer.save_checkpoint (a save hook may be a collective)
+        checkpoint = _sharded.dump_checkpoint(trainer, self.sharded)
+        if not self.whole:  # the node's first rank takes the replicated state (memory_steps)
+            for name in _STATE_KEYS:
+                del checkpoint[name]
+            checkpoint[_BUFFERS] = memory_steps.buffers(trainer.lightning_module)
         own = resume.rank_state(trainer, False, epoch_record)
         checkpoint[KEY] = {"format": FORMAT, "world_size": trainer.world_size, "ranks": [own]}
         if self.sharded:  # this rank's shards as plain tensors, and how they were laid out
-            for name in _SHARDED_KEYS:
+            for name in _STATE_KEYS:
                 checkpoint[name], notes = memory_shards.to_local(checkpoint[name], (name,))
                 checkpoint[KEY].setdefault("shards", {}).update(notes)
         self.take(step, checkpoint)
+
+    def _refused(self, trainer: pl.Trainer) -> bool:
+        """Whether an optimizer is a ``ZeroRedundancyOptimizer`` (said once): its state is
+        sharded over the ranks and consolidated on rank 0 only when a checkpoint is dumped, so
+        no rank's memory part could restore it; such a run keeps the store only."""
+        if self.zero is None:
+            self.zero = any(
+                hasattr(_compat.raw_optimizer(o), "consolidate_state_dict")
+                for o in trainer.optimizers
+            )
+            if self.zero:
+                rank_zero_warn(
+                    "IncrementalCheckpoint: the memory tier does not support "
+                    "ZeroRedundancyOptimizer (its state is consolidated on rank 0 only); this run "
+                    "checkpoints to the persistent store only"
+                )
+        return self.zero
 
     def resume(  # type: ignore[override]
         self, trainer: pl.Trainer, newest_persistent: int | None
@@ -98,9 +121,8 @@ class MemorySteps(memory_steps.MemorySteps):
         if found is None:
             return None
         step, checkpoint, tier = found
-        if live is not None:
+        if live is not None:  # the live shards filled, in their places; the rest as restored
             memory_shards.fill(live, checkpoint)
-            checkpoint.update(live)
             _sharded.apply(trainer, checkpoint)
         saved = checkpoint[KEY]
         saved["ranks"] = saved["ranks"] * trainer.world_size  # this rank's own, at its index
@@ -112,14 +134,20 @@ class MemorySteps(memory_steps.MemorySteps):
         return step, checkpoint, tier
 
 
-_SHARDED_KEYS = ("state_dict", "optimizer_states")  # where a sharded checkpoint holds DTensors
+# the weights and optimizer state: DTensors when sharded; when replicated, only a node's first
+# rank takes them
+_STATE_KEYS = ("state_dict", "optimizer_states")
+_BUFFERS = "lightning_incremental_buffers"  # the other ranks' own buffers, in their parts
 
 
 def _merge(whole: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
-    """This rank's checkpoint: its node's first rank's, with this rank's buffers and state."""
-    whole["state_dict"].update(own["buffers"])
-    whole[KEY] = own[KEY]
-    return whole
+    """This rank's checkpoint: its own (loops, callbacks, schedulers, random state and data
+    position, buffers), with the weights and optimizer state of its node's first rank."""
+    buffers = own.pop(_BUFFERS)
+    for name in _STATE_KEYS:
+        own[name] = whole[name]
+    own["state_dict"].update(buffers)
+    return own
 
 
 def _check_step(checkpoint: Any, step: int) -> None:

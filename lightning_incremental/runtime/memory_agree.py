@@ -70,20 +70,28 @@ def agree(
     """The plan every rank follows (see the module's description); ``generation`` is the one
     resuming, ``newest_persistent`` the persistent store's newest step (None: empty)."""
     holders: dict[tuple[int, int], dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+    layouts = set()  # of this job's parts otherwise usable
     for inventory in inventories:
         for held in inventory.parts:
             if (
                 held.job != job
                 or held.world_size != world_size
-                or held.layout != layout
                 or held.generation >= generation
                 or not 0 <= held.rank < world_size
             ):
                 continue
-            holders[(held.generation, held.step)][held.rank].add(inventory.rank)
+            layouts.add(held.layout)
+            if held.layout == layout:
+                holders[(held.generation, held.step)][held.rank].add(inventory.rank)
     complete = [key for key, ranks in holders.items() if len(ranks) == world_size]
     if not complete:
         why = "no step has every rank's part in memory" if holders else "no memory step found"
+        if layouts - {layout}:
+            why += (
+                f" of this run's layout {layout}; parts of layout {sorted(layouts - {layout})} "
+                "are ignored (written with another number of ranks a node, or by another "
+                "strategy: see memory_steps)"
+            )
         return Plan(None, 0, (), why)
     gen, step = max(complete)
     if newest_persistent is not None and step < newest_persistent:

@@ -8,7 +8,8 @@ layout (global shape, local shape, dtype, placements, mesh shape and this rank's
 the mesh). A resume checks the layout of every live DTensor against the note
 (:func:`check`) — another mesh of the same world size, another model or a changed
 sharding is refused, and the run resumes from the store, which reshards — and then
-copies the shards into the live tensors (:func:`fill`).
+copies the shards into the live tensors, which take their places in the restored state
+(:func:`fill`).
 
 Only ``DTensor`` is handled; FSDP1's ``ShardedTensor`` is refused by the adapters before a
 step is taken. The walk costs one visit per container and tensor, and the notes are a few
@@ -126,8 +127,11 @@ def check(live: Any, restored: Any, notes: Any) -> None:
 
 
 def fill(live: Any, restored: Any) -> None:
-    """Copy each restored shard into the local tensor of the live DTensor at its path (after
-    :func:`check`)."""
+    """Copy each restored shard into the local tensor of the live DTensor at its path, and put
+    that DTensor in its place in ``restored`` (after :func:`check`). Everything else in
+    ``restored`` stays as the memory step holds it: an optimizer's plain ``step`` and
+    ``param_groups``, buffers and parameters that are not sharded."""
     with torch.no_grad():
         for where, t in dtensors(live):
             t.to_local().copy_(_at(restored, where))
+            _at(restored, where[:-1])[where[-1]] = t

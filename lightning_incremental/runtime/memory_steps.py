@@ -46,6 +46,10 @@ from lightning_incremental.runtime.memory_tier import MemoryPartError, MemoryTie
 
 log = logging.getLogger(__name__)
 
+# Where a part holds the replicated state (its header's layout; see the module's notes):
+WHOLE = 0  # every part holds this rank's whole state
+SHARDS = 1  # every part holds this rank's shards (a sharded strategy)
+# k >= 2: one copy a node of k ranks, in the part of its first rank
 GROUP_TIMEOUT_S = 120.0  # one transfer of the side group; then replication stops, warned
 
 
@@ -96,7 +100,12 @@ class MemorySteps:
         owner: names the adapter in messages.
         info, warn: say a line once for the job (the adapter's rank-zero logging and warning).
         replicated: every rank holds the same model and optimizer state (DDP): only each
-            node's first rank takes it (see the module's notes).
+            node's first rank takes it (see the module's notes), when every rank tells the same
+            ``ranks_per_node``, it divides the world, and each rank's ``local_rank`` is its
+            rank modulo it (a node's ranks in a row); else every rank takes it.
+        sharded: every rank's part holds its own shards (layout :data:`SHARDS`: never read
+            as a whole state, nor the other way round).
+        local_rank: this process's rank on its node (None: not known, assumed in a row).
     """
 
     def __init__(
@@ -113,6 +122,8 @@ class MemorySteps:
         info: Say,
         warn: Say,
         replicated: bool = False,
+        sharded: bool = False,
+        local_rank: int | None = None,
     ) -> None:
         self.every = int(options.every_n_train_steps or 1)
         self.owner, self.info, self.warn = owner, info, warn
@@ -125,16 +136,17 @@ class MemorySteps:
         held = [h.generation for h in self.tier.inventory() if h.job == self.job]
         # single process: no store generation; every run is newer than what its memory holds
         mine = generation if generation is not None else max(held, default=0) + 1
-        self.tier.generation = max(collectives.gather(mine)) if world_size > 1 else mine
+        per_node = max(1, int(ranks_per_node))
+        placed = local_rank is None or local_rank == rank % per_node  # a node's ranks in a row
+        told = collectives.gather((mine, per_node, placed)) if world_size > 1 else [(mine, 1, 1)]
+        self.tier.generation = max(t[0] for t in told)
+        self.per_node = per_node
+        self.tier.layout = layout([(t[1], t[2]) for t in told], replicated, sharded)
         self.group = None
         if world_size > 1:
             self.group = torch.distributed.new_group(
                 backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S)
             )
-        per_node = max(1, int(ranks_per_node))
-        self.per_node = per_node
-        shared = replicated and per_node > 1 and world_size > 1
-        self.tier.layout = per_node if shared else 0
         self.pool = BufferPool()  # one snapshot's buffers, reused step after step
         self.replicator = Replicator(
             self.tier,
@@ -157,7 +169,7 @@ class MemorySteps:
     def whole(self) -> bool:
         """Whether this rank takes the whole checkpoint (else its own state alone; see the
         module's notes)."""
-        return self.tier.layout == 0 or self.rank % self.per_node == 0
+        return self.tier.layout < 2 or self.rank % self.per_node == 0
 
     @property
     def leader(self) -> int:
@@ -207,7 +219,7 @@ class MemorySteps:
         except Exception as exc:  # every rank learns below; all resume from the store
             error = exc
         try:  # the leaders whose part came from a peer send it on to their node (see notes)
-            if self.tier.layout:
+            if self.tier.layout >= 2:
                 whole = self._pass_on(plan, received if error is None else None)
         except Exception as exc:
             error = error or exc
@@ -275,6 +287,25 @@ class MemorySteps:
         group, self.group = self.group, None
         if stopped and group is not None:
             torch.distributed.destroy_process_group(group)  # this process's handle only
+
+
+def layout(told: list[tuple[int, bool]], replicated: bool, sharded: bool) -> int:
+    """Where the parts hold the replicated state (:data:`WHOLE`, :data:`SHARDS` or ``k``: one
+    copy a node of ``k`` ranks), from what every rank told: its ranks a node and whether its
+    local rank is its rank modulo that. One copy a node only when every rank told the same
+    ``k > 1``, ``k`` divides the world and every node's ranks are in a row: else ``rank % k``
+    would not name a node's first rank."""
+    if sharded:
+        return SHARDS
+    per_node = told[0][0]
+    one_copy = (
+        replicated
+        and len(told) > 1
+        and per_node > 1
+        and len(told) % per_node == 0
+        and all(k == per_node and in_row for k, in_row in told)
+    )
+    return per_node if one_copy else WHOLE
 
 
 def buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -75,3 +75,32 @@ def test_the_memory_tier_is_off_by_default(tmp_path: Path, monkeypatch: pytest.M
     assert not (tmp_path / "memory").exists()
     with pytest.raises(ConfigError, match="memory_every_n_train_steps"):
         fit(store, memory_every_n_train_steps=0)
+
+
+def test_a_ranks_own_part_keeps_everything_but_the_replicated_state() -> None:
+    """Under DDP a node's other ranks take all of their checkpoint but the weights and optimizer
+    state (their loops, callbacks, schedulers, random state and data position, and their
+    buffers); a resume puts the node's first rank's weights and optimizer state under them."""
+    from lightning_incremental.lightning import memory
+    from lightning_incremental.lightning.resume import KEY
+
+    whole = {
+        "state_dict": {"w": torch.ones(2), "bn.running_mean": torch.zeros(2)},
+        "optimizer_states": [{"state": {0: {"momentum_buffer": torch.ones(2)}}}],
+        "loops": {"fit_loop": "leader's"},
+        KEY: {"ranks": [{"rng": "leader's"}]},
+        "global_step": 7,
+    }
+    own = {
+        "loops": {"fit_loop": "own"},
+        "lr_schedulers": [{"last_epoch": 3}],
+        KEY: {"ranks": [{"rng": "own"}]},
+        "global_step": 7,
+        memory._BUFFERS: {"bn.running_mean": torch.full((2,), 5.0)},
+    }
+    merged = memory._merge(whole, own)
+    assert merged["loops"] == {"fit_loop": "own"} and merged[KEY] == {"ranks": [{"rng": "own"}]}
+    assert merged["lr_schedulers"] == [{"last_epoch": 3}] and memory._BUFFERS not in merged
+    assert merged["optimizer_states"] is whole["optimizer_states"]
+    assert torch.equal(merged["state_dict"]["w"], torch.ones(2))
+    assert torch.equal(merged["state_dict"]["bn.running_mean"], torch.full((2,), 5.0))

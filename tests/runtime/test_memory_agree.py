@@ -144,3 +144,19 @@ def test_the_ring_sends_to_the_same_local_rank_on_the_next_nodes() -> None:
         dsts, _ = ring(rank, 8, 2, 2)
         assert len({d // 2 for d in dsts} | {rank // 2}) == 3
         assert all(rank in ring(d, 8, 2, 2)[1] for d in dsts)
+
+
+def test_one_copy_a_node_only_where_every_rank_agrees_on_the_nodes() -> None:
+    from lightning_incremental.runtime.memory_steps import SHARDS, WHOLE, layout
+
+    four = [(2, True)] * 4
+    assert layout(four, replicated=True, sharded=False) == 2
+    assert layout(four, replicated=True, sharded=True) == SHARDS
+    assert layout(four, replicated=False, sharded=False) == WHOLE
+    assert layout([(1, True)] * 4, replicated=True, sharded=False) == WHOLE  # a rank a node
+    assert layout([(2, True)], replicated=True, sharded=False) == WHOLE  # one process
+    assert layout([(2, True)] * 3, replicated=True, sharded=False) == WHOLE  # 2 does not divide 3
+    mixed = [(2, True), (2, True), (1, True), (1, True)]  # nodes of different sizes
+    assert layout(mixed, replicated=True, sharded=False) == WHOLE
+    cyclic = [(2, True), (2, False), (2, False), (2, True)]  # a node's ranks not in a row
+    assert layout(cyclic, replicated=True, sharded=False) == WHOLE

@@ -57,13 +57,22 @@ def test_to_local_keeps_shards_as_plain_tensors_and_notes_their_layout(mesh) -> 
 def test_a_matching_layout_is_filled_into_the_live_shards(mesh) -> None:
     saved, notes = memory_shards.to_local(_state(mesh))
     restored = {k: v for k, v in saved.items()}
-    restored["state_dict"] = {"w": saved["state_dict"]["w"].clone() + 100, "plain": torch.ones(2)}
+    weight = saved["state_dict"]["w"].clone() + 100
+    momentum = saved["optimizer_states"][0]["state"]["w"]["m"].clone()
+    restored["state_dict"] = {"w": weight.clone(), "plain": torch.full((2,), 7.0)}
     live = _state(mesh)
     memory_shards.check(live, restored, notes)
     memory_shards.fill(live, restored)
-    assert torch.equal(live["state_dict"]["w"].to_local(), restored["state_dict"]["w"])
-    got = live["optimizer_states"][0]["state"]["w"]["m"].to_local()
-    assert torch.equal(got, saved["optimizer_states"][0]["state"]["w"]["m"])
+    assert torch.equal(live["state_dict"]["w"].to_local(), weight)
+    assert torch.equal(live["optimizer_states"][0]["state"]["w"]["m"].to_local(), momentum)
+    # the live DTensors take their places; the rest stays as restored
+    assert restored["state_dict"]["w"] is live["state_dict"]["w"]
+    assert (
+        restored["optimizer_states"][0]["state"]["w"]["m"]
+        is live["optimizer_states"][0]["state"]["w"]["m"]
+    )
+    assert torch.equal(restored["state_dict"]["plain"], torch.full((2,), 7.0))
+    assert torch.equal(restored["optimizer_states"][0]["state"]["w"]["step"], torch.tensor(3.0))
 
 
 def test_another_layout_or_shape_or_a_missing_shard_is_refused(mesh) -> None:
@@ -82,3 +91,60 @@ def test_another_layout_or_shape_or_a_missing_shard_is_refused(mesh) -> None:
         memory_shards.check(_state(mesh), saved, stray)
     with pytest.raises(ValueError, match="no notes"):
         memory_shards.check(_state(mesh), saved, None)
+
+
+def test_fsdp2_state_restored_whole_not_only_its_shards(mesh) -> None:
+    """FSDP2 on the one-rank mesh, Adam, a scheduler that lowers the learning rate every step and
+    batch norm: the memory step's DTensors go into the live shards, and everything else (Adam's
+    ``step``, the learning rate in ``param_groups``, the running statistics) comes from the
+    memory step too, not from the fresh model it is restored into."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    options = StateDictOptions(full_state_dict=False)
+
+    def build():
+        torch.manual_seed(0)
+        nn = torch.nn
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+
+    def state(model, optimizer):
+        return {
+            "state_dict": get_model_state_dict(model, options=options),
+            "optimizer_states": [get_optimizer_state_dict(model, optimizer, options=options)],
+        }
+
+    model, optimizer, scheduler = build()
+    for _ in range(3):
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    local, notes = memory_shards.to_local(state(model, optimizer))
+    saved = copy.deepcopy(local)  # what the memory tier holds
+    fresh, fresh_optimizer, _ = build()
+    live = state(fresh, fresh_optimizer)
+    memory_shards.check(live, saved, notes)
+    memory_shards.fill(live, saved)
+    set_model_state_dict(fresh, saved["state_dict"], options=options)
+    set_optimizer_state_dict(fresh, fresh_optimizer, saved["optimizer_states"][0], options=options)
+    assert fresh_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] == 0.0125
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        a, b = getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)
+        assert torch.equal(a, b), name  # weights, running statistics, batches tracked
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        for key, value in optimizer.state[p].items():
+            got = fresh_optimizer.state[q][key]
+            value, got = getattr(value, "_local_tensor", value), getattr(got, "_local_tensor", got)
+            assert torch.equal(value, got), key  # exp_avg, exp_avg_sq and step

@@ -58,6 +58,14 @@ def models(accelerator: Any) -> list[Any]:
     return found
 
 
+def buffers_kept_apart(accelerator: Any) -> bool:
+    """Whether the prepared models keep each process's buffers apart: several processes under
+    DDP with ``DistributedDataParallelKwargs(broadcast_buffers=False)`` (the accelerator's
+    ``ddp_handler``; its ``_models`` hold the modules, not the DDP wrappers)."""
+    handler = getattr(accelerator, "ddp_handler", None)
+    return accelerator.num_processes > 1 and not getattr(handler, "broadcast_buffers", True)
+
+
 def optimizers(accelerator: Any) -> list[Any]:
     """The prepared optimizers (``AcceleratedOptimizer``), in ``prepare`` order."""
     found: list[Any] = accelerator._optimizers

@@ -17,8 +17,8 @@ import os
 import warnings
 from typing import Any
 
-from accelerate_incremental import _compat, _state
-from lightning_incremental.runtime import memory_steps, rng
+from accelerate_incremental import _state
+from lightning_incremental.runtime import memory_steps
 from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.memory_steps import MemoryOptions
 
@@ -68,10 +68,9 @@ class AccelerateMemory(memory_steps.MemorySteps):
         if not self.due(step) or loaders.at_epoch_end():
             return
         acc = self.accelerator
-        local = {"rng": rng.capture(), "loaders": loaders.states()}
+        local = _state.process_state(acc, loaders)  # its buffers too, if DDP keeps them apart
         if not self.whole:  # the node's first process takes the replicated state (see steps)
-            own_buffers = [memory_steps.buffers(acc.unwrap_model(m)) for m in _compat.models(acc)]
-            self.take(step, {"step": step, "buffers": own_buffers, "processes": [local]})
+            self.take(step, {"step": step, "processes": [local]})
             return
         models, optimizers = _state.full(acc)
         iteration = acc.project_configuration.iteration
@@ -97,12 +96,9 @@ class AccelerateMemory(memory_steps.MemorySteps):
 
 
 def _merge(whole: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
-    """This process's part: its node's first process's, with this process's buffers and own
-    state."""
-    state = whole["state"]
-    for weights, buffers in zip(state["models"], own["buffers"], strict=True):
-        weights.update(buffers)
-    state["processes"] = own["processes"]
+    """This process's part: its node's first process's, with this process's own state (its
+    random state, DataLoader positions and, if DDP keeps them apart, buffers: restored with it)."""
+    whole["state"]["processes"] = own["processes"]
     return whole
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from accelerate_incremental import _compat, _sharded
-from lightning_incremental.runtime import replica_policy
+from lightning_incremental.runtime import rank_buffers, replica_policy, rng
 
 FORMAT = "accelerate_incremental/1"
 
@@ -58,6 +58,26 @@ def checkpoint(
     }
 
 
+def process_state(accelerator: Any, loaders: Any) -> dict[str, Any]:
+    """This process's own part of a checkpoint: its random state, its DataLoaders' positions
+    and, where DDP does not broadcast them, its buffers."""
+    local = {"rng": rng.capture(), "loaders": loaders.states()}
+    buffers = own_buffers(accelerator)
+    if buffers is not None:
+        local["buffers"] = buffers
+    return local
+
+
+def own_buffers(accelerator: Any) -> list[dict[str, Any]] | None:
+    """Each prepared model's buffers (batch norm statistics ...), copied to host memory, when a
+    model keeps each process's apart (``DistributedDataParallel(broadcast_buffers=False)``:
+    the models' state dicts hold the main process's only); else None."""
+    acc = accelerator
+    if not _compat.buffers_kept_apart(acc):
+        return None
+    return [rank_buffers.own(acc.unwrap_model(m)) for m in _compat.models(acc)]
+
+
 def replicated(accelerator: Any) -> dict[str, Any]:
     """What the replica check compares: parameters and optimizer state, not buffers (running
     statistics legitimately differ per process under DDP); the tensors share storage with the
@@ -83,17 +103,26 @@ def live(accelerator: Any, *, is_sharded: bool) -> dict[str, Any]:
 
 
 def restore(
-    accelerator: Any, state: dict[str, Any], models: list[Any], *, is_sharded: bool
+    accelerator: Any,
+    state: dict[str, Any],
+    models: list[Any],
+    *,
+    is_sharded: bool,
+    own: dict[str, Any] | None = None,
 ) -> None:
     """Put ``state`` back into the prepared objects: the weights into ``models`` (those the
     checkpoint's weights go to, after the load pre-hooks), every optimizer, scheduler, the
-    scaler, the registered objects and the counters. The caller checked that it fits."""
+    scaler, the registered objects and the counters (``own``: this process's saved part, whose
+    buffers, if any, replace the main process's). The caller checked that it fits."""
     acc = accelerator
     if is_sharded:  # torch checks the keys and sets every process's shards
         _sharded.apply(acc, models, state)
     else:
         for model, weights in zip(models, state["models"], strict=True):
             acc.unwrap_model(model).load_state_dict(weights)
+        buffers = (own or {}).get("buffers") or [None] * len(models)
+        for model, saved in zip(models, buffers, strict=True):  # this process's own, if saved
+            rank_buffers.put(acc.unwrap_model(model), saved)
         for opt, opt_state in zip(_compat.optimizers(acc), state["optimizers"], strict=True):
             opt.load_state_dict(opt_state)
     for sched, sched_state in zip(_compat.schedulers(acc), state["schedulers"], strict=True):

@@ -304,7 +304,7 @@ class IncrementalCheckpointer:
         acc = self.accelerator
         _layout.check_prepared(acc)
         _layout.check_loaders(acc)
-        local = {"rng": rng.capture(), "loaders": self._loaders.states()}
+        local = _state.process_state(acc, self._loaders)
         self._settle(block=False)  # earlier failed saves: warned about, or raised, everywhere
         verdict = _state.check_replicas(acc, self.sharded, self.replica_check, self._collect)
         if verdict.skip_save:
@@ -407,7 +407,7 @@ class IncrementalCheckpointer:
         whole = not self.sharded  # a sharded state is checked by torch, on as many processes
         _layout.check_compatible(acc, state, _state.FORMAT, models, weights=whole, resizable=whole)
         mine = self._loaders.restore_saved(state["processes"])  # first: it may refuse
-        _state.restore(acc, state, models, is_sharded=self.sharded)
+        _state.restore(acc, state, models, is_sharded=self.sharded, own=mine)
         rng.restore(mine["rng"])
         if self._pace is not None:
             self._pace.cadence.resumed(step)

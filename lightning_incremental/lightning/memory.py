@@ -80,9 +80,8 @@ class MemorySteps(memory_steps.MemorySteps):
         # every rank dumps, as for Trainer.save_checkpoint (a save hook may be a collective)
         checkpoint = _sharded.dump_checkpoint(trainer, self.sharded)
         if not self.whole:  # the node's first rank takes the replicated state (memory_steps)
-            for name in _STATE_KEYS:
+            for name in _STATE_KEYS:  # (a rank's own buffers are in its rank state, if any)
                 del checkpoint[name]
-            checkpoint[_BUFFERS] = memory_steps.buffers(trainer.lightning_module)
         own = resume.rank_state(trainer, False, epoch_record)
         checkpoint[KEY] = {"format": FORMAT, "world_size": trainer.world_size, "ranks": [own]}
         if self.sharded:  # this rank's shards as plain tensors, and how they were laid out
@@ -137,16 +136,14 @@ class MemorySteps(memory_steps.MemorySteps):
 # the weights and optimizer state: DTensors when sharded; when replicated, only a node's first
 # rank takes them
 _STATE_KEYS = ("state_dict", "optimizer_states")
-_BUFFERS = "lightning_incremental_buffers"  # the other ranks' own buffers, in their parts
 
 
 def _merge(whole: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
     """This rank's checkpoint: its own (loops, callbacks, schedulers, random state and data
-    position, buffers), with the weights and optimizer state of its node's first rank."""
-    buffers = own.pop(_BUFFERS)
+    position; its buffers, where DDP does not broadcast them, go back with its rank state), with
+    the weights and optimizer state of its node's first rank."""
     for name in _STATE_KEYS:
         own[name] = whole[name]
-    own["state_dict"].update(buffers)
     return own
 
 

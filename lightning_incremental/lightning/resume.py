@@ -42,6 +42,7 @@ from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning import data_position as dp
 from lightning_incremental.lightning import resize
 from lightning_incremental.lightning import sharded as _sharded
+from lightning_incremental.runtime import rank_buffers
 from lightning_incremental.runtime import rng as _rng
 from lightning_incremental.runtime.coordinate import coordinated, describe
 
@@ -174,7 +175,7 @@ def rank_state(
     """This rank's random state and data position, as plain data. ``boundary``: saved between
     epochs (the next epoch has not started); else mid-epoch, where ``epoch_record`` (from
     :func:`~.data_position.record_epoch_start`) recreates the epoch."""
-    return {
+    state = {
         "rng": _rng.capture(),
         "generators": dp.generator_states(dp.train_loaders(trainer)),
         "boundary": boundary,
@@ -182,6 +183,9 @@ def rank_state(
         "epoch_start": None if boundary else epoch_record,
         "logged": _compat.logged_state(trainer, running=not boundary),
     }
+    if trainer.world_size > 1 and rank_buffers.kept_apart(trainer.strategy.model):
+        state["buffers"] = rank_buffers.own(trainer.lightning_module)
+    return state
 
 
 @dataclass
@@ -215,6 +219,7 @@ def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Res
         return None
     ranks = saved["ranks"]
     state = ranks[trainer.global_rank % len(ranks)]
+    rank_buffers.put(trainer.lightning_module, state.get("buffers"))  # else rank 0's, restored
     _compat.restore_logged(trainer, state.get("logged"))
     plan = dp.plan(trainer)
     resized = saved.get("world_size") != trainer.world_size

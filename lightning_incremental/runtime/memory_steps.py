@@ -20,8 +20,8 @@ ignored. A resume gives each other rank its leader's part besides its own, read 
 node's memory, or — when the node's memory was lost and the leader received its part from a
 peer — sent on by the leader; the adapter's ``merge(whole, own)`` makes the rank's checkpoint.
 The persistent store is laid out the same way (rank 0 writes the replicated state once). A
-rank's own state includes its modules' buffers (:func:`buffers`: running statistics differ
-between ranks unless DDP broadcasts them), so a resume from memory stays exact.
+rank's own state includes its buffers where DDP does not broadcast them
+(:mod:`.rank_buffers`), so a resume from memory stays exact.
 """
 
 from __future__ import annotations
@@ -306,13 +306,6 @@ def layout(told: list[tuple[int, bool]], replicated: bool, sharded: bool) -> int
         and all(k == per_node and in_row for k, in_row in told)
     )
     return per_node if one_copy else WHOLE
-
-
-def buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The entries of ``module``'s state dict that are buffers, not parameters (each rank keeps
-    its own in the memory tier: see the module's notes)."""
-    names = {name for name, _ in module.named_buffers()}
-    return {k: v for k, v in module.state_dict().items() if k in names} if names else {}
 
 
 def how(tier: str) -> str:

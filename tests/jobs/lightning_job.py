@@ -10,8 +10,8 @@ the runs that need their own processes:
 * ``python tests/jobs/lightning_job.py ddp --dir D --out O``: DDP with 2 CPU ranks (gloo), launched
   by Lightning's own launcher (it re-runs this command for rank 1). In one launch: an uninterrupted
   reference, a run interrupted mid-epoch and resumed, runs interrupted after an epoch-boundary
-  checkpoint and resumed (epoch- and step-limited); every rank writes its final weights to
-  ``O/<run>_rank<r>.pt``.
+  checkpoint and resumed (epoch- and step-limited); every rank writes its final weights (and its
+  own buffer of the inputs it saw: ``broadcast_buffers=False``) to ``O/<run>_rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import lightning.pytorch as L
 import numpy as np
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -68,6 +69,8 @@ class TinyModel(L.LightningModule):
             "none" (sequential).
         num_workers / persistent_workers: of the training DataLoader.
         hidden: width of the hidden layer (a different width is a different model).
+        counting: keep a buffer, ``seen``, of the sum of the inputs this rank trained on (each
+            rank's differs under DDP with ``broadcast_buffers=False``).
     """
 
     def __init__(
@@ -77,12 +80,15 @@ class TinyModel(L.LightningModule):
         persistent_workers: bool = False,
         hidden: int = 16,
         batch_size: int = 8,
+        counting: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
             nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 1)
         )
+        if counting:
+            self.register_buffer("seen", torch.zeros(FEATURES))
 
     def setup(self, stage: str) -> None:
         # Each rank its own random streams (dropout, noise), the same in every run.
@@ -92,6 +98,8 @@ class TinyModel(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.hparams.counting:
+            self.seen += x.detach().sum(0)
         return nn.functional.mse_loss(self.net(x), y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -218,24 +226,28 @@ def _single(args: argparse.Namespace) -> None:
 def _ddp(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     root, out = Path(args.dir), Path(args.out)
-    ddp = {"accelerator": "cpu", "devices": 2, "strategy": "ddp"}
+    counting = {"counting": True}
     resumed: dict[str, Any] = {}
+
+    def ddp(**more: Any) -> dict[str, Any]:  # each rank's buffers its own (a strategy a fit)
+        strategy = DDPStrategy(broadcast_buffers=False)
+        return {"accelerator": "cpu", "devices": 2, "strategy": strategy, **more}
 
     def save(name: str, module: TinyModel, trainer: L.Trainer) -> None:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(weights(module), out / f"{name}_rank{trainer.global_rank}.pt")
 
-    module, trainer, _ = fit(root / "ref", trainer=ddp, every_n_train_steps=0)
+    module, trainer, _ = fit(root / "ref", trainer=ddp(), model=counting, every_n_train_steps=0)
     save("ref", module, trainer)
     # Each rank reads 4 batches per epoch (its half of the data, Lightning's DistributedSampler).
-    steps = {**ddp, "max_steps": 12, "max_epochs": -1}  # the same 12 steps, iteration-based
+    steps = {"max_steps": 12, "max_epochs": -1}  # the same 12 steps, iteration-based
     for name, crash_at, options, schedule in (
-        ("mid", 10, ddp, {"every_n_train_steps": 3}),  # resumes from step 9: batch 1 of epoch 2
-        ("epoch", 7, ddp, {"every_n_epochs": 1}),  # resumes from step 4: the end of epoch 0
+        ("mid", 10, {}, {"every_n_train_steps": 3}),  # resumes from step 9: batch 1 of epoch 2
+        ("epoch", 7, {}, {"every_n_epochs": 1}),  # resumes from step 4: the end of epoch 0
         ("epoch_steps", 11, steps, {"every_n_epochs": 1}),  # from step 8: the end of epoch 1
     ):
-        fit(root / name, crash_at=crash_at, trainer=options, **schedule)
-        module, trainer, ckpt = fit(root / name, trainer=options, **schedule)
+        fit(root / name, crash_at=crash_at, trainer=ddp(**options), model=counting, **schedule)
+        module, trainer, ckpt = fit(root / name, trainer=ddp(**options), model=counting, **schedule)
         save(name, module, trainer)
         resumed[name] = ckpt.resumed_from
     if trainer.is_global_zero:

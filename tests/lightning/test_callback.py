@@ -279,10 +279,12 @@ def test_ddp_two_ranks_resume_bit_identical(tmp_path: Path) -> None:
     resumed = {"mid": 9, "epoch": 4, "epoch_steps": 8}
     assert json.loads((out / "result.json").read_text()) == {"resumed_from": resumed}
     assert "resumed mid-epoch 2: skipped the 1 batches" in done.stderr
-    expected = torch.load(out / "ref_rank0.pt")
-    for name in ("ref", "mid", "epoch", "epoch_steps"):
-        for rank in (0, 1):
+    for rank in (0, 1):  # each rank's own buffers (broadcast_buffers=False) restored too
+        expected = torch.load(out / f"ref_rank{rank}.pt")
+        for name in ("mid", "epoch", "epoch_steps"):
             assert_bit_identical(torch.load(out / f"{name}_rank{rank}.pt"), expected)
+    reference = [torch.load(out / f"ref_rank{rank}.pt") for rank in (0, 1)]
+    assert not torch.equal(reference[0]["seen"], reference[1]["seen"])  # they differ
 
 
 # ---------------------------------------------------------------------------- behaviour

@@ -309,7 +309,7 @@ class TrainerCheckpointer:
         ``trainer_state.json`` the Trainer just wrote to ``folder`` (every process calls it: the
         random states are gathered). Returns the main process's save handle."""
         trainer = self.trainer
-        processes = collectives.gather(rng.capture())
+        processes = collectives.gather_to(rng.capture())  # on the main process, which saves
         self._settle(block=False)
         if not trainer.is_world_process_zero():
             return None

@@ -311,13 +311,14 @@ class IncrementalCheckpointer:
             return None
         if verdict.audit():
             metadata = {**(metadata or {}), "replica_repair": verdict.audit()}
-        processes = collectives.gather(local)
+        processes = (collectives.gather if self.sharded else collectives.gather_to)(local)
         if self.sharded:
             models, optimizers = _state.sharded(acc)  # every process: its own shards
         elif not acc.is_main_process:
             return None
         else:
             models, optimizers = _state.full(acc, weights)
+        assert processes is not None  # on every process that saves
         state = _state.checkpoint(acc, models, optimizers, iteration, processes)
         handle = self._failures.start(  # None: the limit was reached (raised at the next call)
             lambda: self.store.save(state, step, metadata=metadata, world_size=len(processes)),

@@ -96,7 +96,7 @@ class Saver:
         """
         started = time.perf_counter()
         self.collect(block=False)  # errors of earlier saves surface here
-        states = _gather(trainer, rank_state)
+        states = _gather(trainer, rank_state, self.everywhere)
         checkpoint = self._dump(trainer)
         if boundary:  # taken once Lightning finished the epoch: a state between two epochs
             _compat.between_epochs(checkpoint)
@@ -226,6 +226,9 @@ class Saver:
             logger.log_metrics(metrics, step=result.step)
 
 
-def _gather(trainer: pl.Trainer, state: dict[str, Any]) -> list[Any]:
-    """Every rank's ``state``, in rank order, on every rank."""
-    return [state] if trainer.world_size == 1 else collectives.gather(state)
+def _gather(trainer: pl.Trainer, state: dict[str, Any], everywhere: bool) -> list[Any] | None:
+    """Every rank's ``state``, in rank order: on every rank when ``everywhere`` saves (a sharded
+    store), else on rank 0 only (None elsewhere; each rank sends its own, nothing more)."""
+    if trainer.world_size == 1:
+        return [state]
+    return collectives.gather(state) if everywhere else collectives.gather_to(state)

@@ -51,6 +51,20 @@ def gather(value: T, group: Any = None) -> list[T]:
     return out
 
 
+def gather_to(value: T, dst: int = 0, group: Any = None) -> list[T] | None:
+    """Every rank's ``value``, in rank order, on rank ``dst`` of ``group`` (None elsewhere;
+    ``[value]`` alone). Each rank sends its own value only: at N ranks, :func:`gather` has every
+    rank receive N values."""
+    size = world_size(group)
+    if size == 1:
+        return [value]
+    dist = torch.distributed
+    root = dist.get_global_rank(group, dst) if group is not None else dst
+    out: list[Any] | None = [None] * size if rank(group) == dst else None
+    dist.gather_object(value, out, dst=root, group=group)
+    return out
+
+
 def broadcast(value: T, src: int = 0, group: Any = None) -> T:
     """Rank ``src``'s ``value`` (its rank within ``group``) on every rank; the other ranks'
     ``value`` is ignored (``value`` alone)."""

@@ -110,7 +110,7 @@ def test_a_coordinator_error_pickles() -> None:
 def test_alone_the_coordinator_needs_no_process_group() -> None:
     assert not collectives.is_distributed()
     assert coordinated(lambda: 3, what="x", is_coordinator=True) == 3
-    assert collectives.gather({"a": 1}) == [{"a": 1}]
+    assert collectives.gather({"a": 1}) == [{"a": 1}] == collectives.gather_to({"a": 1})
     assert collectives.broadcast("mine") == "mine"
     assert (collectives.rank(), collectives.world_size()) == (0, 1)
     collectives.barrier()
@@ -296,6 +296,7 @@ def _two_process_job(rank: int, init: str, out: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         seen: dict[str, Any] = {"gathered": collectives.gather(rank * 10)}
+        seen["to_zero"] = collectives.gather_to({"rank": rank})
         seen["value"] = coordinated(lambda: ("step", 4), what="pick", is_coordinator=rank == 0)
 
         def fail() -> None:
@@ -318,6 +319,7 @@ def test_two_processes_learn_the_coordinators_outcome(tmp_path: Any) -> None:
     torch.multiprocessing.spawn(_two_process_job, args=(init, out), nprocs=2)
     zero, one = (torch.load(f"{out}.{r}") for r in (0, 1))
     assert zero["gathered"] == one["gathered"] == [0, 10]
+    assert zero["to_zero"] == [{"rank": 0}, {"rank": 1}] and one["to_zero"] is None
     assert zero["value"] == one["value"] == ("step", 4)
     assert zero["error"] == ("StorageError", "no space left")
     assert one["error"] == (

@@ -60,10 +60,12 @@ def models(accelerator: Any) -> list[Any]:
 
 def buffers_kept_apart(accelerator: Any) -> bool:
     """Whether the prepared models keep each process's buffers apart: several processes under
-    DDP with ``DistributedDataParallelKwargs(broadcast_buffers=False)`` (the accelerator's
+    DDP (a ``MULTI_*`` distributed type, not FSDP or DeepSpeed) with
+    ``DistributedDataParallelKwargs(broadcast_buffers=False)`` (the accelerator's
     ``ddp_handler``; its ``_models`` hold the modules, not the DDP wrappers)."""
     handler = getattr(accelerator, "ddp_handler", None)
-    return accelerator.num_processes > 1 and not getattr(handler, "broadcast_buffers", True)
+    ddp = str(getattr(accelerator.distributed_type, "value", "")).startswith("MULTI_")
+    return ddp and accelerator.num_processes > 1 and not getattr(handler, "broadcast_buffers", True)
 
 
 def optimizers(accelerator: Any) -> list[Any]:

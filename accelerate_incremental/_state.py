@@ -6,6 +6,7 @@ registered with ``register_for_checkpointing``, the step counters and every proc
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -120,9 +121,18 @@ def restore(
     else:
         for model, weights in zip(models, state["models"], strict=True):
             acc.unwrap_model(model).load_state_dict(weights)
-        buffers = (own or {}).get("buffers") or [None] * len(models)
-        for model, saved in zip(models, buffers, strict=True):  # this process's own, if saved
-            rank_buffers.put(acc.unwrap_model(model), saved)
+        buffers = (own or {}).get("buffers")
+        if buffers is None and _compat.buffers_kept_apart(acc) and acc.is_main_process:
+            warnings.warn(
+                "accelerate_incremental: this resume is not exact: DDP keeps each process's "
+                "buffers apart (broadcast_buffers=False), but the checkpoint holds the main "
+                "process's only (it was written by an earlier version), so every process "
+                "resumes with those",
+                UserWarning,
+                stacklevel=3,
+            )
+        for model, saved in zip(models, buffers or [None] * len(models), strict=True):
+            rank_buffers.put(acc.unwrap_model(model), saved)  # this process's own, if saved
         for opt, opt_state in zip(_compat.optimizers(acc), state["optimizers"], strict=True):
             opt.load_state_dict(opt_state)
     for sched, sched_state in zip(_compat.schedulers(acc), state["schedulers"], strict=True):

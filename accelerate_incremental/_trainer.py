@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from accelerate_incremental import _fork, _hf_compat
+from accelerate_incremental import _compat, _fork, _hf_compat
 from accelerate_incremental import _trainer_files as files
 from accelerate_incremental import _trainer_markers as markers
 from accelerate_incremental._trainer_preemption import TrainerPreemption
@@ -461,6 +461,14 @@ class TrainerCheckpointer:
             scaler.load_state_dict(state["scaler"])
         self._processes = state["processes"]
         announce(trainer, f"restored step {step} from {self.url} (verified)")
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if _compat.buffers_kept_apart(trainer.accelerator) and any(True for _ in model.buffers()):
+            announce(  # the Trainer's checkpoints keep the main process's buffers only
+                trainer,
+                "this resume is not exact: ddp_broadcast_buffers=False keeps each process's "
+                "buffers apart, but the checkpoint holds the main process's, which every "
+                "process resumes with",
+            )
 
     def _load_scaler(self, own: Callable[..., Any]) -> Callable[..., Any]:
         def _load_scaler(path: Any, *args: Any, **kwargs: Any) -> Any:

@@ -188,6 +188,24 @@ def rank_state(
     return state
 
 
+def _own_buffers(trainer: pl.Trainer, state: dict[str, Any]) -> None:
+    """Put this rank's own buffers back (the ``state_dict`` restored rank 0's); say so when DDP
+    keeps each rank's apart and the checkpoint has none (written by an earlier version)."""
+    module = trainer.lightning_module
+    if "buffers" in state:
+        rank_buffers.put(module, state["buffers"])
+    elif (
+        trainer.world_size > 1
+        and rank_buffers.kept_apart(trainer.strategy.model)
+        and any(True for _ in module.buffers())
+    ):
+        rank_zero_warn(
+            "IncrementalCheckpoint: this resume is not exact: DDP keeps each rank's buffers "
+            "apart (broadcast_buffers=False), but the checkpoint holds rank 0's only (it "
+            "was written by an earlier version), so every rank resumes with rank 0's."
+        )
+
+
 @dataclass
 class Restored:
     """What :func:`restore_rank_state` did: the record of the epoch in progress (to carry on
@@ -219,7 +237,7 @@ def restore_rank_state(trainer: pl.Trainer, saved: dict[str, Any] | None) -> Res
         return None
     ranks = saved["ranks"]
     state = ranks[trainer.global_rank % len(ranks)]
-    rank_buffers.put(trainer.lightning_module, state.get("buffers"))  # else rank 0's, restored
+    _own_buffers(trainer, state)
     _compat.restore_logged(trainer, state.get("logged"))
     plan = dp.plan(trainer)
     resized = saved.get("world_size") != trainer.world_size

@@ -138,9 +138,11 @@ class MemorySteps:
         mine = generation if generation is not None else max(held, default=0) + 1
         per_node = max(1, int(ranks_per_node))
         placed = local_rank is None or local_rank == rank % per_node  # a node's ranks in a row
-        told = collectives.gather((mine, per_node, placed)) if world_size > 1 else [(mine, 1, 1)]
+        told = collectives.gather((mine, per_node, placed)) if world_size > 1 else [(mine, 1, True)]
         self.tier.generation = max(t[0] for t in told)
-        self.per_node = per_node
+        # the same on every rank, or the ring's sends and receives would not pair up
+        agreed = all(t[1] == per_node for t in told) and world_size % per_node == 0
+        self.per_node = per_node = per_node if agreed else 1
         self.tier.layout = layout([(t[1], t[2]) for t in told], replicated, sharded)
         self.group = None
         if world_size > 1:

@@ -3,14 +3,15 @@ the API (``IncrementalCheckpointer``: ``load``, ``iterate``, ``maybe_save``) wit
 every step and the store every 10 steps, for ``tests/multiprocess/test_accelerate_memory_tier.py``.
 
 ``python -m torch.distributed.run --nnodes=2 --nproc-per-node=2 ...
-tests/jobs/memory_accelerate_job.py --dir D --out O [--kill RANK:STEP[:wipe] ...]``, each agent
+tests/jobs/memory_accelerate_job.py --dir D --out O [--kill RANK:STEP[:wipe|:all] ...]``, each agent
 with its own ``LIGHTNING_INCREMENTAL_MEMORY_DIR``.
 
 The first incarnation first trains an uninterrupted reference (memory tier off, its own store)
 and writes each process's final state to ``O/ref_rank<r>.pt``; then the run under test starts.
 Each ``--kill`` SIGKILLs RANK's training process once it finished STEP and its memory step is
 taken and replicated (once in the job; its agent restarts the group); with ``wipe`` it first
-empties its node's memory directory, so that its part must come from the other node. The
+empties its node's memory directory, so that its part must come from the other node; with
+``all`` every node's (both nodes lost: the store). The
 incarnation that finishes writes ``O/final_rank<r>.pt``. Events (starts with ``resumed_from``,
 ``resumed_tier`` and the node's memory directory; the kills, with the size of each part the
 node's memory held and whether it holds the optimizer state; the end) go to ``O/events.jsonl``.
@@ -110,14 +111,17 @@ def _maybe_kill(
         (out / f"killed-{who}-{at}").touch(exist_ok=False)
     except FileExistsError:  # once in the job
         return
-    ckpt.wait()  # this process's memory step, replicated
+    ckpt.wait()  # this process's memory step, replicated (every rank wrote its part)
     memory = Path(os.environ[ENV])
     parts = {p.name: _part(p) for p in memory.glob("*/s*")}
     parts = {name: part for name, part in parts.items() if part is not None}
-    if how == ["wipe"]:
-        shutil.rmtree(memory)
     if events is not None:
-        events("kill", step=step, wiped=how == ["wipe"], node=str(memory), parts=parts)
+        events("kill", step=step, wiped=bool(how), node=str(memory), parts=parts)
+    for gone in [memory] if how == ["wipe"] else memory.parent.glob("memory*") if how else []:
+        for _ in range(100):  # the other processes may still be pruning in it
+            shutil.rmtree(gone, ignore_errors=True)
+            if not gone.exists():
+                break
     os.kill(os.getpid(), signal.SIGKILL)
 
 

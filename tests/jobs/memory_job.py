@@ -22,7 +22,8 @@ node's memory directory; the kills, with the size of each part the node's memory
 whether it holds the optimizer state; the end) go to ``O/events.jsonl``. The run is 2 epochs
 of 16 steps with one or two processes a node; DDP's gradient buckets are fixed
 (``find_unused_parameters``: see ``tests/jobs/memory_accelerate_job.py``), so that a restart
-reduces in the same order.
+reduces in the same order, and it does not broadcast buffers: the model keeps a buffer of each
+rank's own inputs, which every resume must give back to its rank.
 """
 
 from __future__ import annotations
@@ -103,14 +104,15 @@ def fit(store: Path, out: Path, callbacks: list[L.Callback], **memory: Any) -> L
         accelerator="cpu",
         devices=per_node,
         num_nodes=2,
-        strategy=DDPStrategy(find_unused_parameters=True),
+        strategy=DDPStrategy(find_unused_parameters=True, broadcast_buffers=False),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(out),
         callbacks=[ckpt, *[cb(ckpt) for cb in callbacks]],
     )
-    module = TinyModel(batch_size=2 // per_node)  # 16 steps an epoch on each rank
+    # 16 steps an epoch on each rank; a buffer of each rank's own inputs
+    module = TinyModel(batch_size=2 // per_node, counting=True)
     trainer.fit(module)
     torch.save(weights(module), out / f"{store.name}_rank{trainer.global_rank}.pt")
     return trainer

@@ -224,7 +224,7 @@ def test_a_frozen_writer_that_wakes_up_writes_nothing_visible(local_url: str, mo
     )
     try:
         deadline = time.monotonic() + 120
-        while _proc_state(zombie.pid) != "T":
+        while not _all_threads_stopped(zombie.pid):  # the freezing thread included
             assert zombie.poll() is None, "the writer ended before freezing"
             assert time.monotonic() < deadline, "the writer never froze"
             time.sleep(0.05)
@@ -248,6 +248,20 @@ def test_a_frozen_writer_that_wakes_up_writes_nothing_visible(local_url: str, mo
 def _proc_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped: /proc/<pid>/stat shows the main thread only, and a
+    thread that sent SIGSTOP to its own process may still run on another core for a moment (on
+    a loaded machine: long enough to pass a check the test means to come after the freeze)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    try:
+        return bool(tasks) and all(_proc_state(int(task)) == "T" for task in tasks)
+    except FileNotFoundError:  # a thread ended meanwhile: look again
+        return False
 
 
 def test_a_checkpoint_committed_while_gc_runs_is_kept(local_url: str) -> None:

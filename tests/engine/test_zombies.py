@@ -28,7 +28,7 @@ from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.maintain.sweep import CLOCK_DIR
 from lightning_incremental.core.storage import LocalStorage
 from tests.conftest import assert_state_equal, small_store
-from tests.engine.test_fencing import _proc_state, _waiting_on
+from tests.engine.test_fencing import _all_threads_stopped, _waiting_on
 from tests.faulty import FaultyStorage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,20 +56,6 @@ def _start_frozen(script: str, url: str) -> subprocess.Popen[str]:
         assert time.monotonic() < deadline, "the writer never froze"
         time.sleep(0.05)
     return proc
-
-
-def _all_threads_stopped(pid: int) -> bool:
-    """Every thread of ``pid`` is stopped: /proc/<pid>/stat shows the main thread only, and a
-    thread that sent SIGSTOP to its own process may still run on another core for a moment (on
-    a loaded machine: long enough to pass a check the test means to come after the freeze)."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return False
-    try:
-        return bool(tasks) and all(_proc_state(int(task)) == "T" for task in tasks)
-    except FileNotFoundError:  # a thread ended meanwhile: look again
-        return False
 
 
 def _wake(proc: subprocess.Popen[str]) -> tuple[int, str]:

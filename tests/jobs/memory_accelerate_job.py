@@ -45,6 +45,7 @@ if __package__ in (None, ""):  # run as a script: make the packages importable
 
 from accelerate_incremental import IncrementalCheckpointer
 from lightning_incremental.runtime.memory_tier import ENV
+from tests.jobs import two_nodes
 from tests.jobs.torchrun_job import Events
 
 EPOCHS = 2  # 16 steps an epoch on each of the four processes
@@ -113,8 +114,7 @@ def _maybe_kill(
         return
     ckpt.wait()  # this process's memory step, replicated (every rank wrote its part)
     memory = Path(os.environ[ENV])
-    parts = {p.name: _part(p) for p in memory.glob("*/s*")}
-    parts = {name: part for name, part in parts.items() if part is not None}
+    parts = two_nodes.parts_held(memory, "optimizers")
     if events is not None:
         events("kill", step=step, wiped=bool(how), node=str(memory), parts=parts)
     for gone in [memory] if how == ["wipe"] else memory.parent.glob("memory*") if how else []:
@@ -123,16 +123,6 @@ def _maybe_kill(
             if not gone.exists():
                 break
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _part(path: Path) -> list[Any] | None:
-    """A memory part's size and whether it holds the optimizer state (None: another rank's
-    background work deleted it meanwhile)."""
-    try:
-        holds = b'"optimizers"' in (path / "index.json").read_bytes()
-        return [(path / "data.bin").stat().st_size, holds]
-    except FileNotFoundError:
-        return None
 
 
 def main() -> None:

@@ -46,6 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the packages importable
 
 from lightning_incremental import IncrementalCheckpoint
 from lightning_incremental.runtime.memory_tier import ENV
+from tests.jobs import two_nodes
 from tests.jobs.lightning_job import TinyModel, weights
 from tests.jobs.torchrun_job import TIMINGS, Events
 
@@ -70,8 +71,7 @@ class Kill(L.Callback):
                 return
             self.ckpt.wait()
             memory = Path(os.environ[ENV])
-            parts = {p.name: _part(p) for p in memory.glob("*/s*")}
-            parts = {name: part for name, part in parts.items() if part is not None}
+            parts = two_nodes.parts_held(memory, "optimizer_states")
             if self.wipe and memory.exists():  # none with the store alone
                 shutil.rmtree(memory)
             self.events("kill", step=self.step, wiped=self.wipe, node=self.node, parts=parts)
@@ -116,16 +116,6 @@ def fit(store: Path, out: Path, callbacks: list[L.Callback], **memory: Any) -> L
     trainer.fit(module)
     torch.save(weights(module), out / f"{store.name}_rank{trainer.global_rank}.pt")
     return trainer
-
-
-def _part(path: Path) -> list[Any] | None:
-    """A memory part's size and whether it holds the optimizer state (None: another rank's
-    background work deleted it meanwhile)."""
-    try:
-        holds = b'"optimizer_states"' in (path / "index.json").read_bytes()
-        return [(path / "data.bin").stat().st_size, holds]
-    except FileNotFoundError:
-        return None
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning_incremental.runtime.memory_tier import ENV
 
@@ -102,3 +103,30 @@ def run(
         reap(nodes)
     logs = "".join((tmp / f"node{n}.log").read_text() for n in range(len(nodes)))
     return [int(node.returncode) for node in nodes], logs
+
+
+def parts_held(memory: Path, key: str) -> dict[str, list[Any]]:
+    """The parts in a node's memory directory: each one's data size and whether its index names
+    ``key`` (the optimizer state's), for the jobs' kill events. A part another rank's background
+    work deleted meanwhile is left out."""
+    held = {}
+    for path in memory.glob("*/s*"):
+        try:
+            holds = f'"{key}"'.encode() in (path / "index.json").read_bytes()
+            held[path.name] = [(path / "data.bin").stat().st_size, holds]
+        except FileNotFoundError:
+            continue
+    return held
+
+
+def assert_one_copy_a_node(kill: dict[str, Any], world: int) -> None:
+    """A kill event's ``parts`` (:func:`parts_held`, two ranks a node) show the node's own ranks'
+    parts and the other node's replicas, the replicated state (weights, optimizer) in the parts
+    of each node's first rank only (ranks 0 and 2), the others' smaller."""
+    ranks: dict[int, list[list[Any]]] = {}
+    for name, part in kill["parts"].items():
+        ranks.setdefault(int(name.rsplit("-r", 1)[1]), []).append(part)
+    assert sorted(ranks) == list(range(world)), kill["parts"]  # own ranks and the replicas
+    assert all(holds for r in (0, 2) for _, holds in ranks[r]), kill["parts"]
+    assert not any(holds for r in (1, 3) for _, holds in ranks[r]), kill["parts"]
+    assert max(n for r in (1, 3) for n, _ in ranks[r]) < min(n for r in (0, 2) for n, _ in ranks[r])

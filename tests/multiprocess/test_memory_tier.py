@@ -96,13 +96,7 @@ def test_a_node_holds_the_replicated_state_once(killed: dict[str, Any]) -> None:
     """At the first kill the node's memory held its ranks' parts and the other node's replicas:
     the replicated state (weights, optimizer) in the parts of each node's first rank only."""
     kill = next(e for e in killed["events"] if e["event"] == "kill")
-    ranks: dict[int, list[list[Any]]] = {}
-    for name, part in kill["parts"].items():
-        ranks.setdefault(int(name.rsplit("-r", 1)[1]), []).append(part)
-    assert sorted(ranks) == list(range(WORLD)), kill["parts"]  # own ranks and the replicas
-    assert all(holds for r in (0, 2) for _, holds in ranks[r]), kill["parts"]
-    assert not any(holds for r in (1, 3) for _, holds in ranks[r]), kill["parts"]
-    assert max(n for r in (1, 3) for n, _ in ranks[r]) < min(n for r in (0, 2) for n, _ in ranks[r])
+    two_nodes.assert_one_copy_a_node(kill, WORLD)
 
 
 def test_the_memory_is_freed_once_the_store_holds_the_end(killed: dict[str, Any]) -> None:

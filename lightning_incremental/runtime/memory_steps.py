@@ -260,7 +260,7 @@ class MemorySteps:
         """Where a node's memory lacked its leader's part, the leader received it from a peer
         and sends it on (``None`` when it failed: the others then fail too) to the other ranks
         of its node; returns what this rank received so (None: nothing to receive)."""
-        leader = self.rank - self.rank % self.per_node
+        leader = self.leader  # one copy a node here: this rank or its node's first
         if plan.sources[leader] == leader:  # the node holds it: each rank reads it there
             return None
         if self.rank == leader:

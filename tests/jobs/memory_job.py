@@ -3,7 +3,7 @@ memory tier every step and the store every 10 steps, for ``tests/multiprocess/te
 (two processes a node) and ``benchmarks.recovery`` (one).
 
 ``python -m torch.distributed.run --nnodes=2 --nproc-per-node=P ... tests/jobs/memory_job.py
---dir D --out O [--kill RANK:STEP[:wipe|:node] ...] [--memory-every N] [--no-reference]``, each
+--dir D --out O [--kill RANK:STEP[:wipe|:node|:all] ...] [--memory-every N] [--no-reference]``, each
 agent with its own ``LIGHTNING_INCREMENTAL_MEMORY_DIR`` (``--memory-every 0``: the store alone, for
 ``benchmarks.recovery``).
 
@@ -13,8 +13,10 @@ run under test starts.
 Each ``--kill`` SIGKILLs RANK's training process (``@NAME``: the rank whose memory directory is
 named NAME) when it reaches STEP, once in the job, after its memory step in flight is
 replicated (its agent restarts the group); with ``wipe`` it first empties its node's memory
-directory (as a replacement node would find it); with ``node`` it also SIGKILLs its agent (a
-lost node: the test starts a replacement). Each agent counts its
+directory (as a replacement node would find it), with ``all`` every node's (both nodes lost: the
+store; one process empties them all once every rank's part and replica is written, so that no
+second kill races the first); with ``node`` it also SIGKILLs its agent (a lost node: the test
+starts a replacement). Each agent counts its
 own restarts (one whose workers stop for another node's failure does not count it), so files,
 not ``TORCHELASTIC_RESTART_COUNT``, say what already happened. The incarnation that finishes
 writes ``O/final_rank<r>.pt``. Events (starts with ``resumed_from``, ``resumed_tier`` and the
@@ -56,6 +58,7 @@ class Kill(L.Callback):
         who, step, *how = spec.split(":")
         self.ckpt, self.who, self.step = ckpt, who, int(step)
         self.wipe, self.node = bool(how), how == ["node"]  # node: its agent too (and wipe)
+        self.everywhere = how == ["all"]
         self.events, self.once = events, out / f"killed-{who}-{step}"
 
     def _chosen(self, trainer: L.Trainer) -> bool:
@@ -72,8 +75,12 @@ class Kill(L.Callback):
             self.ckpt.wait()
             memory = Path(os.environ[ENV])
             parts = two_nodes.parts_held(memory, "optimizer_states")
-            if self.wipe and memory.exists():  # none with the store alone
-                shutil.rmtree(memory)
+            gone = memory.parent.glob("memory*") if self.everywhere else [memory]
+            for directory in gone if self.wipe else []:
+                for _ in range(100):  # the other processes may still be pruning in it
+                    shutil.rmtree(directory, ignore_errors=True)
+                    if not directory.exists():
+                        break
             self.events("kill", step=self.step, wiped=self.wipe, node=self.node, parts=parts)
             if self.node:
                 os.kill(os.getppid(), signal.SIGKILL)

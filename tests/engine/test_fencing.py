@@ -208,7 +208,7 @@ ZOMBIE = textwrap.dedent(
     except FencedError as exc:
         print("FENCED", exc, flush=True)
         sys.exit(3)
-    print("COMMITTED", flush=True)
+    print("COMMITTED", "as generation", store.generation, "fences", store.storage.list("fences"))
     """
 )
 
@@ -220,7 +220,11 @@ def test_a_frozen_writer_that_wakes_up_writes_nothing_visible(local_url: str, mo
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-z")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     zombie = subprocess.Popen(
-        [sys.executable, "-c", ZOMBIE, local_url], env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", ZOMBIE, local_url],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -229,10 +233,14 @@ def test_a_frozen_writer_that_wakes_up_writes_nothing_visible(local_url: str, mo
             assert time.monotonic() < deadline, "the writer never froze"
             time.sleep(0.05)
         with small_store(local_url) as new:
+            before = new.storage.exists(mf.manifest_path(2))
             assert new.claim_generation() == 2
+            fence = new.storage.get(fencing.fence_path(2)).decode()
             os.kill(zombie.pid, signal.SIGCONT)
-            out, _ = zombie.communicate(timeout=60)
-            assert zombie.returncode == 3, out
+            out, err = zombie.communicate(timeout=60)
+            assert zombie.returncode == 3, f"{out}\n{err[-3000:]}\nstep 2 there before the " + (
+                f"claim: {before}; the claim: {fence}"
+            )
             assert "FENCED checkpoint step 2 committed after it was fenced off" in out
             assert new.storage.exists(mf.manifest_path(2))  # it landed ...
             assert new.steps() == [1]  # ... and is not visible

@@ -9,11 +9,21 @@ given back (one snapshot's worth): it does not raise peak memory, it keeps it.
 Small tensors are snapshotted together into one slab per dtype (:mod:`.save.slabs`): the pool
 lends a slab, remembers where each of its tensors starts, and takes it back once every one of
 them was given back (the delta base may keep some of them for a while).
+
+A buffer of at least :data:`HUGE_MIN` bytes that the pool cannot recycle (the first save, or a
+save whose state grew) is asked of the kernel in huge pages where it allows them on request
+(Linux with transparent huge pages in ``madvise`` mode, the usual default): one fault per 2 MiB
+instead of one per 4 KiB. Copying 20,000 small tensors (82 MB) into a fresh slab took 44 ms in
+4 KiB pages and 15 ms in huge pages on the benchmark machine, the page faults being most of the
+first saves' stall. ``LIGHTNING_INCREMENTAL_HUGE_PAGES=0`` turns it off (a host where the
+kernel's compaction for huge pages is unwelcome).
 """
 
 from __future__ import annotations
 
 import gc
+import mmap
+import os
 import sys
 import threading
 from collections import defaultdict
@@ -22,6 +32,36 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+
+#: Fresh host buffers of at least this many bytes are asked for in huge pages (see above).
+HUGE_MIN = 4 << 20
+HUGE_PAGES_ENV = "LIGHTNING_INCREMENTAL_HUGE_PAGES"
+
+
+def host_empty(nbytes: int) -> torch.Tensor:
+    """A fresh uninitialised flat uint8 CPU tensor of ``nbytes`` (not pinned): in huge pages
+    where the kernel grants them on request and ``nbytes >= HUGE_MIN``, else from torch's
+    allocator. Its memory is returned when the last tensor viewing it is freed."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < HUGE_MIN or advice is None or os.environ.get(HUGE_PAGES_ENV, "1") == "0":
+        return torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        mapped.madvise(advice)
+    except OSError:
+        pass  # huge pages refused (disabled, or an old kernel): plain pages, still correct
+    return torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping while in use
+
+
+def host_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`host_empty` as an uninitialised contiguous tensor of ``shape`` and ``dtype``."""
+    nbytes = shape.numel() * dtype.itemsize
+    if nbytes < HUGE_MIN:
+        return torch.empty(shape, dtype=dtype)
+    return host_empty(nbytes).view(dtype).view(shape)
 
 
 class BufferPool:
@@ -42,7 +82,9 @@ class BufferPool:
                 flat = free.pop() if free else None
             if flat is not None:
                 return flat.view(dtype).view(shape)
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+        if pin:
+            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        return host_tensor(shape, dtype)
 
     def lend_slab(self, nbytes: int, offsets: list[int]) -> torch.Tensor:
         """A flat uint8 CPU buffer of ``nbytes`` whose tensors start at the byte ``offsets``: it
@@ -51,7 +93,7 @@ class BufferPool:
             free = self._free.get((nbytes, False))
             slab = free.pop() if free else None
         if slab is None:
-            slab = torch.empty(nbytes, dtype=torch.uint8)
+            slab = host_empty(nbytes)
         with self._lock:
             self._lent[slab.data_ptr()] = (slab, set(offsets))
         return slab

@@ -85,7 +85,9 @@ def test_a_freeze_made_by_someone_else_is_left_as_it_is() -> None:
     try:
         frozen = gc.get_freeze_count()
         flatten_state(_many(100), pool=BufferPool())
-        assert gc.get_freeze_count() == frozen
+        # not unfrozen (0), nor frozen again (the young objects would join: the count grows);
+        # a frozen object that died by reference count meanwhile (an earlier test's) leaves it
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_incremental.core.buffers import BufferPool, collection_paused
+from lightning_incremental.core.buffers import BufferPool, collection_paused, host_empty
 from lightning_incremental.core.codecs.bytes import group_width
 from lightning_incremental.core.format.tree import Leaf, dtype_name, key_path
 
@@ -67,7 +67,7 @@ class Slabs:
                 raw = pool.lend_slab(total, [0, *itertools.accumulate(sizes[:-1])])
                 data = raw.view(dtype)
             else:
-                data = torch.empty(total // dtype.itemsize, dtype=dtype)
+                data = host_empty(total).view(dtype)
             sources = [t if t.dim() == 1 else t.reshape(-1) for t in tensors]
             with torch.no_grad():  # out= refuses inputs that require grad otherwise
                 torch.cat(sources, out=data)

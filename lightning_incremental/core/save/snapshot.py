@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_incremental.core.buffers import BufferPool, collection_paused
+from lightning_incremental.core.buffers import BufferPool, collection_paused, host_tensor
 from lightning_incremental.core.codecs.bytes import group_width
 from lightning_incremental.core.errors import (
     UnsupportedValueError,
@@ -250,8 +250,10 @@ class _Flattener:
         pin = on_cuda and torch.cuda.is_available()
         if self.pool is not None:
             data = self.pool.take(src.shape, src.dtype, pin=pin)
+        elif pin:
+            data = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
         else:
-            data = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+            data = host_tensor(src.shape, src.dtype)
         if on_cuda:
             self.cuda.copy(data, src)
         else:

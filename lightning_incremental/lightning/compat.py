@@ -278,6 +278,21 @@ def combined_loader(trainer: pl.Trainer) -> Any:
     return trainer.fit_loop._combined_loader
 
 
+def loader_states(trainer: pl.Trainer) -> list[dict[str, Any]]:
+    """This rank's stateful training loaders' states, as the fit loop saves them (rank 0's go
+    into the checkpoint's ``loops``); empty when there is none."""
+    combined = combined_loader(trainer)
+    return combined._state_dicts() if combined is not None else []
+
+
+def put_loader_states(checkpoint: dict[str, Any], states: list[dict[str, Any]]) -> None:
+    """Make the fit loop restore ``states`` into the stateful training loaders when it loads
+    ``checkpoint`` (it applies them in its data setup, before any hook of the resumed fit)."""
+    fit = checkpoint.get("loops", {}).get("fit_loop")
+    if isinstance(fit, dict) and isinstance(fit.get("state_dict"), dict):
+        fit["state_dict"]["combined_loader"] = states
+
+
 def combined_iterator(trainer: pl.Trainer) -> Any:
     """The object Lightning iterates this epoch; a new one each time it recreates the iterator."""
     combined = combined_loader(trainer)

@@ -86,7 +86,9 @@ class ResumeHook:
         saved = checkpoint.get(KEY)
         if isinstance(saved, dict) and saved.get("ranks") and saved["ranks"][0].get("boundary"):
             _compat.between_epochs(checkpoint)  # also what earlier versions saved mid-bookkeeping
-        _compat.set_loaded_checkpoint(self._trainer, checkpoint, where)
+        trainer = self._trainer
+        own_loader_states(checkpoint, trainer.global_rank, trainer.world_size)
+        _compat.set_loaded_checkpoint(trainer, checkpoint, where)
 
     def _load_newest(self) -> tuple[int, dict[str, Any], str] | None:
         """The memory tier's agreed step, else: rank 0 picks the newest readable step; every
@@ -183,9 +185,25 @@ def rank_state(
         "epoch_start": None if boundary else epoch_record,
         "logged": _compat.logged_state(trainer, running=not boundary),
     }
-    if trainer.world_size > 1 and rank_buffers.kept_apart(trainer.strategy.model):
-        state["buffers"] = rank_buffers.own(trainer.lightning_module)
+    if trainer.world_size > 1:
+        if rank_buffers.kept_apart(trainer.strategy.model):
+            state["buffers"] = rank_buffers.own(trainer.lightning_module)
+        loaders = _compat.loader_states(trainer)
+        if loaders:  # the checkpoint's loops hold rank 0's: each rank's own resume it
+            state["loaders"] = loaders
     return state
+
+
+def own_loader_states(checkpoint: dict[str, Any], rank: int, world_size: int) -> None:
+    """Give this rank its own stateful loaders' states (saved with its random state) in place
+    of rank 0's, which the checkpoint's loops hold, when the world size is the one saved; in
+    place. A resize keeps Lightning's behaviour (rank 0's: see :func:`restore_rank_state`)."""
+    saved = checkpoint.get(KEY)
+    if not isinstance(saved, dict) or saved.get("world_size") != world_size:
+        return
+    ranks = saved.get("ranks")
+    if isinstance(ranks, list) and len(ranks) == world_size and "loaders" in ranks[rank]:
+        _compat.put_loader_states(checkpoint, ranks[rank]["loaders"])
 
 
 def _own_buffers(trainer: pl.Trainer, state: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ import os
 import random
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +62,46 @@ class NoisyData(Dataset):
         return self.x[i] + noise + 0.001 * random.random(), self.y[i]
 
 
+class StatefulLoader(DataLoader):
+    """A stateful dataloader (``state_dict``/``load_state_dict``, like torchdata's
+    StatefulDataLoader): it records its epoch's generator state and its position, and skips
+    without reading. Lightning restores it; IncrementalCheckpoint must leave it alone."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._consumed = 0
+        self._epoch_start: torch.Tensor | None = None
+        self._pending: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        assert self.generator is not None
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.generator.set_state(pending["epoch_start"])
+        self._epoch_start = self.generator.get_state()
+        batches = iter(self.batch_sampler)  # type: ignore[arg-type]
+        self._consumed = pending["consumed"] if pending else 0
+        for _ in range(self._consumed):
+            next(batches)
+        for indices in batches:
+            self._consumed += 1
+            yield self.collate_fn([self.dataset[i] for i in indices])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self._consumed, "epoch_start": self._epoch_start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pending = state
+
+
 class TinyModel(L.LightningModule):
     """Linear-ReLU-Dropout-Linear, SGD with momentum and a StepLR schedule.
 
     Args:
-        shuffle: "generator" (a seeded ``torch.Generator``), "global" (the global torch RNG) or
-            "none" (sequential).
+        shuffle: "generator" (a seeded ``torch.Generator``), "global" (the global torch RNG),
+            "none" (sequential) or "stateful" (a :class:`StatefulLoader` over the whole data,
+            each rank its own order: its state differs from rank to rank; under DDP without
+            Lightning's distributed sampler).
         num_workers / persistent_workers: of the training DataLoader.
         hidden: width of the hidden layer (a different width is a different model).
         counting: keep a buffer, ``seen``, of the sum of the inputs this rank trained on (each
@@ -113,6 +148,11 @@ class TinyModel(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
+        if hp.shuffle == "stateful":
+            own = torch.Generator().manual_seed(3 + self.global_rank)
+            return StatefulLoader(
+                NoisyData(), batch_size=hp.batch_size, shuffle=True, generator=own
+            )
         generator = torch.Generator().manual_seed(3) if hp.shuffle == "generator" else None
         return DataLoader(
             NoisyData(),
@@ -251,6 +291,19 @@ def _ddp(args: argparse.Namespace) -> None:
         module, trainer, ckpt = fit(root / name, trainer=ddp(**options), model=counting, **schedule)
         save(name, module, trainer)
         resumed[name] = ckpt.resumed_from
+    # Stateful loaders, each rank its own order (no distributed sampler): each rank's loader
+    # state, not rank 0's (the checkpoint's loops), must come back to it.
+    stateful, alone = {"counting": True, "shuffle": "stateful"}, {"use_distributed_sampler": False}
+    module, trainer, _ = fit(
+        root / "sref", trainer=ddp(**alone), model=stateful, every_n_train_steps=0
+    )
+    save("stateful_ref", module, trainer)
+    fit(root / "stateful", crash_at=10, trainer=ddp(**alone), model=stateful, every_n_train_steps=3)
+    module, trainer, ckpt = fit(
+        root / "stateful", trainer=ddp(**alone), model=stateful, every_n_train_steps=3
+    )
+    save("stateful", module, trainer)
+    resumed["stateful"] = ckpt.resumed_from
     if trainer.is_global_zero:
         (out / "result.json").write_text(json.dumps({"resumed_from": resumed}))
 

@@ -34,6 +34,7 @@ from tests.jobs.lightning_job import (
     FEATURES,
     Interrupted,
     NoisyData,
+    StatefulLoader,
     TinyModel,
     fit,
     weights,
@@ -51,38 +52,6 @@ def background_threads() -> list[threading.Thread]:
 
 
 # ---------------------------------------------------------------------------- data variants
-
-
-class StatefulLoader(DataLoader):
-    """A stateful dataloader (``state_dict``/``load_state_dict``, like torchdata's
-    StatefulDataLoader): it records its epoch's generator state and its position, and skips
-    without reading. Lightning restores it; IncrementalCheckpoint must leave it alone."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._consumed = 0
-        self._epoch_start: torch.Tensor | None = None
-        self._pending: dict[str, Any] | None = None
-
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        assert self.generator is not None
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self.generator.set_state(pending["epoch_start"])
-        self._epoch_start = self.generator.get_state()
-        batches = iter(self.batch_sampler)  # type: ignore[arg-type]
-        self._consumed = pending["consumed"] if pending else 0
-        for _ in range(self._consumed):
-            next(batches)
-        for indices in batches:
-            self._consumed += 1
-            yield self.collate_fn([self.dataset[i] for i in indices])
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self._consumed, "epoch_start": self._epoch_start}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._pending = state
 
 
 class StreamData(IterableDataset):
@@ -276,15 +245,19 @@ def test_ddp_two_ranks_resume_bit_identical(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
-    resumed = {"mid": 9, "epoch": 4, "epoch_steps": 8}
+    resumed = {"mid": 9, "epoch": 4, "epoch_steps": 8, "stateful": 9}
     assert json.loads((out / "result.json").read_text()) == {"resumed_from": resumed}
     assert "resumed mid-epoch 2: skipped the 1 batches" in done.stderr
     for rank in (0, 1):  # each rank's own buffers (broadcast_buffers=False) restored too
         expected = torch.load(out / f"ref_rank{rank}.pt")
         for name in ("mid", "epoch", "epoch_steps"):
             assert_bit_identical(torch.load(out / f"{name}_rank{rank}.pt"), expected)
-    reference = [torch.load(out / f"ref_rank{rank}.pt") for rank in (0, 1)]
-    assert not torch.equal(reference[0]["seen"], reference[1]["seen"])  # they differ
+        # stateful loaders, each rank its own order: each rank's own loader state came back
+        expected = torch.load(out / f"stateful_ref_rank{rank}.pt")
+        assert_bit_identical(torch.load(out / f"stateful_rank{rank}.pt"), expected)
+    for name in ("ref", "stateful_ref"):
+        reference = [torch.load(out / f"{name}_rank{rank}.pt") for rank in (0, 1)]
+        assert not torch.equal(reference[0]["seen"], reference[1]["seen"])  # they differ
 
 
 # ---------------------------------------------------------------------------- behaviour

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -117,11 +116,8 @@ def _maybe_kill(
     parts = two_nodes.parts_held(memory, "optimizers")
     if events is not None:
         events("kill", step=step, wiped=bool(how), node=str(memory), parts=parts)
-    for gone in [memory] if how == ["wipe"] else memory.parent.glob("memory*") if how else []:
-        for _ in range(100):  # the other processes may still be pruning in it
-            shutil.rmtree(gone, ignore_errors=True)
-            if not gone.exists():
-                break
+    if how:
+        two_nodes.empty(memory, every_node=how == ["all"])
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -75,12 +74,8 @@ class Kill(L.Callback):
             self.ckpt.wait()
             memory = Path(os.environ[ENV])
             parts = two_nodes.parts_held(memory, "optimizer_states")
-            gone = memory.parent.glob("memory*") if self.everywhere else [memory]
-            for directory in gone if self.wipe else []:
-                for _ in range(100):  # the other processes may still be pruning in it
-                    shutil.rmtree(directory, ignore_errors=True)
-                    if not directory.exists():
-                        break
+            if self.wipe:
+                two_nodes.empty(memory, every_node=self.everywhere)
             self.events("kill", step=self.step, wiped=self.wipe, node=self.node, parts=parts)
             if self.node:
                 os.kill(os.getppid(), signal.SIGKILL)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -103,6 +104,17 @@ def run(
         reap(nodes)
     logs = "".join((tmp / f"node{n}.log").read_text() for n in range(len(nodes)))
     return [int(node.returncode) for node in nodes], logs
+
+
+def empty(memory: Path, *, every_node: bool = False) -> None:
+    """Delete a node's memory directory (``every_node``: every node's, its siblings named
+    ``memory*``), as a replacement node would find it. The other processes may still be
+    pruning in it: deleted again until it is gone."""
+    for directory in memory.parent.glob("memory*") if every_node else [memory]:
+        for _ in range(100):
+            shutil.rmtree(directory, ignore_errors=True)
+            if not directory.exists():
+                break
 
 
 def parts_held(memory: Path, key: str) -> dict[str, list[Any]]:

@@ -9,7 +9,7 @@ import math
 import random
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from lightning_incremental.core import ConfigError
@@ -135,6 +135,9 @@ def test_resumed_runs_count_from_the_checkpoint() -> None:
 
 
 @settings(max_examples=60, deadline=None)
+@example(  # background work outlasting the interval: saves back to back, no new baseline
+    budget=0.01, step_s=1.0, stall_s=0.375, background=20, slow=0.0, seed=20
+)  # found by this test: 1.8 % achieved against a 1 % budget before CLEAN_BETWEEN
 @given(
     budget=st.sampled_from([0.01, 0.02, 0.05, 0.1]),
     step_s=st.floats(0.01, 1.0),

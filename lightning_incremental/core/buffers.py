@@ -56,8 +56,11 @@ def host_empty(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping while in use
 
 
-def host_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`host_empty` as an uninitialised contiguous tensor of ``shape`` and ``dtype``."""
+def host_tensor(shape: torch.Size, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+    """:func:`host_empty` as an uninitialised contiguous tensor of ``shape`` and ``dtype``
+    (``pin``: in pinned memory instead, from torch's allocator)."""
+    if pin:
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
     nbytes = shape.numel() * dtype.itemsize
     if nbytes < HUGE_MIN:
         return torch.empty(shape, dtype=dtype)
@@ -82,9 +85,7 @@ class BufferPool:
                 flat = free.pop() if free else None
             if flat is not None:
                 return flat.view(dtype).view(shape)
-        if pin:
-            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
-        return host_tensor(shape, dtype)
+        return host_tensor(shape, dtype, pin=pin)
 
     def lend_slab(self, nbytes: int, offsets: list[int]) -> torch.Tensor:
         """A flat uint8 CPU buffer of ``nbytes`` whose tensors start at the byte ``offsets``: it

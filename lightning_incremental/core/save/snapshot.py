@@ -250,10 +250,8 @@ class _Flattener:
         pin = on_cuda and torch.cuda.is_available()
         if self.pool is not None:
             data = self.pool.take(src.shape, src.dtype, pin=pin)
-        elif pin:
-            data = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
         else:
-            data = host_tensor(src.shape, src.dtype)
+            data = host_tensor(src.shape, src.dtype, pin=pin)
         if on_cuda:
             self.cuda.copy(data, src)
         else:

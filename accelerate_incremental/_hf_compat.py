@@ -21,6 +21,9 @@ override still runs:
   before ``accelerator.prepare``, the optimizer, scheduler and scaler after it, the random state
   once the skipped batches of a mid-epoch resume were drawn).
 - ``_load_best_model()``: ``load_best_model_at_end``.
+- ``_maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ...)``, with the memory
+  tier only (:mod:`~._trainer_memory`, which checks its parameters): a memory step is taken when
+  it returns.
 
 The preemption path (:mod:`~._trainer_preemption`) adds a ``TrainerCallback`` (public API) and
 reads the Trainer's JIT checkpoint (``TrainingArguments(enable_jit_checkpoint=True)``, in
@@ -218,6 +221,18 @@ def add_step_end_callback(trainer: Any, function: Callable[[Any], None]) -> None
             return control
 
     trainer.add_callback(_StepEnd())
+
+
+def add_epoch_end_callback(trainer: Any, function: Callable[[], None]) -> None:
+    """Make ``trainer`` call ``function()`` at every ``on_epoch_end`` (on every process)."""
+    from transformers import TrainerCallback
+
+    class _EpochEnd(TrainerCallback):
+        def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            function()
+            return control
+
+    trainer.add_callback(_EpochEnd())
 
 
 def stand_aside_jit_checkpoint(trainer: Any) -> bool:

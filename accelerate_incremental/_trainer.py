@@ -39,13 +39,17 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from accelerate_incremental import _compat, _fork, _hf_compat
+from accelerate_incremental import _fork, _hf_compat
 from accelerate_incremental import _trainer_files as files
 from accelerate_incremental import _trainer_markers as markers
+from accelerate_incremental import _trainer_memory as memory_tier
+from accelerate_incremental._memory import options as memory_options
+from accelerate_incremental._trainer_loading import ABSENT as _ABSENT
+from accelerate_incremental._trainer_loading import TrainerLoading, announce
 from accelerate_incremental._trainer_preemption import TrainerPreemption
 from lightning_incremental.core import CheckpointStore, ConfigError, SaveHandle
 from lightning_incremental.core.commit import fencing
-from lightning_incremental.runtime import collectives, rng
+from lightning_incremental.runtime import collectives, memory_steps, rng
 from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
@@ -55,12 +59,8 @@ from lightning_incremental.runtime.failures import (
 from lightning_incremental.runtime.preemption import PreemptionConfig
 
 log = logging.getLogger("lightning_incremental")
-FORMAT = "accelerate_incremental.trainer/1"
+FORMAT = memory_tier.FORMAT
 _OWNED: weakref.WeakSet[Any] = weakref.WeakSet()  # accelerators a Trainer created
-_ABSENT = (
-    "its save never committed (the run stopped first), or the step was deleted since "
-    "(retention, a gc, or a later run resumed from an older checkpoint)"
-)
 
 
 def own_accelerator(accelerator: Any) -> None:
@@ -74,14 +74,7 @@ def owned_by_trainer(accelerator: Any) -> bool:
     return accelerator in _OWNED
 
 
-def announce(trainer: Any, message: str) -> None:
-    """Log ``message`` once per job (on the main process), where a default logging set-up shows
-    it."""
-    if trainer.is_world_process_zero():
-        log.warning("accelerate_incremental: %s", message)
-
-
-class TrainerCheckpointer:
+class TrainerCheckpointer(TrainerLoading):
     """Routes one ``transformers.Trainer``'s checkpoints through an incremental store; created
     by :func:`accelerate_incremental.enable_trainer` (or the launch flag) on every process.
 
@@ -97,13 +90,24 @@ class TrainerCheckpointer:
         materialize: ``"last"``, ``"best"`` or True (both): when ``train()`` ends, those
             folders also get the model's weights as ``save_pretrained`` writes them, from the
             store, so ``from_pretrained(folder)`` loads them (:mod:`~._trainer_files`).
+        memory_every_n_steps, memory_replicas, memory_dir: the memory tier
+            (:mod:`~._trainer_memory`; off by default): every ``memory_every_n_steps``
+            optimizer steps each process's part of the checkpoint goes to node-local memory and
+            ``memory_replicas`` other nodes, and ``train()`` resumes from it when it is the
+            newest (``resumed_tier``: ``"memory"``, ``"peer"`` or ``"store"``).
         storage_options, optimizer_state, max_consecutive_failures, fork_from,
             fork_weights_only, **options: as for
             :class:`~accelerate_incremental.IncrementalCheckpointer` (with ``fork_weights_only``
             a ``train()`` that resumes no checkpoint starts from the forked step's weights).
 
+    Attributes:
+        resumed_from: the step the last ``train()`` resumed from (None: it started afresh, or
+            from a folder the Trainer wrote itself).
+        resumed_tier: where that step came from: ``"memory"`` (this node's memory), ``"peer"``
+            (some process's part from another node) or ``"store"``.
+
     Raises:
-        ConfigError: a bad ``materialize`` or store option.
+        ConfigError: a bad ``materialize``, memory or store option.
     """
 
     def __init__(
@@ -119,10 +123,14 @@ class TrainerCheckpointer:
         materialize: Any = False,
         fork_from: str | None = None,
         fork_weights_only: bool = False,
+        memory_every_n_steps: int | None = None,
+        memory_replicas: int = 1,
+        memory_dir: Any = None,
         **options: Any,
     ) -> None:
         self.trainer = trainer
         self.auto_resume = auto_resume
+        memory_opts = memory_options(memory_every_n_steps, memory_replicas, memory_dir)
         self.materialize = files.materialize_option(materialize)
         if self.materialize and _hf_compat.pretrained_model(trainer) is None:
             raise ConfigError(
@@ -143,6 +151,8 @@ class TrainerCheckpointer:
         self._processes: list[Any] | None = None  # the random states of the resumed checkpoint
         self._newest_step: int | None = None  # the newest step in the store (main process)
         self._last_saved: int | None = None  # the step this train() saved last (every process)
+        self.resumed_from: int | None = None
+        self.resumed_tier: str | None = None
         self.generation: int | None = None
         if fencing.should_claim(trainer.args.world_size):
             self.generation = coordinated(
@@ -160,9 +170,30 @@ class TrainerCheckpointer:
             "_load_rng_state": self._load_rng_state,
             "_load_best_model": self._load_best_model,
         }
+        self.memory = self._memory_tier(memory_opts)
+        if self.memory is not None:
+            hooks[memory_tier.HOOK] = self._maybe_log_save_evaluate
+            _hf_compat.add_epoch_end_callback(trainer, self.memory.epoch_ended)
         for name, make in hooks.items():
             _hf_compat.hook(trainer, name, make)
         self.preemption = TrainerPreemption(trainer, preemption)
+
+    def _memory_tier(self, opts: Any) -> memory_tier.TrainerMemory | None:
+        """The memory tier asked for, or None (off, or this release's Trainer cannot take
+        steps: warned)."""
+        if not opts.enabled:
+            return None
+        problem = memory_tier.hook_problem(self.trainer)
+        if problem is None:
+            return memory_tier.TrainerMemory(opts)
+        message = (
+            f"accelerate_incremental: the memory tier is off for this Trainer ({problem}); "
+            "its checkpoints go to the store only"
+        )
+        if self.trainer.is_world_process_zero():
+            log.warning(message)
+            warnings.warn(message, UserWarning, stacklevel=3)
+        return None
 
     # ------------------------------------------------------------------ train
 
@@ -170,7 +201,12 @@ class TrainerCheckpointer:
         def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
             own_accelerator(self.trainer.accelerator)
             self._last_saved = None
+            self.resumed_from = self.resumed_tier = None
             self.preemption.start()
+            if self.memory is not None:
+                self.memory.start(
+                    self.trainer, self.url, self.generation, self.store.config.allow_pickle
+                )
             try:
                 point = self.resume_point(resume_from_checkpoint)
                 if point is None and self._fork is not None:  # a fork of weights only
@@ -180,7 +216,11 @@ class TrainerCheckpointer:
                 self.wait()
             except BaseException:
                 self.preemption.stop()
+                if self.memory is not None:
+                    self.memory.end(self.store, finished=False)
                 raise
+            if self.memory is not None:
+                self.memory.end(self.store, finished=True)
             self.preemption.at_train_end()  # exits 143 after a preemption
             if self.materialize:  # every process gets the main one's result or its error
                 written = coordinated(
@@ -206,6 +246,10 @@ class TrainerCheckpointer:
         if asked is not None and asked is not True:
             return asked
         main = self.trainer.is_world_process_zero()
+        if self.memory is not None:
+            found = self._memory_resume()
+            if found is not None:
+                return found
         chosen = coordinated(
             lambda: self._newest(asked is True),
             what=f"choose the checkpoint to resume from in {self.url}",
@@ -224,6 +268,25 @@ class TrainerCheckpointer:
             if asked is None:  # by itself: a notebook shows warnings where it hides logs
                 warnings.warn(f"accelerate_incremental: {line}", UserWarning, stacklevel=3)
         return chosen
+
+    def _memory_resume(self) -> str | None:
+        """Every process together: the folder of the memory tier's agreed step (see
+        :mod:`~._trainer_memory`), or None to resume from the store."""
+        assert self.memory is not None
+        newest = coordinated(
+            lambda: max(self.store.steps(), default=None),
+            what=f"list the checkpoints in {self.url}",
+            is_coordinator=self.trainer.is_world_process_zero(),
+        )
+        found = self.memory.resume(self.trainer, newest)
+        if found is None:
+            return None
+        announce(
+            self.trainer,
+            f"RESUMING the Trainer from step {found.step} of the memory tier "
+            f"({memory_steps.how(found.tier)}), NOT starting afresh; tier={found.tier}",
+        )
+        return found.folder
 
     def _newest(self, last_folder: bool) -> str | None:
         """On the main process: the folder of the newest committed checkpoint (rewritten from
@@ -316,19 +379,9 @@ class TrainerCheckpointer:
         if not self._handles:
             self._sweep()
         self._replace_newer(step)
-        scaler = trainer.accelerator.scaler
-        scheduler = trainer.lr_scheduler
         with open(os.path.join(folder, _hf_compat.state_file()), encoding="utf-8") as fh:
             trainer_state = fh.read()
-        state = {
-            "format": FORMAT,
-            "model": trainer.accelerator.unwrap_model(trainer.model).state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "trainer_state": trainer_state,
-            "processes": processes,
-        }
+        state = memory_tier.training_state(trainer, trainer_state, processes)
         metadata = {"global_step": step, "epoch": trainer.state.epoch}
         handle = self._failures.start(
             lambda: self.store.save(state, step, metadata=metadata, world_size=len(processes)),
@@ -398,124 +451,18 @@ class TrainerCheckpointer:
         if self.trainer.is_world_process_zero():
             self.store.wait()
             self._sweep()
+        if self.memory is not None:
+            self.memory.wait()
 
-    # ------------------------------------------------------------------ loading
+    def _maybe_log_save_evaluate(self, own: Callable[..., Any]) -> Callable[..., Any]:
+        def _maybe_log_save_evaluate(*args: Any, **kwargs: Any) -> Any:
+            result = own(*args, **kwargs)
+            trial = args[3] if len(args) > 3 else kwargs.get("trial")
+            assert self.memory is not None
+            self.memory.after_log_save_evaluate(self.trainer, trial)
+            return result
 
-    def marker(self, folder: Any) -> markers.Marker | None:
-        """The marker of ``folder`` (None: a folder the Trainer wrote itself).
-
-        Raises:
-            ValueError: the marker names another store, or a step that never committed.
-        """
-        found = markers.read(folder) if isinstance(folder, (str, os.PathLike)) else None
-        if found is None:
-            return None
-        if found.store != self.url:
-            raise ValueError(
-                f"{folder} is a checkpoint of the store {found.store}, but this Trainer saves to "
-                f"{self.url}: run with --dirpath {found.store} to resume from it"
-            )
-        committed = self.store.steps()
-        if found.step not in committed:
-            raise ValueError(
-                f"{folder} records step {found.step}, which is not in {self.url}: {_ABSENT}; "
-                f"committed steps: {committed}. Resume from one of those folders, or with "
-                "resume_from_checkpoint=True (the newest committed)"
-            )
-        return found
-
-    def _load_from_checkpoint(self, own: Callable[..., Any]) -> Callable[..., Any]:
-        def _load_from_checkpoint(path: Any, model: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if self.marker(path) is None:
-                return own(path, model, *args, **kwargs)
-            return None  # restored after accelerator.prepare, with the optimizer
-
-        return _load_from_checkpoint
-
-    def _load_optimizer_and_scheduler(self, own: Callable[..., Any]) -> Callable[..., Any]:
-        def _load_optimizer_and_scheduler(path: Any, *args: Any, **kwargs: Any) -> Any:
-            found = self.marker(path)
-            if found is None:
-                return own(path, *args, **kwargs)
-            self.restore(found.step)
-            return None
-
-        return _load_optimizer_and_scheduler
-
-    def restore(self, step: int) -> None:
-        """Restore the weights, optimizer, scheduler and scaler of checkpoint ``step`` (this
-        process reads them itself); keep its random states for :meth:`_load_rng_state`."""
-        trainer = self.trainer
-        state = self.store.load(step, map_location="cpu")
-        if state.get("format") != FORMAT:
-            raise ValueError(
-                f"step {step} of {self.url} is not a Trainer checkpoint (format "
-                f"{state.get('format')!r}); was the store written by another integration?"
-            )
-        trainer.accelerator.unwrap_model(trainer.model).load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        if trainer.lr_scheduler is not None and state["scheduler"] is not None:
-            trainer.lr_scheduler.load_state_dict(state["scheduler"])
-        scaler = trainer.accelerator.scaler
-        if scaler is not None and state["scaler"] is not None:
-            scaler.load_state_dict(state["scaler"])
-        self._processes = state["processes"]
-        announce(trainer, f"restored step {step} from {self.url} (verified)")
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        if _compat.buffers_kept_apart(trainer.accelerator) and any(True for _ in model.buffers()):
-            announce(  # the Trainer's checkpoints keep the main process's buffers only
-                trainer,
-                "this resume is not exact: ddp_broadcast_buffers=False keeps each process's "
-                "buffers apart, but the checkpoint holds the main process's, which every "
-                "process resumes with",
-            )
-
-    def _load_scaler(self, own: Callable[..., Any]) -> Callable[..., Any]:
-        def _load_scaler(path: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.marker(path) is None:
-                return own(path, *args, **kwargs)
-            return None  # restored with the optimizer
-
-        return _load_scaler
-
-    def _load_rng_state(self, own: Callable[..., Any]) -> Callable[..., Any]:
-        def _load_rng_state(path: Any, *args: Any, **kwargs: Any) -> Any:
-            found = self.marker(path)
-            if found is None:
-                return own(path, *args, **kwargs)
-            processes = self._processes
-            if processes is None:
-                processes = self.store.load(found.step, keys="processes")["processes"]
-            world = self.trainer.args.world_size
-            if len(processes) != world:
-                warnings.warn(
-                    f"{path} was saved by {len(processes)} processes, this run has {world}: "
-                    "the random states are not restored, so the resume is not bit-exact",
-                    UserWarning,
-                    stacklevel=2,
-                )
-                return None
-            rng.restore(processes[self.trainer.args.process_index])
-            return None
-
-        return _load_rng_state
-
-    def _load_best_model(self, own: Callable[..., Any]) -> Callable[..., Any]:
-        def _load_best_model(*args: Any, **kwargs: Any) -> Any:
-            trainer = self.trainer
-            self._settle(block=True)  # the best checkpoint's save must have committed
-            if trainer.is_world_process_zero():
-                self.store.wait()
-            collectives.barrier()
-            found = self.marker(trainer.state.best_model_checkpoint)
-            if found is None:
-                return own(*args, **kwargs)
-            state = self.store.load(found.step, map_location="cpu", keys="model")
-            trainer.accelerator.unwrap_model(trainer.model).load_state_dict(state["model"])
-            announce(trainer, f"loaded the best model (step {found.step}) from {self.url}")
-            return None
-
-        return _load_best_model
+        return _maybe_log_save_evaluate
 
     def close(self) -> None:
         """Wait for pending saves and release the store."""

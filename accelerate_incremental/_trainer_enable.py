@@ -63,7 +63,6 @@ _RECOVERY = {
     "replica_check",
     "recovery",
 }
-_MEMORY = {"memory_every_n_steps", "memory_replicas", "memory_dir"}  # IncrementalCheckpointer's
 
 
 def refusals(trainer: Any) -> list[str]:
@@ -119,11 +118,6 @@ def _split(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 ignored.append(f"{key} is ignored for a Trainer: its {_TRAINER_OWNS[key]} rules")
         elif key in _RECOVERY:
             ignored.append(f"{key} is not used for a Trainer (no watchdog or replica check)")
-        elif key in _MEMORY:
-            ignored.append(
-                f"{key} is not used for a Trainer (no memory tier yet: it checkpoints to the "
-                "store only)"
-            )
         else:
             kept[key] = value
     return kept, ignored
@@ -146,7 +140,9 @@ def enable_trainer(
     model's weights, so ``from_pretrained`` loads them), ``fork_from`` (``"SRC[@STEP]"``: while
     the store holds no checkpoint, fork that step into it first, as IncrementalCheckpointer does),
     ``fork_weights_only`` (True: a ``train()`` that resumes no checkpoint starts from the forked
-    step's model weights, at step 0) and store options (``full_every``, ...).
+    step's model weights, at step 0), ``memory_every_n_steps``, ``memory_replicas`` and
+    ``memory_dir`` (the memory tier: node-local memory every so many steps, with replicas on
+    other nodes; off by default) and store options (``full_every``, ...).
 
     Raises:
         ValueError: a Trainer this integration cannot cover (DeepSpeed, FSDP, an unsupported

@@ -129,18 +129,6 @@ def test_start_up_notes(tmp_path: Path) -> None:
     assert "replica_check is not used for a Trainer" in text
 
 
-def test_the_memory_tier_keys_are_noted_and_not_used(tmp_path: Path) -> None:
-    """The launch flag's JSON for Accelerate scripts also starts a Trainer script: the memory
-    keys are said to be unused there, not passed to the store as unknown options."""
-    trainer = tiny_trainer(tmp_path / "out")
-    config = {"dirpath": str(tmp_path / "s"), "memory_every_n_steps": 1, "memory_replicas": 1}
-    with pytest.warns(UserWarning) as caught:
-        assert _trainer_enable.from_flag(trainer, config) is not None
-    text = "\n".join(str(w.message) for w in caught)
-    assert "memory_every_n_steps is not used for a Trainer (no memory tier yet" in text
-    assert "memory_replicas is not used for a Trainer" in text
-
-
 def test_a_dropped_trainer_is_collected_with_its_store(tmp_path: Path) -> None:
     """The registry of enabled Trainers holds neither the Trainer nor its checkpointer: a
     process that creates Trainer after Trainer (a search over hyper-parameters) keeps none."""

@@ -8,6 +8,7 @@ first writes fewer bytes than the Trainer's own ``checkpoint-N`` folder of the s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,8 @@ pytest.importorskip("transformers")
 import torch
 
 from lightning_incremental.core import CheckpointStore
+from lightning_incremental.runtime.memory_steps import job_of
+from lightning_incremental.runtime.memory_tier import MemoryTier
 from tests import deliveries
 from tests.multiprocess.test_accelerate_launch import _free_port, _why
 
@@ -43,21 +46,27 @@ def _env() -> dict[str, str]:
     return env
 
 
-def launch(tmp: Path, processes: int, *job_args: str) -> subprocess.CompletedProcess[str]:
+def launch(
+    tmp: Path, processes: int, *job_args: str, config: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The job under the launch flag: ``--dirpath tmp/store``, or ``--config config``."""
+    store = ["--config", str(config)] if config else ["--dirpath", str(tmp / "store")]
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         *(["--multi_gpu"] if processes > 1 else []),
         "--num_processes", str(processes), "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(_free_port()),
-        "-m", "accelerate_incremental", "--dirpath", str(tmp / "store"),
+        "-m", "accelerate_incremental", *store,
         str(JOB), "--output-dir", str(tmp / "out"), "--out", str(tmp / "result.pt"), *job_args,
     ]  # fmt: skip
     return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-def finished(tmp: Path, processes: int, *job_args: str) -> dict[str, Any]:
-    done = launch(tmp, processes, *job_args)
+def finished(
+    tmp: Path, processes: int, *job_args: str, config: Path | None = None
+) -> dict[str, Any]:
+    done = launch(tmp, processes, *job_args, config=config)
     assert done.returncode == 0, _why(done) + done.stderr[-3000:]
     assert done.stdout.count("JOB DONE") == processes, done.stdout[-2000:]
     result: dict[str, Any] = torch.load(tmp / "result.pt", weights_only=False)
@@ -90,6 +99,32 @@ def assert_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["step"] == b["step"] == 30
     for part in ("model", "optimizer", "scheduler"):
         assert _same(a[part], b[part]), f"{part} differs"
+
+
+def test_two_processes_killed_resume_from_the_memory_tier(
+    tmp_path: Path, two: dict[str, Any]
+) -> None:
+    """The launch flag's JSON config with the memory tier every step (both processes on one
+    node, one copy of the weights and optimizer in the first process's part): SIGKILLed at step
+    20 (the store's newest committed step 16), the same command resumes from memory step 19,
+    the second process's part merged with the first's, and ends bit-identical to the
+    uninterrupted run; the finished run leaves no memory behind."""
+    config = tmp_path / "incremental.json"
+    memory = tmp_path / "mem"
+    settings = {"dirpath": str(tmp_path / "store"), "memory_every_n_steps": 1}
+    config.write_text(json.dumps({**settings, "memory_dir": str(memory)}))
+    killed = launch(tmp_path, 2, "--crash-after", str(CRASH_AFTER), "--limit", "2", config=config)
+    assert killed.returncode != 0, "the interrupted run should have died"
+    store = CheckpointStore(tmp_path / "store")
+    assert store.steps() == [8, 16]
+    tier = MemoryTier(memory, job=job_of(str(store.url)), generation=0, world_size=2)
+    held = {(h.rank, h.step, h.layout) for h in tier.inventory()}
+    assert held == {(0, CRASH_AFTER - 1, 2), (1, CRASH_AFTER - 1, 2)}, held  # one copy a node
+    resumed = finished(tmp_path, 2, "--limit", "2", config=config)
+    line = f"from step {CRASH_AFTER - 1} of the memory tier (own node's memory)"
+    assert f"RESUMING the Trainer {line}" in resumed["log"], resumed["log"][-4000:]
+    assert_identical(two, resumed)
+    assert not list(memory.rglob("header.json")), "a finished run's memory parts stay"
 
 
 def _folder_bytes(folder: Path) -> int:

@@ -11,9 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def tiny_trainer(output_dir: Path, **arguments: Any) -> Any:
-    """A Trainer over a 2-layer GPT-2 and 32 random sequences; ``arguments`` override the
-    ``TrainingArguments``."""
+def tiny_trainer(output_dir: Path, eval_dataset: Any = None, **arguments: Any) -> Any:
+    """A Trainer over a 2-layer GPT-2 and 32 random sequences (and ``eval_dataset``);
+    ``arguments`` override the ``TrainingArguments``."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
@@ -35,7 +35,12 @@ def tiny_trainer(output_dir: Path, **arguments: Any) -> Any:
         "logging_steps": 1000,
         **arguments,
     }
-    return Trainer(model=model, args=TrainingArguments(**settings), train_dataset=data)
+    return Trainer(
+        model=model,
+        args=TrainingArguments(**settings),
+        train_dataset=data,
+        eval_dataset=eval_dataset,
+    )
 
 
 def weights(trainer: Any) -> dict[str, Any]:

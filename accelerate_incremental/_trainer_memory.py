@@ -1,0 +1,254 @@
+"""The memory tier under a Hugging Face ``Trainer`` (:class:`~._trainer.TrainerCheckpointer`
+with ``memory_every_n_steps``): every so many optimizer steps each process puts its part of the
+checkpoint — what the store's checkpoint of that step would hold — into node-local memory and,
+in the background, onto ``memory_replicas`` other nodes; ``train()`` resumes from the newest step
+every process agrees on when it is at least the store's newest (the framework-free part:
+:mod:`lightning_incremental.runtime.memory_steps`).
+
+Where a step is taken: right after ``Trainer._maybe_log_save_evaluate`` of that step returns,
+the point where the Trainer's own checkpoint of the step is written (inside that call), so the
+step's logging, evaluation, best-metric bookkeeping and store save are already done and the
+next step's batches not drawn yet: the ``trainer_state.json`` and random states a memory step
+holds are those a checkpoint of the step would hold. At the last step of an epoch the Trainer
+runs ``on_epoch_end`` and that call once more (epoch-strategy logging, evaluation, saving), so
+the step is taken after the second call. ``on_step_end`` would be too early (the step's
+logging and evaluation come after it, and a log of the step would be missing from the resumed
+``log_history``); the next ``on_step_begin`` too late (the next step's batches, and the random
+numbers a data collator draws for them, are already taken).
+
+A resume from memory hands the Trainer a private folder holding only the step's
+``trainer_state.json``, so that the Trainer's own resume (its step counters, the skipped
+batches of a mid-epoch resume, its callbacks' state) runs as for any checkpoint; the load
+points the integration hooks restore the weights, optimizer, scheduler, scaler and this
+process's random state from the memory part instead of the store. The folder is deleted when
+``train()`` ends.
+
+Under DDP only each node's first process takes the weights and optimizer (one copy a node, as
+:mod:`~lightning_incremental.runtime.memory_steps` explains); every process takes its random
+state. The Trainer's checkpoints keep no per-process buffers (``ddp_broadcast_buffers=False`` is
+warned about at a resume either way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_incremental.runtime import rng
+from lightning_incremental.runtime.memory_steps import MemoryOptions, MemorySteps
+
+log = logging.getLogger("lightning_incremental")
+FORMAT = "accelerate_incremental.trainer/1"  # the Trainer's checkpoints, in the store and memory
+OWNER = "accelerate_incremental (Trainer)"
+#: The Trainer method after which a step is taken, and its leading parameters (see the notes).
+HOOK = "_maybe_log_save_evaluate"
+HOOK_PARAMS = ("tr_loss", "grad_norm", "model", "trial", "epoch")
+
+
+def training_state(trainer: Any, trainer_state: str, processes: list[Any]) -> dict[str, Any]:
+    """What a Trainer checkpoint holds: the unwrapped model's state dict, the optimizer,
+    scheduler and scaler, ``trainer_state.json`` as text and the processes' random states."""
+    scaler = trainer.accelerator.scaler
+    scheduler = trainer.lr_scheduler
+    return {
+        "format": FORMAT,
+        "model": trainer.accelerator.unwrap_model(trainer.model).state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "trainer_state": trainer_state,
+        "processes": processes,
+    }
+
+
+def apply_state(trainer: Any, state: dict[str, Any]) -> None:
+    """Put a checkpoint's model, optimizer, scheduler and scaler into the Trainer (after
+    ``accelerator.prepare``)."""
+    trainer.accelerator.unwrap_model(trainer.model).load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    if trainer.lr_scheduler is not None and state["scheduler"] is not None:
+        trainer.lr_scheduler.load_state_dict(state["scheduler"])
+    scaler = trainer.accelerator.scaler
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+
+
+def trainer_state_now(trainer: Any) -> str:
+    """The ``trainer_state.json`` the Trainer's ``_save_checkpoint`` would write now: its
+    floating-point operations stored (``store_flos``, a collective under DDP: every process
+    calls this), the state of its ``ExportableState`` callbacks and of its ``TrainerControl``
+    recorded, as text (``TrainerState.save_to_json``'s). The Trainer's state is left as it is,
+    but for the flos, which ``store_flos`` moves into it as any save or log does."""
+    from transformers.trainer_callback import ExportableState
+
+    trainer.store_flos()
+    record = dataclasses.asdict(trainer.state)
+    stateful = record.setdefault("stateful_callbacks", {})
+    for cb in [*trainer.callback_handler.callbacks, trainer.control]:
+        if isinstance(cb, ExportableState):
+            name = type(cb).__name__
+            if isinstance(stateful.get(name), list):
+                stateful[name].append(cb.state())
+            else:
+                stateful[name] = cb.state()
+    return json.dumps(record, indent=2, sort_keys=True) + "\n"
+
+
+def hook_problem(trainer: Any) -> str | None:
+    """Why the memory tier cannot take steps in this ``transformers`` release (None: it can)."""
+    method = getattr(type(trainer), HOOK, None)
+    if method is None:
+        return f"Trainer.{HOOK} does not exist"
+    names = list(inspect.signature(method).parameters)[1:]
+    if list(HOOK_PARAMS) != names[: len(HOOK_PARAMS)]:
+        return f"Trainer.{HOOK} takes {names}, expected {list(HOOK_PARAMS)}"
+    return None
+
+
+@dataclass
+class Resumed:
+    """A resume from the memory tier: the folder handed to the Trainer and the step's state."""
+
+    folder: str
+    step: int
+    tier: str
+    state: dict[str, Any]
+
+
+class TrainerMemory:
+    """One Trainer's memory tier: :meth:`start` and :meth:`end` bracket each ``train()``."""
+
+    def __init__(self, opts: MemoryOptions) -> None:
+        self.opts = opts
+        self.steps: MemorySteps | None = None  # while train() runs
+        self.resumed: Resumed | None = None
+        self._taken: int | None = None  # the newest step taken in this train()
+        self._epoch_ended = False  # on_epoch_end ran since the last hooked call
+
+    # ------------------------------------------------------------------ lifetime
+
+    def start(self, trainer: Any, url: str, generation: int | None, allow_pickle: bool) -> None:
+        """Every process at once, as ``train()`` starts: the memory tier of this run."""
+        main = trainer.is_world_process_zero()
+
+        def warn(text: str) -> None:
+            if main:
+                log.warning(text)
+                warnings.warn(text, UserWarning, stacklevel=3)
+
+        self.steps = MemorySteps(
+            self.opts,
+            rank=trainer.args.process_index,
+            world_size=trainer.args.world_size,
+            ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            url=url,
+            generation=generation,
+            allow_pickle=allow_pickle,
+            owner=OWNER,
+            info=lambda text: log.info(text) if main else None,
+            warn=warn,
+            replicated=True,  # DDP or one process: FSDP and DeepSpeed are refused up front
+            local_rank=trainer.args.local_process_index,
+        )
+        self._taken, self._epoch_ended = None, False
+
+    def end(self, store: Any, *, finished: bool) -> None:
+        """As ``train()`` ends (``finished``: without an error, every save committed): the
+        resume folder goes; finished with the store holding a step at least as new as the last
+        memory step (this process lists it), this process's parts and the replicas it keeps go
+        too, else they stay for a resume."""
+        if self.resumed is not None:
+            shutil.rmtree(self.resumed.folder, ignore_errors=True)
+            self.resumed = None
+        steps, self.steps = self.steps, None
+        if steps is None:
+            return
+        done = False
+        if finished and steps.last_step is not None:
+            steps.wait()
+            try:
+                done = max(store.steps(), default=-1) >= steps.last_step
+            except Exception as exc:  # the parts stay; a resume can still use them
+                log.warning("%s: memory parts kept (the store could not be listed: %r)", OWNER, exc)
+        if done:
+            steps.finish()
+        steps.close()
+
+    def wait(self) -> None:
+        """Wait for this process's memory step in flight (written and replicated)."""
+        if self.steps is not None:
+            self.steps.wait()
+
+    # ------------------------------------------------------------------ taking steps
+
+    def epoch_ended(self) -> None:
+        """``on_epoch_end`` ran: the next hooked call is the epoch's last."""
+        self._epoch_ended = True
+
+    def after_log_save_evaluate(self, trainer: Any, trial: Any) -> None:
+        """Take the step just finished into memory when it is due (see the module's notes)."""
+        ended, self._epoch_ended = self._epoch_ended, False
+        steps = self.steps
+        step = trainer.state.global_step
+        if steps is None or trial is not None or not steps.due(step) or step == self._taken:
+            return
+        epoch = trainer.state.epoch
+        if not ended and epoch is not None and float(epoch).is_integer():
+            return  # the epoch's last step: its end work comes first
+        trainer_state = trainer_state_now(trainer)  # on every process (store_flos)
+        own = rng.capture()
+        if steps.whole:
+            state = training_state(trainer, trainer_state, [own])
+            steps.take(step, {"format": FORMAT, "step": step, "state": state})
+        else:  # the node's first process holds the rest (memory_steps' notes)
+            steps.take(step, {"format": FORMAT, "step": step, "processes": [own]})
+        self._taken = step
+
+    # ------------------------------------------------------------------ resuming
+
+    def resume(self, trainer: Any, newest_persistent: int | None) -> Resumed | None:
+        """Every process together: the memory step to resume from, with a private folder
+        holding its ``trainer_state.json`` for the Trainer, or None for the store."""
+        assert self.steps is not None
+        found = self.steps.resume(newest_persistent, _check_step, _merge)
+        if found is None:
+            return None
+        step, part, tier = found
+        state = part["state"]
+        folder = tempfile.mkdtemp(prefix=f"accelerate-incremental-memory-{step}-")
+        from accelerate_incremental import _hf_compat
+
+        path = os.path.join(folder, _hf_compat.state_file())
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(state["trainer_state"])
+        self.resumed = Resumed(folder, step, tier, state)
+        return self.resumed
+
+    def resumed_at(self, path: Any) -> Resumed | None:
+        """The memory resume whose folder ``path`` is (None: another checkpoint)."""
+        found = self.resumed
+        if found is None or not isinstance(path, (str, os.PathLike)):
+            return None
+        return found if os.path.abspath(path) == os.path.abspath(found.folder) else None
+
+
+def _merge(whole: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """This process's part: its node's first process's, with this process's random state."""
+    whole["state"]["processes"] = own["processes"]
+    return whole
+
+
+def _check_step(part: Any, step: int) -> None:
+    held = part.get("step") if isinstance(part, dict) else None
+    if held != step or part.get("format") != FORMAT or "state" not in part:
+        raise ValueError(f"the part holds step {held!r} of a Trainer checkpoint, not {step}")
+    if part["state"].get("format") != FORMAT:
+        raise ValueError(f"the part of step {step} is not a Trainer checkpoint")

@@ -1,0 +1,201 @@
+"""The memory tier under a real ``transformers.Trainer`` (one process; the two-process launch is
+in ``test_trainer_launch.py``): a run that fails resumes from the newest memory step, ends
+bit-identical to an uninterrupted run and keeps the step's logs and evaluations; a memory step
+older than the store's newest, or ``auto_resume=False``, leaves the store to decide; a finished
+run leaves no memory behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+
+from accelerate_incremental import _trainer_enable, enable_trainer
+from lightning_incremental.core import CheckpointStore
+from lightning_incremental.runtime.memory_steps import job_of
+from lightning_incremental.runtime.memory_tier import MemoryTier
+from tests.hf.trainers import tiny_trainer, weights
+
+STEPS, SAVE = 12, 5  # 8 batches an epoch (32 samples of 4): step 8 ends the first epoch
+
+
+class Failure(Exception):
+    pass
+
+
+def _fail_at(trainer: Any, step: int) -> None:
+    """Make ``trainer`` raise at ``on_step_end`` of ``step``: after its optimizer step, before
+    the step's logging, evaluation and saving (the newest memory step is then ``step - 1``)."""
+    from transformers import TrainerCallback
+
+    class Fail(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step == step:
+                raise Failure(f"failed at step {step}")
+
+    trainer.add_callback(Fail())
+
+
+def _eval_data() -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(5))
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def _run(tmp: Path, name: str, fail_at: int | None = None, **kw: Any) -> tuple[Any, Any]:
+    """A Trainer of the run ``name`` (its own output folder; the store and memory of ``tmp``),
+    trained, failing at ``fail_at``; returns it and its checkpointer."""
+    memory = kw.pop("memory", {"memory_every_n_steps": 1})
+    auto_resume = kw.pop("auto_resume", True)
+    arguments = {"max_steps": STEPS, "save_steps": SAVE, **kw}
+    evaluate = "eval_strategy" in arguments
+    if evaluate:
+        arguments.setdefault("per_device_eval_batch_size", 4)
+    trainer = tiny_trainer(tmp / name, _eval_data() if evaluate else None, **arguments)
+    ckpt = enable_trainer(
+        trainer, str(tmp / "store"), memory_dir=str(tmp / "mem"), auto_resume=auto_resume, **memory
+    )
+    if fail_at is not None:
+        _fail_at(trainer, fail_at)
+        with pytest.raises(Failure):
+            trainer.train()
+        ckpt.wait()  # the store's saves in flight commit (the memory tier's were closed)
+    else:
+        trainer.train()
+    return trainer, ckpt
+
+
+def _steps_in_memory(tmp: Path) -> list[int]:
+    """The steps of the complete parts in the run's memory directory (headers read)."""
+    job = job_of(str(CheckpointStore(tmp / "store").url))
+    held = MemoryTier(tmp / "mem", job=job, generation=0, world_size=1).inventory()
+    return sorted({h.step for h in held})
+
+
+def _evaluations(trainer: Any) -> list[tuple[int, float]]:
+    return [(e["step"], e["eval_loss"]) for e in trainer.state.log_history if "eval_loss" in e]
+
+
+def _same_training(a: Any, b: Any) -> None:
+    assert a.state.global_step == b.state.global_step == STEPS
+    for key, value in weights(a).items():
+        assert torch.equal(value, weights(b)[key]), key
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        for name, value in sa[k].items():
+            assert torch.equal(value, sb[k][name]), (k, name)
+    assert a.lr_scheduler.state_dict() == b.lr_scheduler.state_dict()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The run without a failure (memory every step: taking steps does not change training)."""
+    tmp = tmp_path_factory.mktemp("whole")
+    trainer, ckpt = _run(tmp, "out")
+    assert ckpt.resumed_from is None
+    assert CheckpointStore(tmp / "store").steps() == [5, 10, 12]
+    assert _steps_in_memory(tmp) == []  # finished, the store holds the last step: memory freed
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("evaluated")
+    trainer, _ = _run(tmp, "out", eval_strategy="steps", eval_steps=3, logging_steps=3)
+    return trainer
+
+
+def test_a_failed_run_resumes_from_its_newest_memory_step_bit_identical(
+    tmp_path: Path, uninterrupted: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    _run(tmp_path, "out", fail_at=8)
+    assert CheckpointStore(tmp_path / "store").steps() == [5]
+    assert _steps_in_memory(tmp_path) == [7]
+    with caplog.at_level("INFO"):
+        trainer, ckpt = _run(tmp_path, "out2")
+    assert (ckpt.resumed_from, ckpt.resumed_tier) == (7, "memory")
+    assert "RESUMING the Trainer from step 7 of the memory tier (own node's memory)" in caplog.text
+    _same_training(trainer, uninterrupted)
+    assert _steps_in_memory(tmp_path) == []
+    assert not list(Path(ckpt.memory.opts.directory).rglob("trainer_state.json"))
+
+
+def test_the_memory_step_holds_the_steps_logs_and_evaluations(
+    tmp_path: Path, evaluated: Any
+) -> None:
+    """Step 9 evaluates and logs; a failure at step 10 resumes from memory step 9, whose
+    trainer_state already holds that evaluation: each evaluation is in the log once, with the
+    uninterrupted run's values (an on_step_end snapshot would lose step 9's)."""
+    _run(tmp_path, "out", fail_at=10, eval_strategy="steps", eval_steps=3, logging_steps=3)
+    trainer, ckpt = _run(tmp_path, "out2", eval_strategy="steps", eval_steps=3, logging_steps=3)
+    assert (ckpt.resumed_from, ckpt.resumed_tier) == (9, "memory")
+    assert _evaluations(trainer) == _evaluations(evaluated)
+    assert [s for s, _ in _evaluations(trainer)] == [3, 6, 9, 12]
+    _same_training(trainer, evaluated)
+
+
+def test_the_last_step_of_an_epoch_is_taken_after_the_epochs_end_work(tmp_path: Path) -> None:
+    """With epoch evaluation, step 8 (the end of the first epoch) is taken after on_epoch_end
+    and its evaluation: a failure at step 9 resumes from it with that evaluation logged once."""
+    kw: dict[str, Any] = {"eval_strategy": "epoch", "logging_strategy": "epoch"}
+    reference, _ = _run(tmp_path / "ref", "out", **kw)
+    _run(tmp_path, "out", fail_at=9, **kw)
+    assert _steps_in_memory(tmp_path) == [8]
+    trainer, ckpt = _run(tmp_path, "out2", **kw)
+    assert (ckpt.resumed_from, ckpt.resumed_tier) == (8, "memory")
+    assert [s for s, _ in _evaluations(trainer)] == [8, 12]
+    assert _evaluations(trainer) == _evaluations(reference)
+    _same_training(trainer, reference)
+
+
+def test_a_memory_step_older_than_the_stores_newest_leaves_the_store(
+    tmp_path: Path, uninterrupted: Any
+) -> None:
+    """Memory every 4 steps, the store every 5: a failure at step 7 leaves memory step 4 and
+    store step 5; the store's is the newer, so the resume reads it."""
+    memory = {"memory_every_n_steps": 4}
+    _run(tmp_path, "out", fail_at=7, memory=memory)
+    assert _steps_in_memory(tmp_path) == [4]
+    trainer, ckpt = _run(tmp_path, "out2", memory=memory)
+    assert (ckpt.resumed_from, ckpt.resumed_tier) == (5, "store")
+    _same_training(trainer, uninterrupted)
+
+
+def test_auto_resume_off_starts_afresh_whatever_memory_holds(
+    tmp_path: Path, uninterrupted: Any
+) -> None:
+    _run(tmp_path, "out", fail_at=8)
+    assert _steps_in_memory(tmp_path) == [7]
+    trainer, ckpt = _run(tmp_path / "again", "out", auto_resume=False)
+    assert ckpt.resumed_from is None
+    _same_training(trainer, uninterrupted)
+
+
+def test_the_launch_flags_memory_keys_start_the_memory_tier(tmp_path: Path) -> None:
+    """The launch flag's JSON config (the same keys as for Accelerate scripts) gives a Trainer
+    its memory tier; off without them."""
+    trainer = tiny_trainer(tmp_path / "out")
+    config = {
+        "dirpath": str(tmp_path / "s"),
+        "memory_every_n_steps": 2,
+        "memory_replicas": 1,
+        "memory_dir": str(tmp_path / "mem"),
+    }
+    ckpt = _trainer_enable.from_flag(trainer, config)
+    assert ckpt is not None and ckpt.memory is not None
+    assert ckpt.memory.opts.every_n_train_steps == 2
+    other = tiny_trainer(tmp_path / "other")
+    plain = _trainer_enable.from_flag(other, {"dirpath": str(tmp_path / "t")})
+    assert plain is not None and plain.memory is None
+
+
+def test_a_bad_memory_interval_is_refused(tmp_path: Path) -> None:
+    from lightning_incremental.core import ConfigError
+
+    with pytest.raises(ConfigError, match="memory_every_n_steps must be None or >= 1"):
+        enable_trainer(tiny_trainer(tmp_path / "out"), str(tmp_path / "s"), memory_every_n_steps=0)

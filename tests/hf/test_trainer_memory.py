@@ -6,6 +6,7 @@ run leaves no memory behind."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +200,22 @@ def test_a_bad_memory_interval_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="memory_every_n_steps must be None or >= 1"):
         enable_trainer(tiny_trainer(tmp_path / "out"), str(tmp_path / "s"), memory_every_n_steps=0)
+
+
+def test_a_memory_steps_trainer_state_is_the_one_the_trainer_writes(tmp_path: Path) -> None:
+    """Step 10 is saved by the Trainer (save_steps=5) and taken into memory: the memory part's
+    trainer_state is the folder's trainer_state.json, field for field (logs, evaluations, the
+    stored flos included), but for the TrainerControl's flags: the folder's were recorded while
+    the step saved (should_save), the memory step's once the step's work was done."""
+    _run(tmp_path, "out", fail_at=11, eval_strategy="steps", eval_steps=5, logging_steps=2)
+    job = job_of(str(CheckpointStore(tmp_path / "store").url))
+    tier = MemoryTier(tmp_path / "mem", job=job, generation=0, world_size=1)
+    (held,) = tier.inventory()
+    assert held.step == 10
+    part = tier.load(0, 10, held.generation)
+    written = (tmp_path / "out" / "checkpoint-10" / "trainer_state.json").read_text()
+    ours, theirs = json.loads(part["state"]["trainer_state"]), json.loads(written)
+    assert ours["stateful_callbacks"].pop("TrainerControl")["args"]["should_save"] is False
+    assert theirs["stateful_callbacks"].pop("TrainerControl")["args"]["should_save"] is True
+    assert ours == theirs
+    assert [e["step"] for e in ours["log_history"]] == [2, 4, 5, 6, 8, 10, 10]

@@ -217,10 +217,10 @@ class TrainerCheckpointer(TrainerLoading):
             except BaseException:
                 self.preemption.stop()
                 if self.memory is not None:
-                    self.memory.end(self.store, finished=False)
+                    self.memory.end(None)
                 raise
-            if self.memory is not None:
-                self.memory.end(self.store, finished=True)
+            if self.memory is not None:  # every process at once: the main one lists the store
+                self.memory.end(self._newest_persistent)
             self.preemption.at_train_end()  # exits 143 after a preemption
             if self.materialize:  # every process gets the main one's result or its error
                 written = coordinated(
@@ -269,16 +269,21 @@ class TrainerCheckpointer(TrainerLoading):
                 warnings.warn(f"accelerate_incremental: {line}", UserWarning, stacklevel=3)
         return chosen
 
-    def _memory_resume(self) -> str | None:
-        """Every process together: the folder of the memory tier's agreed step (see
-        :mod:`~._trainer_memory`), or None to resume from the store."""
-        assert self.memory is not None
-        newest = coordinated(
+    def _newest_persistent(self) -> int | None:
+        """Every process together: the store's newest committed step (the main process lists
+        it, once for the job)."""
+        newest: int | None = coordinated(
             lambda: max(self.store.steps(), default=None),
             what=f"list the checkpoints in {self.url}",
             is_coordinator=self.trainer.is_world_process_zero(),
         )
-        found = self.memory.resume(self.trainer, newest)
+        return newest
+
+    def _memory_resume(self) -> str | None:
+        """Every process together: the folder of the memory tier's agreed step (see
+        :mod:`~._trainer_memory`), or None to resume from the store."""
+        assert self.memory is not None
+        found = self.memory.resume(self.trainer, self._newest_persistent())
         if found is None:
             return None
         announce(

@@ -39,6 +39,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,11 +165,11 @@ class TrainerMemory:
         )
         self._taken, self._epoch_ended = None, False
 
-    def end(self, store: Any, *, finished: bool) -> None:
-        """As ``train()`` ends (``finished``: without an error, every save committed): the
-        resume folder goes; finished with the store holding a step at least as new as the last
-        memory step (this process lists it), this process's parts and the replicas it keeps go
-        too, else they stay for a resume."""
+    def end(self, newest_persistent: Callable[[], int | None] | None) -> None:
+        """As ``train()`` ends: the resume folder goes. ``newest_persistent`` (None: the run
+        failed) gives the store's newest step once every save committed; when it is at least
+        the last memory step, this process's parts and the replicas it keeps go too, freeing
+        the node's memory; else they stay for a resume."""
         if self.resumed is not None:
             shutil.rmtree(self.resumed.folder, ignore_errors=True)
             self.resumed = None
@@ -176,10 +177,11 @@ class TrainerMemory:
         if steps is None:
             return
         done = False
-        if finished and steps.last_step is not None:
+        if newest_persistent is not None and steps.last_step is not None:
             steps.wait()
             try:
-                done = max(store.steps(), default=-1) >= steps.last_step
+                newest = newest_persistent()
+                done = newest is not None and newest >= steps.last_step
             except Exception as exc:  # the parts stay; a resume can still use them
                 log.warning("%s: memory parts kept (the store could not be listed: %r)", OWNER, exc)
         if done:

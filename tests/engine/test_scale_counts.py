@@ -393,3 +393,26 @@ def test_the_manifest_is_prepared_while_the_packs_are_written(
         result = store.save(state, step=1).result()
     assert done_at_seal == [0]  # sealed before any pack's write had ended
     assert done_at_manifest == [result.objects_written]  # every pack, then the manifest
+
+
+def test_a_save_resolves_its_stores_location_once_per_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every save registers itself under its store's location (loads in the process wait for
+    it): the local path is resolved (a ``lstat`` per component, milliseconds each while the
+    store's writes flush the same disk) once, not inside every save's stall."""
+    from lightning_incremental.core.save import inflight
+
+    monkeypatch.setattr(inflight, "_RESOLVED", {})
+    resolved: list[str] = []
+    realpath = inflight.os.path.realpath
+    monkeypatch.setattr(inflight.os.path, "realpath", lambda p: resolved.append(p) or realpath(p))
+    state = {"w": torch.arange(8.0)}
+    with CheckpointStore(tmp_path / "store") as store:
+        for step in range(1, 6):
+            state["w"].add_(1)
+            store.save(state, step).result()
+    assert len(resolved) == 1, resolved
+    assert inflight.location(tmp_path / "store") == realpath(tmp_path / "store")
+    assert inflight.location("relative/x") == realpath("relative/x")  # not remembered
+    assert len(inflight._RESOLVED) == 1

@@ -7,7 +7,10 @@ asked, not fail on a checkpoint that is a few milliseconds from committing. Ever
 here under its store's location; a load first waits for the saves registered under its location.
 
 Locations are compared normalised: local paths absolute with symbolic links resolved, URLs
-without a trailing ``/``.
+without a trailing ``/``. An absolute local path is resolved once per process and remembered:
+``realpath`` makes a ``lstat`` call per component, which every ``save`` would pay inside its
+stall (milliseconds each while the store's own writes flush the same file system). A link
+changed later is not seen: stores keep their location for their lifetime.
 """
 
 from __future__ import annotations
@@ -22,13 +25,24 @@ _lock = threading.Lock()
 _saves: dict[str, list[threading.Event]] = {}
 
 
+_RESOLVED: dict[str, str] = {}  # absolute local path -> its realpath (see the notes)
+_RESOLVED_MAX = 1024
+
+
 def location(url: str | os.PathLike[str]) -> str:
     """``url`` normalised: the key saves are registered and waited for under."""
     text = os.fspath(url)
     match = _SCHEME.match(text)
     if match is None or match.group(1).lower() == "file":
-        local = text[len("file://") :] if match else text
-        return os.path.realpath(os.path.abspath(os.path.expanduser(local)))
+        local = os.path.expanduser(text[len("file://") :] if match else text)
+        if not os.path.isabs(local):  # relative to the current directory, which may change
+            return os.path.realpath(local)
+        found = _RESOLVED.get(local)
+        if found is None:
+            if len(_RESOLVED) >= _RESOLVED_MAX:
+                _RESOLVED.clear()
+            found = _RESOLVED[local] = os.path.realpath(local)
+        return found
     return text.rstrip("/")
 
 

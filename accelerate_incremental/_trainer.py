@@ -203,11 +203,11 @@ class TrainerCheckpointer(TrainerLoading):
             self._last_saved = None
             self.resumed_from = self.resumed_tier = None
             self.preemption.start()
-            if self.memory is not None:
-                self.memory.start(
-                    self.trainer, self.url, self.generation, self.store.config.allow_pickle
-                )
             try:
+                if self.memory is not None:
+                    self.memory.start(
+                        self.trainer, self.url, self.generation, self.store.config.allow_pickle
+                    )
                 point = self.resume_point(resume_from_checkpoint)
                 if point is None and self._fork is not None:  # a fork of weights only
                     model = self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -238,7 +238,9 @@ class TrainerCheckpointer(TrainerLoading):
         """What ``train`` resumes from, given the user's ``resume_from_checkpoint``: ``False``
         nothing; ``None`` the newest committed checkpoint when ``auto_resume`` (else nothing);
         ``True`` the Trainer's last ``checkpoint-N``, or the newest committed one when that
-        folder's save never committed; a path, itself."""
+        folder's save never committed; a path, itself. With the memory tier, ``None`` and
+        ``True`` resume from its agreed step instead when it is at least as new as the store's
+        newest (every process together)."""
         if asked is False:
             return None
         if asked is None and not self.auto_resume:
@@ -269,21 +271,34 @@ class TrainerCheckpointer(TrainerLoading):
                 warnings.warn(f"accelerate_incremental: {line}", UserWarning, stacklevel=3)
         return chosen
 
-    def _newest_persistent(self) -> int | None:
-        """Every process together: the store's newest committed step (the main process lists
-        it, once for the job)."""
-        newest: int | None = coordinated(
-            lambda: max(self.store.steps(), default=None),
+    def _committed(self) -> list[int]:
+        """Every process together: the store's committed steps (the main process lists them,
+        once for the job)."""
+        steps: list[int] = coordinated(
+            self.store.steps,
             what=f"list the checkpoints in {self.url}",
             is_coordinator=self.trainer.is_world_process_zero(),
         )
-        return newest
+        return steps
+
+    def _newest_persistent(self) -> int | None:
+        """Every process together: the store's newest committed step."""
+        return max(self._committed(), default=None)
 
     def _memory_resume(self) -> str | None:
         """Every process together: the folder of the memory tier's agreed step (see
         :mod:`~._trainer_memory`), or None to resume from the store."""
         assert self.memory is not None
-        found = self.memory.resume(self.trainer, self._newest_persistent())
+        committed = self._committed()
+
+        def uncommitted_best(folder: Any) -> int | None:
+            with contextlib.suppress(ValueError, OSError):  # not a marker: the Trainer's
+                found = markers.read(folder)
+                if found is not None and found.store == self.url and found.step not in committed:
+                    return found.step
+            return None
+
+        found = self.memory.resume(self.trainer, committed, uncommitted_best)
         if found is None:
             return None
         announce(

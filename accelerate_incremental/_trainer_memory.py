@@ -206,9 +206,8 @@ class TrainerMemory:
         step = trainer.state.global_step
         if steps is None or trial is not None or not steps.due(step) or step == self._taken:
             return
-        epoch = trainer.state.epoch
-        if not ended and epoch is not None and float(epoch).is_integer():
-            return  # the epoch's last step: its end work comes first
+        if not ended and _epoch_ends(trainer):
+            return  # on_epoch_end and the epoch's end work come first
         trainer.store_flos()  # as _save_checkpoint does; a collective under DDP
         own = rng.capture()
         if steps.whole:
@@ -220,21 +219,42 @@ class TrainerMemory:
 
     # ------------------------------------------------------------------ resuming
 
-    def resume(self, trainer: Any, newest_persistent: int | None) -> Resumed | None:
+    def resume(
+        self, trainer: Any, committed: list[int], uncommitted_best: Callable[[Any], int | None]
+    ) -> Resumed | None:
         """Every process together: the memory step to resume from, with a private folder
-        holding its ``trainer_state.json`` for the Trainer, or None for the store."""
+        holding its ``trainer_state.json`` for the Trainer, or None for the store
+        (``committed``: the store's steps; ``uncommitted_best(path)``: the step a best
+        checkpoint's folder names when that step is not in the store, else None)."""
         assert self.steps is not None
-        found = self.steps.resume(newest_persistent, _check_step, _merge)
+        found = self.steps.resume(max(committed, default=None), _check_step, _merge)
         if found is None:
             return None
         step, part, tier = found
         state = part["state"]
+        record = json.loads(state["trainer_state"])
+        best = record.get("best_model_checkpoint")
+        lost = uncommitted_best(best) if best else None
+        if lost is not None:
+            # A store save still in flight when the memory step was taken, lost with the
+            # process: the folder stays, its step does not. As the Trainer does for a best
+            # folder that is gone, the path is dropped and the best metric kept; so is the best
+            # step, from which the Trainer's next save would name the folder again.
+            record["best_model_checkpoint"] = record["best_global_step"] = None
+            if trainer.is_world_process_zero():
+                message = (
+                    f"{OWNER}: memory step {step} records {best} as the best checkpoint, but "
+                    f"its save (step {lost}) never committed to the store: it is ignored, and "
+                    "load_best_model_at_end loads a later best checkpoint, if any"
+                )
+                log.warning(message)
+                warnings.warn(message, UserWarning, stacklevel=3)
         folder = tempfile.mkdtemp(prefix=f"accelerate-incremental-memory-{step}-")
         from accelerate_incremental import _hf_compat
 
         path = os.path.join(folder, _hf_compat.state_file())
         with open(path, "w", encoding="utf-8") as fh:
-            fh.write(state["trainer_state"])
+            fh.write(json.dumps(record))
         self.resumed = Resumed(folder, step, tier, state)
         return self.resumed
 
@@ -244,6 +264,17 @@ class TrainerMemory:
         if found is None or not isinstance(path, (str, os.PathLike)):
             return None
         return found if os.path.abspath(path) == os.path.abspath(found.folder) else None
+
+
+def _epoch_ends(trainer: Any) -> bool:
+    """Whether the Trainer's loop leaves the epoch after this step: its last batch, or a stop
+    (``max_steps`` reached, a callback such as early stopping setting ``should_training_stop``
+    or ``should_epoch_stop``). The Trainer then runs ``on_epoch_end`` and logs, evaluates and
+    saves once more for the step (epoch strategies)."""
+    control, epoch = trainer.control, trainer.state.epoch
+    if control.should_training_stop or control.should_epoch_stop:
+        return True
+    return epoch is not None and float(epoch).is_integer()
 
 
 def _merge(whole: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:

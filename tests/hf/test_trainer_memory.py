@@ -219,3 +219,103 @@ def test_a_memory_steps_trainer_state_is_the_one_the_trainer_writes(tmp_path: Pa
     assert theirs["stateful_callbacks"].pop("TrainerControl")["args"]["should_save"] is True
     assert ours == theirs
     assert [e["step"] for e in ours["log_history"]] == [2, 4, 5, 6, 8, 10, 10]
+
+
+def test_a_stop_mid_epoch_is_taken_after_the_epochs_end_work(tmp_path: Path) -> None:
+    """max_steps=12 ends the second epoch early (8 batches an epoch): the Trainer runs
+    on_epoch_end and an epoch-strategy log, evaluation and save for step 12 after the step's own
+    call. Memory step 12 is taken after them: it holds the step's log and evaluation, as the
+    Trainer's own checkpoint-12 does (a failure at on_train_end keeps it in memory)."""
+    kw: dict[str, Any] = {
+        "eval_strategy": "epoch",
+        "logging_strategy": "epoch",
+        "save_strategy": "epoch",
+        "per_device_eval_batch_size": 4,
+    }
+    trainer = tiny_trainer(tmp_path / "out", _eval_data(), max_steps=STEPS, **kw)
+    ckpt = enable_trainer(
+        trainer, str(tmp_path / "store"), memory_dir=str(tmp_path / "mem"), memory_every_n_steps=1
+    )
+    from transformers import TrainerCallback
+
+    class FailAtTheEnd(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            raise Failure("failed as training ended")
+
+    trainer.add_callback(FailAtTheEnd())
+    with pytest.raises(Failure):
+        trainer.train()
+    ckpt.wait()
+    job = job_of(str(CheckpointStore(tmp_path / "store").url))
+    tier = MemoryTier(tmp_path / "mem", job=job, generation=0, world_size=1)
+    (held,) = tier.inventory()
+    assert held.step == STEPS
+    ours = json.loads(tier.load(0, STEPS, held.generation)["state"]["trainer_state"])
+    written = (tmp_path / "out" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text()
+    logged = [(e["step"], "eval_loss" in e) for e in ours["log_history"]]
+    assert logged == [(e["step"], "eval_loss" in e) for e in json.loads(written)["log_history"]]
+    assert logged == [(8, False), (8, True), (STEPS, False), (STEPS, True)]
+
+
+def test_a_best_checkpoint_whose_save_never_committed_is_dropped_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    """The store's save of step 10 (the best, with load_best_model_at_end) is in flight when
+    memory step 10 is taken and lost with the process: the resume from memory warns and drops
+    the best checkpoint's path (as the Trainer does for a best folder that is gone), and
+    train() ends with a later best checkpoint instead of failing on the missing step."""
+    holder: dict[str, Any] = {}
+
+    def metrics(_: Any) -> dict[str, float]:
+        return {"mark": 1.0 if holder["trainer"].state.global_step == 10 else 0.0}
+
+    kw: dict[str, Any] = {
+        "max_steps": 15,
+        "eval_strategy": "steps",
+        "eval_steps": 5,
+        "load_best_model_at_end": True,
+        "metric_for_best_model": "mark",
+        "per_device_eval_batch_size": 4,
+    }
+
+    def trainer() -> tuple[Any, Any]:
+        made = tiny_trainer(tmp_path / "out", _eval_data(), **kw)
+        made.compute_metrics = metrics
+        holder["trainer"] = made
+        return made, enable_trainer(
+            made, str(tmp_path / "store"), memory_dir=str(tmp_path / "mem"),
+            memory_every_n_steps=1,
+        )  # fmt: skip
+
+    first, ckpt = trainer()
+    _fail_at(first, 11)
+    with pytest.raises(Failure):
+        first.train()
+    ckpt.wait()
+    CheckpointStore(tmp_path / "store").delete(10)  # stands for the save lost in flight
+    again, ckpt = trainer()
+    with pytest.warns(UserWarning, match="its save \\(step 10\\) never committed to the store"):
+        again.train()
+    assert (ckpt.resumed_from, ckpt.resumed_tier) == (10, "memory")
+    assert again.state.global_step == 15
+    assert again.state.best_model_checkpoint is None  # no later evaluation beat step 10's
+
+
+def test_a_memory_tier_that_cannot_start_leaves_no_signal_handler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import signal
+
+    from accelerate_incremental import _trainer_memory
+
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = tiny_trainer(tmp_path / "out")
+    enable_trainer(trainer, str(tmp_path / "store"), memory_every_n_steps=1)
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the memory tier's group could not be made")
+
+    monkeypatch.setattr(_trainer_memory.TrainerMemory, "start", broken)
+    with pytest.raises(RuntimeError, match="group could not be made"):
+        trainer.train()
+    assert signal.getsignal(signal.SIGTERM) == before

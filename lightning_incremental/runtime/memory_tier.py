@@ -41,7 +41,15 @@ from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.codecs.bytes import chunk_hash, chunk_hasher
 from lightning_incremental.core.format.tree import Leaf, torch_dtype, unflatten
 from lightning_incremental.core.save.snapshot import flatten
-from lightning_incremental.runtime.memory_slots import Slot, SlotPool, Slots, fill, hash_file, sweep
+from lightning_incremental.runtime.memory_slots import (
+    HashBehind,
+    Slot,
+    SlotPool,
+    Slots,
+    fill,
+    hash_file,
+    sweep,
+)
 
 log = logging.getLogger(__name__)
 
@@ -317,9 +325,9 @@ class MemoryTier:
             _check(INDEX, index, head)
             leaves = json.loads(index)["leaves"]
             tensors = _slots(leaves)
-            hasher, offset = chunk_hasher(), 0
+            hasher, offset = HashBehind(), 0
             size = int(head["files"][DATA]["size"])
-            with open(path / DATA, "rb", buffering=0) as f:  # straight into each tensor
+            with hasher, open(path / DATA, "rb", buffering=0) as f:  # straight into each tensor
                 if os.fstat(f.fileno()).st_size != size:
                     raise MemoryPartError(f"{path / DATA} is not {size} bytes long")
                 for e in sorted(leaves, key=lambda e: int(e["offset"])):

@@ -285,7 +285,7 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._last_saved_step = state_dict.get("last_saved_step")
+        self._last_saved_step = self._fit.saved_before(state_dict.get("last_saved_step"))
         for key in self._totals:
             if key in state_dict:
                 self._totals[key] = state_dict[key]

@@ -69,6 +69,17 @@ class FitState:
     remap: resize.Remap | None = None  # the resumed epoch's rest, cut for another world size
     memory: MemorySteps | None = None  # the memory tier, when on
 
+    def saved_before(self, last: int | None) -> int | None:
+        """The callback's ``last_saved_step`` as the checkpoint this fit resumed from recorded
+        it, for this fit. A memory step records the store's save of its own batch as made, but
+        that save commits in the background and may have died with the process: after a resume
+        from memory only a step the store held when this fit started counts as saved (else a
+        preemption or the end of training would skip a step the store lacks, and say it is
+        committed)."""
+        if self.resumed_tier not in ("memory", "peer") or last is None:
+            return last
+        return last if self.newest is not None and last <= self.newest else self.newest
+
     def resumed(self, step: int, tier: str = "store") -> None:
         """The fit resumed from ``step`` of ``tier`` (told by ResumeHook)."""
         self.resumed_step, self.resumed_tier = step, tier

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_incremental.core import ConfigError
+from lightning_incremental.core import CheckpointStore, ConfigError
 from lightning_incremental.runtime.memory_tier import ENV
 from tests.jobs.lightning_job import fit
 from tests.lightning.test_callback import assert_bit_identical, final_state
@@ -103,3 +103,24 @@ def test_a_ranks_own_part_keeps_everything_but_the_replicated_state() -> None:
     assert merged["lr_schedulers"] == [{"last_epoch": 3}]
     assert merged["optimizer_states"] is whole["optimizer_states"]
     assert merged["state_dict"] is whole["state_dict"]
+
+
+def test_a_save_the_memory_step_records_but_the_store_lost_is_made_again(tmp_path: Path) -> None:
+    """A memory step records the store's save of its own batch as made (the callback's
+    ``last_saved_step``), but that save commits in the background and can die with the
+    process. Resumed from memory with the store lacking that step, the callback does not take
+    it as saved: a failure on the first batch after the resume (accumulating, still step 5)
+    saves step 5 (before, it was skipped as already saved, and the store held nothing)."""
+    store, memory = tmp_path / "store", tmp_path / "memory"
+    args = {**ARGS, "memory_every_n_train_steps": 1, "memory_dir": memory}
+    accumulate = {"accumulate_grad_batches": 2}
+    fit(store, crash_at=6, trainer=accumulate, **args)
+    assert _parts(memory) == ["s000000000005-g000001-r000000"]
+    CheckpointStore(store).delete(5)  # stands for the save lost in flight with the process
+    assert CheckpointStore(store).steps() == []
+    _, trainer, ckpt = fit(
+        store, crash_at=5, trainer=accumulate, **{**args, "save_on_exception": True}
+    )
+    assert (ckpt.resumed_from, ckpt.resumed_tier) == (5, "memory")
+    assert trainer.global_step == 5
+    assert CheckpointStore(store).steps() == [5]

@@ -22,7 +22,6 @@ the data position and each process's random state all come back.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -138,26 +137,16 @@ def train(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--kill", action="append", default=[])
-    args = parser.parse_args()
+    args, out, root = two_nodes.job_arguments(__doc__)
     torch.set_num_threads(1)
     logging.basicConfig(format="%(name)s: %(message)s")
-    out, root = Path(args.out), Path(args.dir)
-    out.mkdir(parents=True, exist_ok=True)
     events = Events(out)
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    if not all((out / f"ref_rank{r}.pt").exists() for r in range(world)):
-        torch.save(train(root, "ref", [], None, out), out / f"ref_rank{rank}.pt")
-    final = train(root, "final", args.kill, events, out, memory_every_n_steps=1)
-    torch.save(final, out / f"final_rank{rank}.pt")
-    events("finished", step=final["step"])
-    torch.distributed.barrier()
-    logging.shutdown()
-    os._exit(0)  # without gloo's teardown at exit (see torchrun_job)
+    two_nodes.reference_then_final(
+        out,
+        events,
+        reference=lambda: train(root, "ref", [], None, out),
+        final=lambda: train(root, "final", args.kill, events, out, memory_every_n_steps=1),
+    )
 
 
 if __name__ == "__main__":

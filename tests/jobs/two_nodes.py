@@ -9,7 +9,9 @@ agent, node 2, whose memory directory is empty.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -17,9 +19,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+import torch
 
 from lightning_incremental.runtime.memory_tier import ENV
 
@@ -142,3 +146,36 @@ def assert_one_copy_a_node(kill: dict[str, Any], world: int) -> None:
     assert all(holds for r in (0, 2) for _, holds in ranks[r]), kill["parts"]
     assert not any(holds for r in (1, 3) for _, holds in ranks[r]), kill["parts"]
     assert max(n for r in (1, 3) for n, _ in ranks[r]) < min(n for r in (0, 2) for n, _ in ranks[r])
+
+
+def job_arguments(description: str | None) -> tuple[argparse.Namespace, Path, Path]:
+    """A two-node job's command line (``--dir D --out O [--kill RANK:STEP[:HOW] ...]``), with
+    ``O`` created: the arguments, ``O`` and ``D``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kill", action="append", default=[])
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return args, out, Path(args.dir)
+
+
+def reference_then_final(
+    out: Path,
+    events: Callable[..., None],
+    reference: Callable[[], dict[str, Any]],
+    final: Callable[[], dict[str, Any]],
+) -> NoReturn:
+    """A two-node job's body: the uninterrupted reference run (first incarnation only), each
+    process's result to ``O/ref_rank<r>.pt``; then the run under test, to ``O/final_rank<r>.pt``
+    and a ``finished`` event; then the process ends past gloo's teardown (see torchrun_job)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not all((out / f"ref_rank{r}.pt").exists() for r in range(world)):
+        torch.save(reference(), out / f"ref_rank{rank}.pt")
+    result = final()
+    torch.save(result, out / f"final_rank{rank}.pt")
+    events("finished", step=result["step"])
+    torch.distributed.barrier()
+    logging.shutdown()
+    os._exit(0)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,6 +22,7 @@ pytest.importorskip("transformers")
 
 import torch
 
+from tests.conftest import assert_state_equal
 from tests.jobs import two_nodes
 from tests.multiprocess.test_memory_tier import _incarnations
 
@@ -32,16 +32,6 @@ ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "jobs" / "memory_trainer_job.py"
 TIMEOUT_S = 300
 WORLD = 2
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def test_a_trainer_resumes_from_a_peers_replica_and_the_store_bit_identically(
@@ -66,4 +56,4 @@ def test_a_trainer_resumes_from_a_peers_replica_and_the_store_bit_identically(
         reference = torch.load(out / f"ref_rank{rank}.pt", weights_only=False)
         assert final["step"] == reference["step"] == 24
         for part in ("model", "optimizer", "scheduler", "rng"):
-            assert _same(final[part], reference[part]), (rank, part)
+            assert_state_equal(final[part], reference[part], f"rank {rank}: {part}")

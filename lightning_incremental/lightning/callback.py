@@ -2,8 +2,7 @@
 (:mod:`~.save_points`), the trainer's own checkpoint dump what, a
 :class:`~lightning_incremental.core.CheckpointStore` saves it in the background; a restarted job
 resumes by itself, random states and data position included (:mod:`~.resume`,
-:mod:`~.data_position`), and a preemption notice costs no step (:mod:`~.preemption`).
-"""
+:mod:`~.data_position`), and a preemption notice costs no step (:mod:`~.preemption`)."""
 
 from __future__ import annotations
 
@@ -269,7 +268,7 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
                 was fenced off by a newer generation of the job.
         """
         if self._fit.memory is not None:
-            self._fit.memory.replicator.wait()
+            self._fit.memory.wait()
         if (saver := self._fit.saver) is None:
             return []
         results = saver.collect(block=True)
@@ -286,9 +285,7 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_saved_step = self._fit.saved_before(state_dict.get("last_saved_step"))
-        for key in self._totals:
-            if key in state_dict:
-                self._totals[key] = state_dict[key]
+        self._totals.update((k, state_dict[k]) for k in self._totals if k in state_dict)
 
     # ------------------------------------------------------------------ hooks
 
@@ -471,12 +468,17 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
             self._save(trainer, decision)
         assert fit.saver is not None
         fit.saver.collect(block=True)
-        final = fit.saver.last_committed == trainer.global_step
+        final = fit.newest_committed() == trainer.global_step
         report, final = trainer.strategy.broadcast((fit.saver.failure_report(), final), src=0)
         if report is not None:  # every rank ends the same way: warns, or raises at the limit
             fit.saver.raise_failures(report)
         elif final and fit.memory is not None:  # the store holds the end: free the node's memory
             fit.memory.finish()
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fit.loop_skipped_after_memory():  # the end of training, not run by Lightning
+            self.on_train_end(trainer, pl_module)
 
     @override
     def on_exception(

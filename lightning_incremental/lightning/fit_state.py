@@ -80,6 +80,22 @@ class FitState:
             return last
         return last if self.newest is not None and last <= self.newest else self.newest
 
+    def newest_committed(self) -> int | None:
+        """The store's newest step as this process knows it: its saver's last commit in this
+        fit, else the store's newest when the fit started."""
+        last = self.saver.last_committed if self.saver is not None else None
+        return last if last is not None else self.newest
+
+    def loop_skipped_after_memory(self) -> bool:
+        """Whether this fit resumed from a memory step at which training was already done (its
+        last step, newer than the store): Lightning then skips the training loop, and with it
+        ``on_train_end``, whose final save and freeing of the memory must still happen."""
+        return (
+            not self.disabled
+            and self.resumed_tier in ("memory", "peer")
+            and not self.points.started
+        )
+
     def resumed(self, step: int, tier: str = "store") -> None:
         """The fit resumed from ``step`` of ``tier`` (told by ResumeHook)."""
         self.resumed_step, self.resumed_tier = step, tier

@@ -6,13 +6,14 @@ refused and the store is used; the tier is off by default."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_incremental.core import CheckpointStore, ConfigError
 from lightning_incremental.runtime.memory_tier import ENV
-from tests.jobs.lightning_job import fit
+from tests.jobs.lightning_job import Interrupted, fit
 from tests.lightning.test_callback import assert_bit_identical, final_state
 
 ARGS = {"every_n_train_steps": 5, "save_on_exception": False}
@@ -124,3 +125,45 @@ def test_a_save_the_memory_step_records_but_the_store_lost_is_made_again(tmp_pat
     assert (ckpt.resumed_from, ckpt.resumed_tier) == (5, "memory")
     assert trainer.global_step == 5
     assert CheckpointStore(store).steps() == [5]
+
+
+class _LateCrash(Interrupted):
+    pass
+
+
+def _crash_after_every_callback(at: int) -> type:
+    """A TinyModel whose own ``on_train_batch_end`` (run after every callback's: the memory
+    step of that batch is taken) raises at step ``at``."""
+    from tests.jobs.lightning_job import TinyModel
+
+    class LateCrash(TinyModel):
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.trainer.global_step == at:
+                raise _LateCrash(f"after the memory step of step {at}")
+
+    return LateCrash
+
+
+@pytest.mark.parametrize("store_kept_it", [False, True])
+def test_a_resume_from_memory_at_the_last_step_saves_it_and_frees_the_memory(
+    tmp_path: Path, store_kept_it: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process dies after the memory step of the last step (max_steps=10), with the store's
+    save of that step lost in flight (or, the other case, committed). The next fit resumes from
+    memory at step 10, where Lightning skips the training loop and with it on_train_end: the
+    callback still saves step 10 to the store when the store lacks it, and frees the memory."""
+    import tests.jobs.lightning_job as job
+
+    store, memory = tmp_path / "store", tmp_path / "memory"
+    args = {**ARGS, "memory_every_n_train_steps": 1, "memory_dir": memory}
+    monkeypatch.setattr(job, "TinyModel", _crash_after_every_callback(10))
+    with pytest.raises(_LateCrash):
+        fit(store, trainer={"max_steps": 10}, **args)
+    assert _parts(memory) == ["s000000000010-g000001-r000000"]
+    if not store_kept_it:
+        CheckpointStore(store).delete(10)  # stands for the save lost in flight
+    monkeypatch.undo()
+    _, trainer, ckpt = fit(store, trainer={"max_steps": 10}, **args)
+    assert (ckpt.resumed_from, ckpt.resumed_tier, trainer.global_step) == (10, "memory", 10)
+    assert CheckpointStore(store).steps()[-1] == 10
+    assert _parts(memory) == []

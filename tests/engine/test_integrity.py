@@ -8,6 +8,7 @@ intact checkpoint, and every refusal is a typed error naming the problem.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -211,7 +212,15 @@ class _QuotaStorage(LocalStorage):
         self.quota = quota
 
     def used(self) -> int:
-        return sum(f.stat().st_size for f in Path(self.root).rglob("*") if f.is_file())
+        """The bytes of the files under the root. The two pack writers run at once: a file
+        listed here may be another writer's temporary, renamed before it is measured (it then
+        counts under its new name if the walk meets it, else not: the quota is approximate)."""
+        total = 0
+        for folder, _, names in os.walk(self.root):  # a folder that vanishes is skipped
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(folder, name)).st_size
+        return total
 
     def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
         if self.used() + len(data) > self.quota:

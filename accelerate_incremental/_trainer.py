@@ -93,8 +93,9 @@ class TrainerCheckpointer(TrainerLoading):
         memory_every_n_steps, memory_replicas, memory_dir: the memory tier
             (:mod:`~._trainer_memory`; off by default): every ``memory_every_n_steps``
             optimizer steps each process's part of the checkpoint goes to node-local memory and
-            ``memory_replicas`` other nodes, and ``train()`` resumes from it when it is the
-            newest (``resumed_tier``: ``"memory"``, ``"peer"`` or ``"store"``).
+            ``memory_replicas`` other nodes, and ``train()`` resumes from it when it is at least
+            as new as the store's newest (``resumed_tier``: ``"memory"``, ``"peer"`` or
+            ``"store"``).
         storage_options, optimizer_state, max_consecutive_failures, fork_from,
             fork_weights_only, **options: as for
             :class:`~accelerate_incremental.IncrementalCheckpointer` (with ``fork_weights_only``

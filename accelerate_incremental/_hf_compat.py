@@ -22,8 +22,8 @@ override still runs:
   once the skipped batches of a mid-epoch resume were drawn).
 - ``_load_best_model()``: ``load_best_model_at_end``.
 - ``_maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ...)``, with the memory
-  tier only (:mod:`~._trainer_memory`, which checks its parameters): a memory step is taken when
-  it returns.
+  tier only (:data:`MEMORY_HOOKED`, its parameters checked when the tier is asked for): a memory
+  step is taken when it returns.
 
 The preemption path (:mod:`~._trainer_preemption`) adds a ``TrainerCallback`` (public API) and
 reads the Trainer's JIT checkpoint (``TrainingArguments(enable_jit_checkpoint=True)``, in
@@ -75,6 +75,10 @@ HOOKED: dict[str, tuple[str, ...]] = {
     "_load_rng_state": ("checkpoint",),
     "_load_best_model": (),
 }
+#: Hooked with the memory tier only (checked then): a memory step is taken when it returns.
+MEMORY_HOOKED: dict[str, tuple[str, ...]] = {
+    "_maybe_log_save_evaluate": ("tr_loss", "grad_norm", "model", "trial", "epoch"),
+}
 #: The writers ``_save_checkpoint`` calls, replaced for the duration of that call.
 WRITERS: dict[str, tuple[str, ...]] = {
     "save_model": ("output_dir", "_internal_call"),
@@ -105,7 +109,14 @@ def problems(trainer: Any) -> list[str]:
             f"transformers {'.'.join(map(str, installed))} is older than the oldest supported "
             f"release {'.'.join(map(str, OLDEST_SUPPORTED))}"
         )
-    for name, params in {**HOOKED, **WRITERS}.items():
+    return found + signature_problems(trainer, {**HOOKED, **WRITERS})
+
+
+def signature_problems(trainer: Any, methods: dict[str, tuple[str, ...]]) -> list[str]:
+    """Which of ``methods`` (name: its leading parameters after ``self``) ``trainer``'s class
+    lacks or defines with other parameters (empty: none)."""
+    found = []
+    for name, params in methods.items():
         method = getattr(type(trainer), name, None)
         if method is None:
             found.append(f"Trainer.{name} does not exist")

@@ -153,14 +153,5 @@ def close(memory: AccelerateMemory | None, store: Any, *, finished: bool) -> Non
     """Stop this process's memory tier. Finished, with the store holding a step at least as new
     as the last memory step (this process lists the store once): delete this process's parts
     and the replicas it keeps, freeing the node's memory; else they stay for a resume."""
-    if memory is None:
-        return
-    done = False
-    if finished and memory.last_step is not None:
-        try:
-            done = max(store.steps(), default=-1) >= memory.last_step
-        except Exception as exc:  # the parts stay; a resume can still use them
-            log.warning("%s: memory parts kept (the store could not be listed: %r)", OWNER, exc)
-    if done:
-        memory.finish()
-    memory.close()
+    if memory is not None:
+        memory.end((lambda: max(store.steps(), default=None)) if finished else None)

@@ -187,13 +187,11 @@ class TrainerCheckpointer(TrainerLoading):
         problem = memory_tier.hook_problem(self.trainer)
         if problem is None:
             return memory_tier.TrainerMemory(opts)
-        message = (
+        memory_tier.warn(
+            self.trainer,
             f"accelerate_incremental: the memory tier is off for this Trainer ({problem}); "
-            "its checkpoints go to the store only"
+            "its checkpoints go to the store only",
         )
-        if self.trainer.is_world_process_zero():
-            log.warning(message)
-            warnings.warn(message, UserWarning, stacklevel=3)
         return None
 
     # ------------------------------------------------------------------ train

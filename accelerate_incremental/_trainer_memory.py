@@ -32,7 +32,6 @@ warned about at a resume either way).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import logging
 import os
@@ -43,15 +42,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from accelerate_incremental import _hf_compat
 from lightning_incremental.runtime import rng
 from lightning_incremental.runtime.memory_steps import MemoryOptions, MemorySteps
 
 log = logging.getLogger("lightning_incremental")
 FORMAT = "accelerate_incremental.trainer/1"  # the Trainer's checkpoints, in the store and memory
 OWNER = "accelerate_incremental (Trainer)"
-#: The Trainer method after which a step is taken, and its leading parameters (see the notes).
-HOOK = "_maybe_log_save_evaluate"
-HOOK_PARAMS = ("tr_loss", "grad_norm", "model", "trial", "epoch")
+#: The Trainer method after which a step is taken (see the notes).
+(HOOK,) = _hf_compat.MEMORY_HOOKED
+
+
+def warn(trainer: Any, message: str) -> None:
+    """On the main process: ``message`` logged and warned (a notebook shows warnings where it
+    hides logs)."""
+    if trainer.is_world_process_zero():
+        log.warning(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def training_state(trainer: Any, trainer_state: str, processes: list[Any]) -> dict[str, Any]:
@@ -109,13 +116,8 @@ def trainer_state_now(trainer: Any) -> str:
 
 def hook_problem(trainer: Any) -> str | None:
     """Why the memory tier cannot take steps in this ``transformers`` release (None: it can)."""
-    method = getattr(type(trainer), HOOK, None)
-    if method is None:
-        return f"Trainer.{HOOK} does not exist"
-    names = list(inspect.signature(method).parameters)[1:]
-    if list(HOOK_PARAMS) != names[: len(HOOK_PARAMS)]:
-        return f"Trainer.{HOOK} takes {names}, expected {list(HOOK_PARAMS)}"
-    return None
+    found = _hf_compat.signature_problems(trainer, _hf_compat.MEMORY_HOOKED)
+    return "; ".join(found) or None
 
 
 @dataclass
@@ -143,12 +145,6 @@ class TrainerMemory:
     def start(self, trainer: Any, url: str, generation: int | None, allow_pickle: bool) -> None:
         """Every process at once, as ``train()`` starts: the memory tier of this run."""
         main = trainer.is_world_process_zero()
-
-        def warn(text: str) -> None:
-            if main:
-                log.warning(text)
-                warnings.warn(text, UserWarning, stacklevel=3)
-
         self.steps = MemorySteps(
             self.opts,
             rank=trainer.args.process_index,
@@ -159,7 +155,7 @@ class TrainerMemory:
             allow_pickle=allow_pickle,
             owner=OWNER,
             info=lambda text: log.info(text) if main else None,
-            warn=warn,
+            warn=lambda text: warn(trainer, text),
             replicated=True,  # DDP or one process: FSDP and DeepSpeed are refused up front
             local_rank=trainer.args.local_process_index,
         )
@@ -174,19 +170,8 @@ class TrainerMemory:
             shutil.rmtree(self.resumed.folder, ignore_errors=True)
             self.resumed = None
         steps, self.steps = self.steps, None
-        if steps is None:
-            return
-        done = False
-        if newest_persistent is not None and steps.last_step is not None:
-            steps.wait()
-            try:
-                newest = newest_persistent()
-                done = newest is not None and newest >= steps.last_step
-            except Exception as exc:  # the parts stay; a resume can still use them
-                log.warning("%s: memory parts kept (the store could not be listed: %r)", OWNER, exc)
-        if done:
-            steps.finish()
-        steps.close()
+        if steps is not None:
+            steps.end(newest_persistent)
 
     def wait(self) -> None:
         """Wait for this process's memory step in flight (written and replicated)."""
@@ -241,17 +226,13 @@ class TrainerMemory:
             # folder that is gone, the path is dropped and the best metric kept; so is the best
             # step, from which the Trainer's next save would name the folder again.
             record["best_model_checkpoint"] = record["best_global_step"] = None
-            if trainer.is_world_process_zero():
-                message = (
-                    f"{OWNER}: memory step {step} records {best} as the best checkpoint, but "
-                    f"its save (step {lost}) never committed to the store: it is ignored, and "
-                    "load_best_model_at_end loads a later best checkpoint, if any"
-                )
-                log.warning(message)
-                warnings.warn(message, UserWarning, stacklevel=3)
+            warn(
+                trainer,
+                f"{OWNER}: memory step {step} records {best} as the best checkpoint, but its "
+                f"save (step {lost}) never committed to the store: it is ignored, and "
+                "load_best_model_at_end loads a later best checkpoint, if any",
+            )
         folder = tempfile.mkdtemp(prefix=f"accelerate-incremental-memory-{step}-")
-        from accelerate_incremental import _hf_compat
-
         path = os.path.join(folder, _hf_compat.state_file())
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(json.dumps(record))

@@ -280,6 +280,25 @@ class MemorySteps:
         self.tier.prune([self.rank, *self.replicator.srcs], keep=set(), recycle=False)
         self.tier.release()
 
+    def end(self, newest_persistent: Callable[[], int | None] | None) -> None:
+        """The run ended. ``newest_persistent`` (None: it failed) gives the store's newest
+        step once its saves committed; when that is at least this rank's last memory step, its
+        parts and the replicas it keeps are deleted (:meth:`finish`), else they stay for a
+        resume (also when the store cannot be listed: warned in the log). Then :meth:`close`."""
+        done = False
+        if newest_persistent is not None and self.last_step is not None:
+            self.wait()
+            try:
+                newest = newest_persistent()
+                done = newest is not None and newest >= self.last_step
+            except Exception as exc:  # the parts stay; a resume can still use them
+                log.warning(
+                    "%s: memory parts kept (the store could not be listed: %r)", self.owner, exc
+                )
+        if done:
+            self.finish()
+        self.close()
+
     def close(self, timeout: float = 60.0) -> None:
         """Stop the background work; then the gloo group goes too (left to the interpreter's
         exit, gloo's threads can abort a finished process), unless a transfer still uses it."""

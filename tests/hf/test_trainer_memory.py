@@ -319,3 +319,18 @@ def test_a_memory_tier_that_cannot_start_leaves_no_signal_handler(
     with pytest.raises(RuntimeError, match="group could not be made"):
         trainer.train()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_release_whose_hook_changed_keeps_the_store_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The method a memory step follows is checked like the other hooks: one whose parameters
+    changed turns the memory tier off with a warning naming it, not training."""
+    from accelerate_incremental import _hf_compat
+
+    changed = {"_maybe_log_save_evaluate": ("tr_loss", "renamed")}
+    monkeypatch.setattr(_hf_compat, "MEMORY_HOOKED", changed)
+    trainer = tiny_trainer(tmp_path / "out")
+    with pytest.warns(UserWarning, match="memory tier is off.*_maybe_log_save_evaluate takes"):
+        ckpt = enable_trainer(trainer, str(tmp_path / "s"), memory_every_n_steps=1)
+    assert ckpt is not None and ckpt.memory is None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import io
 import json
 import os
@@ -143,6 +144,36 @@ def data(n: int = SAMPLES) -> DataLoader:
     return DataLoader(ds, batch_size=BATCH, shuffle=False)
 
 
+class GroupDestroyedAtExit(pl.Callback):
+    """Destroys the default process group when a ddp_spawn child exits, while its interpreter
+    is still whole. Lightning destroys it at exit for NCCL only; a gloo group left alive holds
+    its worker threads' work (tensors with Python references) into the interpreter's teardown,
+    and a child now and then aborts there (SIGABRT, "terminate called without an active
+    exception") after its fit is done (pytorch/pytorch#179291)."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        atexit.register(_destroy_group)
+
+
+def _destroy_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def fit_past_a_teardown_abort(
+    t: pl.Trainer, model: pl.LightningModule, done: Any, **kwargs: Any
+) -> None:
+    """``t.fit`` under ddp_spawn. A child's SIGABRT is tolerated only once ``done()`` shows the
+    fit's work finished on every rank: the abort of a gloo group's teardown (see
+    GroupDestroyedAtExit, which removes its cause; this is the backstop, since it came about
+    one CI run in ten and never in a hundred runs alone)."""
+    try:
+        t.fit(model, data(), **kwargs)
+    except ProcessExitedException as exc:
+        if exc.signal_name != "SIGABRT" or not done():
+            raise
+
+
 def trainer(
     root: Path,
     plugin: IncrementalCheckpointIO | None,
@@ -150,6 +181,8 @@ def trainer(
     **kwargs: Any,
 ) -> pl.Trainer:
     callbacks = list(callbacks)
+    if kwargs.get("strategy") == "ddp_spawn":
+        callbacks.append(GroupDestroyedAtExit())
     kwargs.setdefault("limit_val_batches", 2)
     return pl.Trainer(
         default_root_dir=root,
@@ -824,11 +857,17 @@ def test_ddp_spawn_two_ranks(tmp_path: Path) -> None:
             devices=2,
         )
 
-    ddp(4).fit(net(), data())
     last = ckpts / "last.ckpt"
+
+    def saved(global_step: int) -> bool:  # last.ckpt names it, and its step committed
+        if not last.exists() or pointer(last)["global_step"] != global_step:
+            return False
+        with CheckpointStore(ckpts / ".incremental") as store:
+            return pointer(last)["step"] in store.steps()
+
+    fit_past_a_teardown_abort(ddp(4), net(), lambda: saved(4))
     assert pointer(last)["global_step"] == 4
-    t = ddp(8)
-    t.fit(net(seed=3), data(), ckpt_path="last")
+    fit_past_a_teardown_abort(ddp(8), net(seed=3), lambda: saved(8), ckpt_path="last")
     assert pointer(last)["global_step"] == 8
     with CheckpointStore(ckpts / ".incremental") as store:
         assert sorted(store.steps()) == sorted(pointer(p)["step"] for p in ckpt_files(ckpts))
@@ -874,16 +913,9 @@ def test_ddp_every_rank_loads_what_rank_0_saved_last(tmp_path: Path) -> None:
         accelerator="cpu",
         devices=2,
     )
-    try:
-        t.fit(net(), data())
-    except ProcessExitedException as exc:
-        # Now and then (about one CI run in ten, never in 105 runs alone) a child aborts in
-        # its interpreter's teardown ("terminate called without an active exception"), after
-        # this test's work is done: Lightning's ddp_spawn children exit with the default gloo
-        # group still alive. Tolerated only then: every rank wrote its record first.
-        done = all((tmp_path / f"rank{r}.json").exists() for r in (0, 1))
-        if exc.signal_name != "SIGABRT" or not done:
-            raise
+    fit_past_a_teardown_abort(
+        t, net(), lambda: all((tmp_path / f"rank{r}.json").exists() for r in (0, 1))
+    )
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["weight"] for r in records] == [7.0, 7.0]
     assert "missing.ckpt" in records[0]["error"]

@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_incremental.lightning import compat as _compat
-from lightning_incremental.lightning import resume
+from lightning_incremental.lightning import memory_model_checkpoints, resume
 from lightning_incremental.lightning import sharded as _sharded
 from lightning_incremental.lightning.resume import FORMAT, KEY
 from lightning_incremental.runtime import memory_shards, memory_steps
@@ -125,6 +125,7 @@ class MemorySteps(memory_steps.MemorySteps):
             _sharded.apply(trainer, checkpoint)
         saved = checkpoint[KEY]
         saved["ranks"] = saved["ranks"] * trainer.world_size  # this rank's own, at its index
+        memory_model_checkpoints.drop_unsaved(trainer, checkpoint)
         rank_zero_info(
             f"IncrementalCheckpoint: resuming from step {step} (epoch "
             f"{checkpoint.get('epoch')}) of the memory tier ({memory_steps.how(tier)}); "

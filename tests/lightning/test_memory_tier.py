@@ -167,3 +167,45 @@ def test_a_resume_from_memory_at_the_last_step_saves_it_and_frees_the_memory(
     assert (ckpt.resumed_from, ckpt.resumed_tier, trainer.global_step) == (10, "memory", 10)
     assert CheckpointStore(store).steps()[-1] == 10
     assert _parts(memory) == []
+
+
+def test_a_model_checkpoint_save_lost_in_flight_is_out_of_its_top_k_after_a_memory_resume(
+    tmp_path: Path,
+) -> None:
+    """ModelCheckpoint saves through IncrementalCheckpointIO every 2 steps (top 2 by step, and
+    last). The process dies after step 6's memory step, with ModelCheckpoint's save of step 6
+    lost in flight (it commits in the background; here its store step is deleted). Resumed from
+    memory, step 6 is out of ModelCheckpoint's top-k with a warning that names it; its best is
+    step 4, which ``validate(ckpt_path="best")`` loads. Before, ``best_model_path`` named step 6,
+    which never committed, and that validate raised CheckpointNotFoundError."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_incremental import IncrementalCheckpointIO
+    from tests.lightning.test_checkpoint_io import pointer
+
+    store, memory, saves = tmp_path / "store", tmp_path / "memory", tmp_path / "saves"
+    args = {**ARGS, "memory_every_n_train_steps": 1, "memory_dir": memory}
+
+    def run(**options: Any) -> tuple[Any, ModelCheckpoint]:
+        mc = ModelCheckpoint(
+            saves, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=True
+        )
+        trainer = {"plugins": [IncrementalCheckpointIO()], "max_steps": 7}
+        return fit(store, callbacks=[mc], trainer=trainer, **args, **options), mc
+
+    run(crash_at=7)
+    by_step = {pointer(p)["global_step"]: p for p in saves.glob("epoch=*.ckpt")}
+    assert sorted(by_step) == [4, 6]
+    with CheckpointStore(saves / ".incremental") as lost:  # step 6's saves, lost in flight
+        for p in saves.glob("*.ckpt"):
+            if pointer(p)["global_step"] == 6:
+                lost.delete(pointer(p)["step"])
+    with pytest.warns(UserWarning, match="never finished") as caught:
+        (_, trainer, ckpt), mc = run()
+    assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, "memory")
+    assert any(str(by_step[6]) in str(w.message) for w in caught)
+    assert mc.best_model_path == str(by_step[4])
+    assert list(mc.best_k_models) == [str(by_step[4])]
+    assert float(mc.best_model_score) == 4.0
+    trainer.validate(trainer.lightning_module, ckpt_path="best", verbose=False)
+    assert IncrementalCheckpointIO().load_checkpoint(mc.best_model_path)["global_step"] == 4

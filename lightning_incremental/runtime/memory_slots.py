@@ -19,9 +19,7 @@ import logging
 import os
 import shutil
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -252,40 +250,6 @@ def hash_file(slot: Slot, size: int) -> str:
             while block := f.read(min(size - f.tell(), 16 << 20)):
                 hasher.update(block)
     return str(hasher.hexdigest())
-
-
-class HashBehind:
-    """A :func:`chunk_hasher` fed on a thread of its own (xxh3 releases the GIL): a restore
-    from memory hashes each tensor while it reads the next, and costs the read rather than the
-    read and then the hash. Updates are applied in the order given; :meth:`hexdigest` waits for
-    them, and so does leaving the ``with`` block: no update runs past it."""
-
-    def __init__(self) -> None:
-        self._hasher = chunk_hasher()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="li-memory-hash")
-        self._pending: list[Future[None]] = []
-
-    def update(self, data: Any) -> None:
-        self._pending.append(self._pool.submit(self._hasher.update, data))
-
-    def hexdigest(self) -> str:
-        self._drain()
-        return str(self._hasher.hexdigest())
-
-    def _drain(self) -> None:
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
-
-    def __enter__(self) -> HashBehind:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            for future in self._pending:  # the bytes they hash may be freed once we return
-                future.exception()
-        finally:
-            self._pool.shutdown(wait=True)
 
 
 def sweep(parts: Path) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import mmap
 import os
 import re
@@ -37,12 +36,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_incremental.core.buffers import BufferPool
+from lightning_incremental.core.buffers import BufferPool, collection_paused
 from lightning_incremental.core.codecs.bytes import chunk_hash, chunk_hasher
-from lightning_incremental.core.format.tree import Leaf, torch_dtype, unflatten
+from lightning_incremental.core.format.tree import Leaf
 from lightning_incremental.core.save.snapshot import flatten
+from lightning_incremental.runtime.memory_read import (
+    MemoryPartError,
+    assemble,
+    copy_hashed,
+    plan,
+    read_hashed,
+)
 from lightning_incremental.runtime.memory_slots import (
-    HashBehind,
     Slot,
     SlotPool,
     Slots,
@@ -58,11 +63,6 @@ ENV = "LIGHTNING_INCREMENTAL_MEMORY_DIR"
 HEADER, INDEX, DATA = "header.json", "index.json", "data.bin"
 ALIGN = 64
 _NAME = re.compile(r"^s(\d+)-g(\d+)-r(\d+)$")
-
-
-class MemoryPartError(RuntimeError):
-    """A memory part that cannot be used: missing, torn, of another job, or its bytes do not
-    match their hash."""
 
 
 def default_dir() -> Path:
@@ -323,33 +323,22 @@ class MemoryTier:
             head = self._check_header((path / HEADER).read_bytes())
             index = (path / INDEX).read_bytes()
             _check(INDEX, index, head)
-            leaves = json.loads(index)["leaves"]
-            tensors = _slots(leaves)
-            hasher, offset = HashBehind(), 0
             size = int(head["files"][DATA]["size"])
-            with hasher, open(path / DATA, "rb", buffering=0) as f:  # straight into each tensor
+            with open(path / DATA, "rb", buffering=0) as f:  # straight into each tensor
                 if os.fstat(f.fileno()).st_size != size:
                     raise MemoryPartError(f"{path / DATA} is not {size} bytes long")
-                for e in sorted(leaves, key=lambda e: int(e["offset"])):
-                    skip = int(e["offset"]) - offset
-                    if skip < 0 or int(e["offset"]) + int(e["nbytes"]) > size:
-                        raise MemoryPartError(f"{path / INDEX} names bytes outside its data")
-                    holder, raw = _allocate(e)
-                    hasher.update(_read(f, skip))
-                    if raw.nbytes and f.readinto(raw.data) != raw.nbytes:
-                        raise MemoryPartError(f"{path / DATA} is shorter than its index says")
-                    hasher.update(raw.data)
-                    offset = int(e["offset"]) + raw.nbytes
-                    tensors[int(e["slot"])] = _finish(holder, e)
-                hasher.update(_read(f, size - offset))
-            if hasher.hexdigest() != head["files"][DATA]["hash"]:
-                raise MemoryPartError(
-                    f"{DATA} of rank {rank}'s part of step {step} does not match its hash: the "
-                    "memory copy changed after it was written"
-                )
+                with collection_paused():
+                    body = json.loads(index)
+                buffers, made = plan(body["leaves"], size, path / INDEX)
+                try:
+                    digest = read_hashed(f.fileno(), buffers)
+                except EOFError as exc:
+                    raise MemoryPartError(f"{path / DATA} is shorter than its index says") from exc
+            if digest != head["files"][DATA]["hash"]:
+                raise _changed(DATA, head)
         except OSError as exc:
             raise MemoryPartError(f"cannot read {path}: {exc}") from exc
-        return unflatten(json.loads(index)["skeleton"], tensors, allow_pickle=self.allow_pickle)
+        return assemble(body, made, allow_pickle=self.allow_pickle)
 
     def part(self, rank: int, step: int, generation: int) -> Part:
         """The files of ``rank``'s part of ``step`` (the data viewed, not copied).
@@ -380,18 +369,16 @@ class MemoryTier:
         """
         head = self._check_header(part.header)
         _check(INDEX, part.index, head)
-        _check(DATA, _raw(part.data), head)
-        body = json.loads(part.index)
-        leaves = body["leaves"]
-        tensors = _slots(leaves)
-        for e in leaves:
-            start = int(e["offset"])
-            if start < 0 or start + int(e["nbytes"]) > part.data.numel():
-                raise MemoryPartError("a received part's index names bytes outside its data")
-            holder, raw = _allocate(e)
-            raw[:] = _raw(part.data[start : start + raw.nbytes])
-            tensors[int(e["slot"])] = _finish(holder, e)
-        return unflatten(body["skeleton"], tensors, allow_pickle=self.allow_pickle)
+        with collection_paused():
+            body = json.loads(part.index)
+        data = _raw(part.data)
+        if data.nbytes != (head["files"].get(DATA) or {}).get("size"):
+            raise _changed(DATA, head)
+        # copied into the tensors on several threads, hashed on the way (as a read from memory)
+        buffers, made = plan(body["leaves"], data.nbytes, "a received part's index")
+        if copy_hashed(data, buffers) != head["files"][DATA].get("hash"):
+            raise _changed(DATA, head)
+        return assemble(body, made, allow_pickle=self.allow_pickle)
 
     def _check_header(self, raw: bytes) -> dict[str, Any]:
         head = _parse_header(raw)
@@ -455,43 +442,6 @@ def _entry(leaf: Leaf, offset: int) -> dict[str, Any]:
     }
 
 
-def _slots(leaves: list[dict[str, Any]]) -> list[Any]:
-    return [None] * (1 + max((int(e["slot"]) for e in leaves), default=-1))
-
-
-def _allocate(e: dict[str, Any]) -> tuple[Any, np.ndarray]:
-    """A tensor (or array) of its own for an index entry, and its bytes as a flat uint8 view.
-    Not a view into the part: some of torch's functions misread views at an offset
-    (``torch.set_rng_state`` crashes on one), and the part's file is deleted later."""
-    nbytes = int(e["nbytes"])
-    if e["numpy"]:
-        raw = np.empty(nbytes, dtype=np.uint8)
-        return raw, raw
-    dtype = torch_dtype(e["dtype"])
-    if math.prod(e["shape"]) * dtype.itemsize != nbytes:  # checked before allocating
-        raise MemoryPartError(f"an index entry's size does not match its shape: {e}")
-    tensor = torch.empty(e["shape"], dtype=dtype)
-    raw = tensor.reshape(-1).view(torch.uint8).numpy() if nbytes else np.empty(0, np.uint8)
-    return tensor, raw
-
-
-def _finish(holder: Any, e: dict[str, Any]) -> Any:
-    if e["numpy"]:
-        return holder.view(np.dtype(e["dtype"])).reshape(e["shape"])
-    if e["param"]:
-        return torch.nn.Parameter(holder, requires_grad=bool(e["grad"]))
-    if e["grad"] and (holder.is_floating_point() or holder.is_complex()):
-        holder.requires_grad_(True)
-    return holder
-
-
-def _read(f: Any, n: int) -> bytes:
-    data = f.read(n) if n > 0 else b""
-    if len(data) != max(n, 0):
-        raise MemoryPartError(f"{f.name} is shorter than its index says")
-    return data
-
-
 def _raw(data: torch.Tensor) -> np.ndarray:
     return data.numpy() if data.numel() else np.empty(0, dtype=np.uint8)
 
@@ -519,7 +469,11 @@ def _check(name: str, data: bytes | np.ndarray, head: dict[str, Any]) -> None:
     expected = head["files"].get(name) or {}
     size = len(data) if isinstance(data, bytes) else int(data.nbytes)
     if size != expected.get("size") or chunk_hash(data) != expected.get("hash"):
-        raise MemoryPartError(
-            f"{name} of rank {head['rank']}'s part of step {head['step']} does not match its "
-            "hash: the memory copy changed after it was written"
-        )
+        raise _changed(name, head)
+
+
+def _changed(name: str, head: dict[str, Any]) -> MemoryPartError:
+    return MemoryPartError(
+        f"{name} of rank {head['rank']}'s part of step {head['step']} does not match its "
+        "hash: the memory copy changed after it was written"
+    )

@@ -259,18 +259,33 @@ def test_a_replica_is_received_straight_into_a_file_of_the_nodes_memory(
     assert sorted(p.name[:6] for p in keeper.parts.iterdir()) == [".slot-", "s00000"]
 
 
-def test_a_hash_fed_behind_the_reads_is_the_hash_of_the_bytes_in_order() -> None:
-    """The restore's hasher runs on its own thread: its updates apply in the order given, the
-    digest waits for them, and it equals the hash of the bytes end to end."""
+@pytest.mark.parametrize("readers", [1, 2, 3])
+def test_a_parallel_read_or_copy_fills_the_buffers_and_hashes_the_bytes_in_order(
+    tmp_path: Path, readers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restore's read: chunks read at once by several threads land where they belong, and
+    the hash, fed in order on the calling thread, is the hash of the file end to end; a file
+    shorter than the buffers is an EOFError, never a buffer left partly unread."""
     import numpy as np
 
     from lightning_incremental.core.codecs.bytes import chunk_hash
-    from lightning_incremental.runtime.memory_slots import HashBehind
+    from lightning_incremental.runtime import memory_read
 
-    rng = np.random.default_rng(0)
-    pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 7, 1 << 20, 3, 5 << 20)]
-    with HashBehind() as hasher:
-        for piece in pieces:
-            hasher.update(piece.data)
-        hasher.update(b"tail")
-    assert hasher.hexdigest() == chunk_hash(b"".join(p.tobytes() for p in pieces) + b"tail")
+    monkeypatch.setattr(memory_read, "READ_CHUNK", 1 << 16)  # many chunks, unaligned ends
+    rng = np.random.default_rng(readers)
+    sizes = (0, 7, (1 << 16) + 1, 3, 5 << 16, *[5] * 3000, 1 << 16)  # 3,000 views: 3 preadv
+    data = rng.integers(0, 256, sum(sizes), dtype=np.uint8).tobytes()
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    buffers = [np.full(n, 0xEE, dtype=np.uint8) for n in sizes]
+    with open(path, "rb", buffering=0) as f:
+        digest = memory_read.read_hashed(f.fileno(), [b.data for b in buffers], readers)
+    assert b"".join(b.tobytes() for b in buffers) == data
+    assert digest == chunk_hash(data)
+    copies = [np.full(n, 0xEE, dtype=np.uint8) for n in sizes]  # from a received buffer
+    source = np.frombuffer(data, dtype=np.uint8)
+    assert memory_read.copy_hashed(source, [c.data for c in copies], readers) == digest
+    assert b"".join(c.tobytes() for c in copies) == data
+    path.write_bytes(data[:-5])
+    with open(path, "rb", buffering=0) as f, pytest.raises(EOFError, match="ends at byte"):
+        memory_read.read_hashed(f.fileno(), [b.data for b in buffers], readers)

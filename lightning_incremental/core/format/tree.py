@@ -130,10 +130,16 @@ def key_path(path: tuple[Any, ...]) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None) if name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
-        raise ManifestError(f"unknown torch dtype {name!r} in manifest")
+    dtype = _DTYPES.get(name)  # a dict lookup: torch's getattr takes microseconds a tensor
+    if dtype is None:
+        dtype = getattr(torch, name, None) if name.isidentifier() else None
+        if not isinstance(dtype, torch.dtype):
+            raise ManifestError(f"unknown torch dtype {name!r} in manifest")
+        _DTYPES[name] = dtype  # torch's dtypes only: a few dozen at most
     return dtype
+
+
+_DTYPES: dict[str, torch.dtype] = {}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

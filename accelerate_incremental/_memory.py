@@ -47,6 +47,7 @@ class AccelerateMemory(memory_steps.MemorySteps):
         self, opts: MemoryOptions, accelerator: Any, url: str, generation: int | None, **kw: Any
     ) -> None:
         self.accelerator = acc = accelerator
+        self.unsaved: int | None = None  # a resumed step the store lacked (resume_state)
         main = acc.is_main_process
         super().__init__(
             opts,
@@ -85,6 +86,10 @@ class AccelerateMemory(memory_steps.MemorySteps):
         if found is None:
             return None
         step, part, tier = found
+        self.last_step = step  # what this process's memory stands for, until its next step
+        # nothing but the nodes' memory holds it: saved to the store at close, unless a step
+        # comes first (IncrementalCheckpointer._load)
+        self.unsaved = step if newest_persistent is None or newest_persistent < step else None
         state = part["state"]
         state["processes"] = state["processes"] * self.world  # this process's own, at its index
         if self.accelerator.is_main_process:
@@ -141,6 +146,11 @@ def load(memory: AccelerateMemory, store: Any) -> tuple[int, dict[str, Any], str
         is_coordinator=acc.is_main_process,
     )
     return memory.resume_state(newest)
+
+
+def lacked(memory: AccelerateMemory | None, step: int) -> bool:
+    """``step`` came from the memory tier and the store lacked it."""
+    return memory is not None and memory.unsaved == step
 
 
 def log_store(memory: AccelerateMemory | None, step: int, url: Any) -> None:

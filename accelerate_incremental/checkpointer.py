@@ -68,8 +68,8 @@ class IncrementalCheckpointer:
             disk) commits nothing; the next :meth:`save` warns about it on every process (naming
             the step, the store and the error) and training goes on from the previous committed
             checkpoint. This many failed saves in a row raise ``CheckpointError`` instead (on
-            every process at :meth:`save`; on the main process at :meth:`wait` / :meth:`close`);
-            a committed save resets the count. 1: stop at the first failure.
+            every process at :meth:`save`; on the main process at :meth:`wait` / :meth:`close`;
+            a committed save resets the count). 1: stop at the first failure.
         watchdog: run the heartbeat watchdog over the launch's TCPStore (a dead, hung or cut
             off process ends every process with exit code 86, 87 or 88, so ``accelerate launch
             --max_restarts`` / torchrun restarts the group). Default None: on when there is more
@@ -114,14 +114,13 @@ class IncrementalCheckpointer:
     Accelerate fell back to DDP (no GPUs), a ``UserWarning`` says so.
 
     With more than one process (or under torchrun) the main process claims a new fencing
-    generation when the checkpointer is created: checkpoints a previous incarnation of the job
-    writes afterwards are never visible. Create it on every process.
+    generation at creation: checkpoints a previous incarnation of the job writes afterwards are
+    never visible. Create it on every process.
 
     Raises:
         TypeError: ``accelerator`` is not an Accelerator, or an argument has the wrong type.
-        ValueError: a DeepSpeed, Megatron-LM or XLA accelerator (not covered), an
-            Accelerator that sees one process in a multi-process launch, or a bad
-            ``every_n_steps``.
+        ValueError: a DeepSpeed, Megatron-LM or XLA accelerator (not covered), an Accelerator
+            that sees one process in a multi-process launch, or a bad ``every_n_steps``.
         ConfigError: an invalid store option or URL, or ``recovery`` given together with one of
             the arguments it holds.
         CoordinatorError: on the other processes, the main process could not claim a fencing
@@ -194,8 +193,8 @@ class IncrementalCheckpointer:
             **options,
         )
         self._loaders = Loaders(accelerator)
-        # A save due at an epoch's last batch, taken when one of these loaders' next epoch
-        # starts (or at wait/close): (step, indices of the loaders at their epoch's end).
+        # A save due at an epoch's last batch (step, loaders at their epoch's end), taken when one's
+        # next epoch starts or at wait/close; or a memory resume's step the store lacks (step, {})
         self._deferred: tuple[int, set[int]] | None = None
         self.max_consecutive_failures = self.recovery.max_consecutive_failures
         self._failures = FailurePolicy(
@@ -253,6 +252,8 @@ class IncrementalCheckpointer:
         the next epoch, whatever its loop looks like (``while loader.iteration < epochs`` or
         ``for epoch in range(start, epochs)``)."""
         check_step(step)
+        if self._deferred and not self._deferred[1] and step != self._deferred[0]:
+            self._deferred = None  # a memory resume's step: the state has moved on since
         self._preemption.seen(step)
         if self._watchdog is not None:
             self._watchdog.progress(step)
@@ -355,9 +356,7 @@ class IncrementalCheckpointer:
 
     def wait(self) -> None:
         """Wait until every pending save of this process committed (or failed: a failed save is
-        warned about, see ``max_consecutive_failures``).
-
-        Also waits for this process's memory step in flight.
+        warned about, see ``max_consecutive_failures``), and its memory step in flight.
 
         Raises:
             CheckpointError: ``max_consecutive_failures`` saves in a row failed.
@@ -412,6 +411,7 @@ class IncrementalCheckpointer:
         rng.restore(mine["rng"])
         if self._pace is not None:
             self._pace.cadence.resumed(step)
+        self._deferred = (step, set()) if _memory.lacked(self._memory, step) else None
         return step
 
     # ------------------------------------------------------------------ takeover

@@ -130,3 +130,46 @@ def test_the_launch_flag_json_turns_the_memory_tier_on(
     ckpt.wait()
     assert parts(memory) == ["s000000000002-g000001-r000000"]
     ckpt.close(finished=False)
+
+
+def test_a_resume_from_memory_at_the_last_step_saves_it_at_close_and_frees_the_memory(
+    tmp_path: Path,
+) -> None:
+    """The run dies after the memory step of its last step (16), with the store's save of that
+    step lost in flight. The next run resumes from memory at step 16, has no step left to
+    train and calls no ``maybe_save``: ``close`` saves step 16 to the store and frees the
+    memory (before, the store kept step 12 and the memory stayed until a next run)."""
+    from lightning_incremental.core import CheckpointStore
+
+    reference, _, _ = train(tmp_path / "reference")
+    store, memory = tmp_path / "store", tmp_path / "memory"
+    args = {"memory_every_n_steps": 1, "memory_dir": str(memory)}
+    train(store, crash_after=TOTAL, **args)
+    assert parts(memory) == [f"s{TOTAL:012d}-g000001-r000000"]
+    CheckpointStore(store).delete(TOTAL)  # stands for the save lost in flight
+    run, ckpt, loaded = train(store, **args)
+    assert (loaded, ckpt.resumed_tier) == (TOTAL, "memory")
+    assert ckpt.steps()[-1] == TOTAL
+    assert parts(memory) == []
+    assert same(weights(run), weights(reference))
+    restored = CheckpointStore(store).load(TOTAL)  # the step saved at close is the resumed one
+    final = CheckpointStore(tmp_path / "reference").load(TOTAL)
+    assert all(same(a, b) for a, b in zip(restored["models"], final["models"], strict=True))
+
+
+def test_a_step_after_a_memory_resume_is_not_saved_under_the_resumed_step(tmp_path: Path) -> None:
+    """A resume from memory at a step the store lacks, then a training step whose maybe_save
+    is not due: close does not save the moved-on state as the resumed step."""
+    store, memory = tmp_path / "store", tmp_path / "memory"
+    args = {"memory_every_n_steps": 1, "memory_dir": str(memory)}
+    train(store, crash_after=9, **args)  # the store holds 8
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    run = make_run()
+    ckpt = IncrementalCheckpointer(run.acc, str(store), every_n_steps=4, **args)
+    assert (ckpt.load(), ckpt.resumed_tier) == (9, "memory")
+    x, y = next(iter(ckpt.iterate(run.loader)))
+    run.step(x, y)
+    ckpt.maybe_save(10)  # not due
+    ckpt.close()
+    assert ckpt.steps()[-1] == 8

@@ -45,16 +45,6 @@ _TRAINER_OWNS = {
     "keep_last": "save_total_limit",
     "every_n_steps": "save_steps / save_strategy",
 }
-_PASSED = {
-    "dirpath",
-    "storage_options",
-    "optimizer_state",
-    "max_consecutive_failures",
-    "preemption",
-    "materialize",
-    "fork_from",
-    "fork_weights_only",
-}
 _RECOVERY = {
     "watchdog",
     "heartbeat_interval",

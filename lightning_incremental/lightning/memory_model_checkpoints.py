@@ -9,8 +9,8 @@ with such a save in flight leaves a memory step naming a checkpoint that never c
 
 At a resume from memory, before Lightning hands the states to the callbacks, the checkpoints
 that cannot be loaded are taken out: out of the top-k, and ``best_model_path`` and the kth
-recomputed from what is left, as ``ModelCheckpoint`` computes them; a ``last_model_path`` that
-cannot be loaded is cleared. Rank 0 decides (``ModelCheckpoint`` writes its files from rank 0,
+recomputed from what is left, as ``ModelCheckpoint`` computes them (``last_model_path`` stays:
+see ``_PATHS``). Rank 0 decides (``ModelCheckpoint`` writes its files from rank 0,
 and other nodes may not see them) and every rank applies the same. The files themselves are
 left where they are, named in a warning: a pointer file's writer may still be running.
 """
@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -111,8 +112,6 @@ def without(state: dict[str, Any], gone: set[str], mode: str) -> dict[str, Any]:
 
 
 def _like(value: Any, number: float) -> Any:
-    import torch
-
     return torch.tensor(number) if isinstance(value, torch.Tensor) else number
 
 

@@ -63,7 +63,10 @@ class StoreConfig:
             writes them too (one background thread, every storage call in order). Default None:
             the cores training leaves free (:func:`~lightning_incremental.core.workers.free_cores`:
             the cores this process may use less ``torch.get_num_threads()``, or less one under
-            CUDA), at least 1 and at most 4, with the two writers.
+            CUDA), at least 1 and at most 4, with the two writers; a restore, which its caller
+            waits for, decodes on every core the process may use, at most 8
+            (:func:`~lightning_incremental.core.workers.restore_cores`). A number given here
+            bounds both.
         background_nice: how far below the training's the scheduling priority of the store's
             background threads (saving, encoding, writing) is, 0..19, on Linux (elsewhere they
             run at the normal priority). Under contention training keeps the cores and a save

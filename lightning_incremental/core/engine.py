@@ -24,7 +24,7 @@ from lightning_incremental.core.maintain.retention import Collector, KeepLast, M
 from lightning_incremental.core.save.queue import SaveQueue
 from lightning_incremental.core.save.saver import Saver
 from lightning_incremental.core.storage import Storage
-from lightning_incremental.core.workers import WorkerPool, free_cores
+from lightning_incremental.core.workers import WorkerPool, free_cores, restore_cores
 
 log = logging.getLogger("lightning_incremental")
 
@@ -40,6 +40,7 @@ class Engine:
     lock: threading.RLock
     pool: WorkerPool
     writer: WorkerPool
+    reader: WorkerPool
     queue: SaveQueue
     generation: fencing.Generation
     fencing: fencing.Fencing
@@ -66,6 +67,7 @@ class Engine:
         self.queue.shutdown()
         self.pool.shutdown(wait=True)
         self.writer.shutdown(wait=True)
+        self.reader.shutdown(wait=True)
         self.base.clear()
         self.lease.release()
         if isinstance(self.group, GlooGroup):
@@ -100,6 +102,9 @@ def assemble(
     # With ``workers=1`` asked for, the worker writes too: one background thread does all of a
     # save's work, in order (the least CPU a store takes, and storage calls in a fixed order).
     writer = WorkerPool(2, "li-writer", nice=nice) if automatic or workers > 1 else pool
+    # Restores decode on every core, at the caller's priority: the caller waits for them
+    # (``restore_cores``). An explicit ``workers`` bounds them too.
+    reader = WorkerPool(restore_cores() if automatic else workers, "li-reader")
     queue = SaveQueue(config.max_in_flight, nice=nice)
     generation = fencing.Generation(storage, config.generation)
     # A function of the storage, not a bound method: no reference cycle.
@@ -158,6 +163,7 @@ def assemble(
         lock=lock,
         pool=pool,
         writer=writer,
+        reader=reader,
         queue=queue,
         generation=generation,
         fencing=fence,
@@ -167,7 +173,7 @@ def assemble(
         committer=committer,
         collector=collector,
         retention=retention,
-        loader=Loader(storage, config, pool, history),
+        loader=Loader(storage, config, reader, history),
         saver=saver,
         maintainer=maintainer,
     )

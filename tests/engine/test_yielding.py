@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -138,3 +139,50 @@ def test_bad_background_settings_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         CheckpointStore(local_url, **{option: value})
+
+
+def test_a_restore_decodes_on_every_core_at_the_callers_priority(
+    local_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore is not background work (its caller waits, as for ``torch.load``): its decodes
+    run on one thread per core the process may use, at the caller's priority, not on the
+    save's pool (sized to the cores training leaves free: one of two)."""
+    import time
+
+    from lightning_incremental.core.load import pipeline
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    state = {f"w{i}": torch.randn(64 * 1024) for i in range(8)}
+    with CheckpointStore(local_url, chunk_size=64 * 1024) as store:
+        store.save(state, 1).wait()
+    seen: list[tuple[str, int]] = []
+    original = pipeline.decode_chunk
+
+    def recorded(*args: Any) -> Any:
+        seen.append((threading.current_thread().name, _nice()))
+        time.sleep(0.02)  # long enough that every thread gets a chunk
+        return original(*args)
+
+    monkeypatch.setattr(pipeline, "decode_chunk", recorded)
+    with CheckpointStore(local_url) as store:
+        loaded = store.load(1)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    threads = {name for name, _ in seen}
+    assert len(threads) == 2 and all(n.startswith("li-reader") for n in threads), seen
+    if sys.platform.startswith("linux"):
+        assert {nice for _, nice in seen} == {_nice()}, seen
+
+
+def test_restore_pools_are_sized_to_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_incremental.core import engine
+    from lightning_incremental.core.workers import restore_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert restore_cores() == workers_module.MAX_RESTORE_WORKERS
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert restore_cores() == 1
+    monkeypatch.setattr(engine, "restore_cores", lambda: 5)
+    with CheckpointStore(tempfile.mkdtemp(prefix="li-cores-")) as store:
+        assert store._engine.reader.max_workers == 5
+    with CheckpointStore(tempfile.mkdtemp(prefix="li-cores-"), workers=1) as store:
+        assert store._engine.reader.max_workers == 1  # an explicit setting bounds restores too

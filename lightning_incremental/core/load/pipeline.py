@@ -179,6 +179,7 @@ class _Schedule:
             for link in job.links:
                 self.waiting[link].append(index)
         self.held = 0  # bytes of reads issued and not yet released
+        self.workers = getattr(pool, "max_workers", 1)
 
     def run(self) -> None:
         # Completions come through a queue (each future's done-callback puts it there), and
@@ -222,7 +223,7 @@ class _Schedule:
                             if j not in started and all(x in self.reader.blobs for x in job.links):
                                 started.add(j)
                                 ready.append(j)
-                    for batch in _batches(ready, self.jobs):
+                    for batch in _batches(ready, self.jobs, self.workers):
                         submit("decode", batch)
                 else:
                     decoded += len(what)
@@ -253,15 +254,19 @@ class _Schedule:
             self.held -= end - start
 
 
-def _batches(ready: list[int], jobs: list[_Job]) -> list[list[int]]:
+def _batches(ready: list[int], jobs: list[_Job], workers: int = 1) -> list[list[int]]:
     """Split the jobs ready together into pool tasks of at most :data:`BATCH_BYTES` decoded
-    (or :data:`BATCH_JOBS` jobs); a larger job is a task alone."""
+    (or :data:`BATCH_JOBS` jobs), and at most a ``workers``-th of them each, so that every
+    worker gets a share of what one read made ready; a larger job is a task alone."""
     batches: list[list[int]] = []
     batch: list[int] = []
     size = 0
+    total = sum(jobs[index].size for index in ready)
+    limit = min(BATCH_BYTES, -(-total // max(1, workers)))
+    count = min(BATCH_JOBS, -(-len(ready) // max(1, workers)))
     for index in ready:
         job_size = jobs[index].size
-        if batch and (size + job_size > BATCH_BYTES or len(batch) >= BATCH_JOBS):
+        if batch and (size + job_size > limit or len(batch) >= count):
             batches.append(batch)
             batch, size = [], 0
         batch.append(index)

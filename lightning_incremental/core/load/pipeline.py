@@ -21,6 +21,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from lightning_incremental.core.buffers import collection_paused
 from lightning_incremental.core.chunks.decode import (
     Chunks,
     ObjectReader,
@@ -64,7 +65,6 @@ def restore_arrays(
     Raises:
         CorruptCheckpointError: naming the first bad object.
     """
-
     items: list[ChunkTarget] = []
     for tensor, target in zip(manifest.tensors, targets):
         if target is None:
@@ -97,6 +97,15 @@ def restore_chunks(
         CorruptCheckpointError: naming the first bad object.
     """
     chunks = manifest.chunks
+    with collection_paused():  # objects per chunk, all live (see scatter.piece_targets)
+        jobs = _jobs(items, chunks)
+    if jobs:
+        reader = ObjectReader(storage, manifest, where)
+        _Schedule(reader, pool, list(jobs.values()), read_ahead, chunks, where).run()
+
+
+def _jobs(items: list[ChunkTarget], chunks: Chunks) -> dict[str, _Job]:
+    """One job per chunk to decode, with every destination that wants it."""
     jobs: dict[str, _Job] = {}
     for item in items:
         target, offset = item.target, 0
@@ -117,9 +126,7 @@ def restore_chunks(
                 links = tuple(dict.fromkeys(closure(digest, chunks)))
                 job = jobs[digest] = _Job(digest, links, size, [])
             job.dests += dests
-    if jobs:
-        reader = ObjectReader(storage, manifest, where)
-        _Schedule(reader, pool, list(jobs.values()), read_ahead, chunks, where).run()
+    return jobs
 
 
 @dataclass

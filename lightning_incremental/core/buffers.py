@@ -165,6 +165,43 @@ def _gil_enabled() -> bool:
     return True if probe is None else bool(probe())
 
 
+_freeze_lock = threading.Lock()
+_freezes = 0
+_froze = False
+
+
+@contextmanager
+def heap_frozen() -> Iterator[None]:
+    """The objects alive when the block begins are left out of garbage collection until it
+    ends (``gc.freeze``), then put back in the oldest generation (``gc.unfreeze``): two list
+    splices, no scan.
+
+    For long steps that make objects by the thousand while they read and decode (verifying a
+    checkpoint): the collections those allocations trigger would otherwise scan the process's
+    whole heap (the manifest's records, the training's own objects) again and again, a cost
+    that grows faster than the work. Unlike :func:`collection_paused` it may span I/O: objects
+    made meanwhile are collected as usual, so garbage never piles up; only a cycle among the
+    objects frozen that dies meanwhile waits for the block's end. Nested and overlapping blocks
+    (any thread) freeze once and unfreeze when the last ends. Skipped when something else in
+    the process froze objects (``gc.get_freeze_count()``: unfreezing would undo its freeze),
+    and on a free-threaded build."""
+    global _freezes, _froze
+    with _freeze_lock:
+        if _freezes == 0:
+            _froze = gc.get_freeze_count() == 0 and _gil_enabled()
+            if _froze:
+                gc.freeze()
+        _freezes += 1
+    try:
+        yield
+    finally:
+        with _freeze_lock:
+            _freezes -= 1
+            if _freezes == 0 and _froze:
+                gc.unfreeze()
+                _froze = False
+
+
 _collection_lock = threading.Lock()
 _collection_pauses = 0
 _collection_was_enabled = False

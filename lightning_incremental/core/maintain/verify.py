@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from lightning_incremental.core.buffers import heap_frozen
 from lightning_incremental.core.chunks.decode import MAX_READ, ObjectReader, Read, decode_chunk
 from lightning_incremental.core.codecs.bytes import chunk_hasher
 from lightning_incremental.core.commit.history import History
@@ -56,8 +57,12 @@ def verify_manifest(
     window = READ_AHEAD if read_ahead is None else read_ahead
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(f"read_ahead must be a positive number of bytes, got {read_ahead!r}")
-    missing = _check_objects(storage, doc, report, max(1, window // 2))
-    _check_chunks(storage, doc, report, where, window, missing)
+    # A check per object and chunk, each live until the end (the report's): the collections
+    # they trigger would rescan the whole heap, the manifest's records included, again and
+    # again (two fifths of a gc plan's verification at 4,096 packs).
+    with heap_frozen():
+        missing = _check_objects(storage, doc, report, max(1, window // 2))
+        _check_chunks(storage, doc, report, where, window, missing)
     if isinstance(storage, LinkedStorage):
         intact = {check.path for check in report.objects if check.ok}
         for path in sorted(intact & set(doc.packs) & set(storage.in_trash)):

@@ -90,11 +90,7 @@ def free_cores(training_threads: int | None = None) -> int:
 
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         training_threads = 1 if cuda else torch.get_num_threads()
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(MAX_AUTO_WORKERS, cores - training_threads))
+    return max(1, min(MAX_AUTO_WORKERS, usable_cores() - training_threads))
 
 
 def restore_cores() -> int:
@@ -106,11 +102,15 @@ def restore_cores() -> int:
     training threads to leave cores to. Decoding on the save's pool (sized to the cores
     training leaves free: one on a machine of two) left every other core idle: the restore
     of a coded 256 MB base took 1.6x ``torch.load`` on one thread, 1.0x on two."""
+    return max(1, min(MAX_RESTORE_WORKERS, usable_cores()))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS says, else all)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(MAX_RESTORE_WORKERS, cores))
+        return os.cpu_count() or 1
 
 
 class WorkerPool(Executor):

@@ -17,6 +17,7 @@ import torch
 from lightning_incremental.core.buffers import collection_paused
 from lightning_incremental.core.codecs.bytes import chunk_hasher
 from lightning_incremental.core.format.tree import torch_dtype, unflatten
+from lightning_incremental.core.workers import usable_cores
 
 
 class MemoryPartError(RuntimeError):
@@ -116,8 +117,7 @@ def _jobs(buffers: Sequence[memoryview]) -> list[Job]:
 
 
 def _workers() -> int:
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(2, min(4, usable or 2))
+    return max(2, min(4, usable_cores()))
 
 
 def _read_job(fd: int, job: Job) -> None:

@@ -165,6 +165,13 @@ def _gil_enabled() -> bool:
     return True if probe is None else bool(probe())
 
 
+def _may_freeze() -> bool:
+    """Whether ``gc.freeze`` then ``gc.unfreeze`` is ours to do: nothing else in the process
+    froze objects (unfreezing would undo its freeze), and the build has a GIL (a free-threaded
+    build's freeze visits every object)."""
+    return gc.get_freeze_count() == 0 and _gil_enabled()
+
+
 _freeze_lock = threading.Lock()
 _freezes = 0
 _froze = False
@@ -188,7 +195,7 @@ def heap_frozen() -> Iterator[None]:
     global _freezes, _froze
     with _freeze_lock:
         if _freezes == 0:
-            _froze = gc.get_freeze_count() == 0 and _gil_enabled()
+            _froze = _may_freeze()
             if _froze:
                 gc.freeze()
         _freezes += 1
@@ -240,7 +247,7 @@ def collection_paused() -> Iterator[None]:
         with _collection_lock:
             _collection_pauses -= 1
             if _collection_pauses == 0 and _collection_was_enabled:
-                if gc.get_freeze_count() == 0 and _gil_enabled():
+                if _may_freeze():
                     gc.freeze()
                     gc.unfreeze()
                 gc.enable()

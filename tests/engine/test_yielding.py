@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import threading
 from typing import Any
 
@@ -173,7 +172,9 @@ def test_a_restore_decodes_on_every_core_at_the_callers_priority(
         assert {nice for _, nice in seen} == {_nice()}, seen
 
 
-def test_restore_pools_are_sized_to_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_restore_pools_are_sized_to_the_cores(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from lightning_incremental.core import engine
     from lightning_incremental.core.workers import restore_cores
 
@@ -182,7 +183,7 @@ def test_restore_pools_are_sized_to_the_cores(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
     assert restore_cores() == 1
     monkeypatch.setattr(engine, "restore_cores", lambda: 5)
-    with CheckpointStore(tempfile.mkdtemp(prefix="li-cores-")) as store:
+    with CheckpointStore(str(tmp_path / "auto")) as store:
         assert store._engine.reader.max_workers == 5
-    with CheckpointStore(tempfile.mkdtemp(prefix="li-cores-"), workers=1) as store:
+    with CheckpointStore(str(tmp_path / "one"), workers=1) as store:
         assert store._engine.reader.max_workers == 1  # an explicit setting bounds restores too

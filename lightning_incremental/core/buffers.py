@@ -10,18 +10,26 @@ Small tensors are snapshotted together into one slab per dtype (:mod:`.save.slab
 lends a slab, remembers where each of its tensors starts, and takes it back once every one of
 them was given back (the delta base may keep some of them for a while).
 
-A buffer of at least :data:`HUGE_MIN` bytes that the pool cannot recycle (the first save, or a
-save whose state grew) is asked of the kernel in huge pages where it allows them on request
-(Linux with transparent huge pages in ``madvise`` mode, the usual default): one fault per 2 MiB
-instead of one per 4 KiB. Copying 20,000 small tensors (82 MB) into a fresh slab took 44 ms in
-4 KiB pages and 15 ms in huge pages on the benchmark machine, the page faults being most of the
-first saves' stall. ``LIGHTNING_INCREMENTAL_HUGE_PAGES=0`` turns it off (a host where the
-kernel's compaction for huge pages is unwelcome).
+A fresh slab (the first save, or a save whose state grew) is faulted in before the copy, by
+``zero_()``: torch fills it on every intra-op thread (idle while ``save`` blocks), where the
+slab's ``torch.cat`` of thousands of small tensors would take its page faults one at a time on
+one thread. 20,000 tensors of 4 KiB (82 MB) into a fresh slab: 41 ms copied straight in, 29 ms
+faulted first, on the benchmark machine (2 cores; the fill divides over more).
+
+Huge pages are opt-in (``LIGHTNING_INCREMENTAL_HUGE_PAGES=1``: fresh buffers of at least
+:data:`HUGE_MIN` bytes are asked of the kernel in huge pages, ``madvise``), as torch's own
+allocator leaves them. Where the kernel's ``defrag`` setting is ``madvise`` (the usual default)
+a fault in such a region compacts memory on the spot when no huge page is free: 80 MB took 75
+to 170 ms to fault in on the benchmark machine against 16 to 19 ms in 4 KiB pages, and a first
+save's stall at 20,000 tensors ranged from 55 to 233 ms against 80 ms. Where free huge pages
+were at hand, the same 80 MB took 5 ms: on such a host (or with ``defrag`` set to ``defer``)
+they are worth turning on.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import mmap
 import os
 import sys
@@ -33,17 +41,19 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-#: Fresh host buffers of at least this many bytes are asked for in huge pages (see above).
+#: Fresh host buffers of at least this many bytes are asked for in huge pages, where those are
+#: turned on (see above).
 HUGE_MIN = 4 << 20
 HUGE_PAGES_ENV = "LIGHTNING_INCREMENTAL_HUGE_PAGES"
 
 
 def host_empty(nbytes: int) -> torch.Tensor:
     """A fresh uninitialised flat uint8 CPU tensor of ``nbytes`` (not pinned): in huge pages
-    where the kernel grants them on request and ``nbytes >= HUGE_MIN``, else from torch's
-    allocator. Its memory is returned when the last tensor viewing it is freed."""
+    where they are turned on (``LIGHTNING_INCREMENTAL_HUGE_PAGES=1``), the kernel grants them
+    on request and ``nbytes >= HUGE_MIN``, else from torch's allocator. Its memory is returned
+    when the last tensor viewing it is freed."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_MIN or advice is None or os.environ.get(HUGE_PAGES_ENV, "1") == "0":
+    if nbytes < HUGE_MIN or advice is None or os.environ.get(HUGE_PAGES_ENV, "0") != "1":
         return torch.empty(nbytes, dtype=torch.uint8)
     try:
         mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -67,6 +77,11 @@ def host_tensor(shape: torch.Size, dtype: torch.dtype, *, pin: bool = False) -> 
     return host_empty(nbytes).view(dtype).view(shape)
 
 
+def fresh_slab(nbytes: int) -> torch.Tensor:
+    """:func:`host_empty`, its pages faulted in on every intra-op thread (see above)."""
+    return host_empty(nbytes).zero_()
+
+
 class BufferPool:
     """Flat uint8 host tensors keyed by (size, pinned), handed out as views of any dtype."""
 
@@ -74,7 +89,7 @@ class BufferPool:
         self._lock = threading.Lock()
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
         # slabs lent out: storage address -> (the slab, byte offsets of its tensors still out)
-        self._lent: dict[int, tuple[torch.Tensor, set[int]]] = {}
+        self._lent: dict[int, tuple[torch.Tensor, list[int] | set[int]]] = {}
 
     def take(self, shape: torch.Size, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``."""
@@ -87,16 +102,18 @@ class BufferPool:
                 return flat.view(dtype).view(shape)
         return host_tensor(shape, dtype, pin=pin)
 
-    def lend_slab(self, nbytes: int, offsets: list[int]) -> torch.Tensor:
-        """A flat uint8 CPU buffer of ``nbytes`` whose tensors start at the byte ``offsets``: it
-        comes back to the pool once each of them was given back (:meth:`give`)."""
+    def lend_slab(self, nbytes: int, sizes: list[int]) -> torch.Tensor:
+        """A flat uint8 CPU buffer of ``nbytes`` holding tensors of ``sizes`` bytes end to end
+        from its start: it comes back to the pool once each of them was given back
+        (:meth:`give`). Where they start is worked out on the first give back, not here: this
+        runs while ``save`` blocks."""
         with self._lock:
             free = self._free.get((nbytes, False))
             slab = free.pop() if free else None
         if slab is None:
-            slab = host_empty(nbytes)
+            slab = fresh_slab(nbytes)
         with self._lock:
-            self._lent[slab.data_ptr()] = (slab, set(offsets))
+            self._lent[slab.data_ptr()] = (slab, sizes)
         return slab
 
     def give(self, tensors: list[torch.Tensor]) -> None:
@@ -127,6 +144,10 @@ class BufferPool:
         if lent is None:
             return  # a view into a larger buffer the pool did not lend: not ours to recycle
         slab, out = lent
+        if type(out) is list:  # the sizes lent: now the byte offsets of the tensors still out
+            out = set(itertools.accumulate(out, initial=0))
+            out.discard(slab.numel())  # the end of the last, not a tensor
+            self._lent[address] = (slab, out)
         out.discard(tensor.storage_offset() * tensor.element_size())
         if not out:
             del self._lent[address]

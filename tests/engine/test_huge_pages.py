@@ -1,12 +1,17 @@
-"""Fresh snapshot buffers in huge pages: a first save's copy takes one page fault per 2 MiB, not
-one per 4 KiB. What the kernel granted is read from ``/proc/self/smaps`` (the mapping holding a
-buffer, its ``AnonHugePages``); the rest checks that such buffers behave as any other: exact
-bytes, recycled by the pool, freed with their last tensor."""
+"""Fresh snapshot buffers in huge pages, where they are turned on
+(``LIGHTNING_INCREMENTAL_HUGE_PAGES=1``): a first save's copy takes one page fault per 2 MiB, not
+one per 4 KiB. Off by default: where the kernel compacts memory on the spot for them, a fault
+can cost many times a 4 KiB page's (see :mod:`lightning_incremental.core.buffers`). What the
+kernel granted is read from ``/proc/self/smaps`` (the mapping holding a buffer, its
+``AnonHugePages``); the rest checks that such buffers behave as any other: exact bytes,
+recycled by the pool, freed with their last tensor, and that a fresh slab is faulted in before
+the copy."""
 
 from __future__ import annotations
 
 import gc
 import re
+import resource
 from pathlib import Path
 
 import pytest
@@ -51,10 +56,16 @@ def _huge_kb(tensor: torch.Tensor) -> int | None:
     return None
 
 
+@pytest.fixture
+def huge_pages_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(HUGE_PAGES_ENV, "1")
+
+
 @needs_thp
-def test_a_fresh_snapshot_of_many_small_tensors_lies_in_huge_pages() -> None:
-    """The slab of 4,096 tensors of 4 KiB (16 MiB): faulted in as huge pages (before: torch's
-    allocator, 4 KiB pages, none huge where the kernel grants them only on request)."""
+def test_a_fresh_snapshot_of_many_small_tensors_lies_in_huge_pages(huge_pages_on: None) -> None:
+    """Turned on, the slab of 4,096 tensors of 4 KiB (16 MiB) is faulted in as huge pages
+    (torch's allocator gives 4 KiB pages, none huge where the kernel grants them only on
+    request)."""
     state = {"m": {f"w{i}": torch.full((1024,), float(i)) for i in range(4096)}}
     snap = flatten_state(state, pool=BufferPool())
     wait_ready(snap)
@@ -67,7 +78,7 @@ def test_a_fresh_snapshot_of_many_small_tensors_lies_in_huge_pages() -> None:
 
 
 @needs_thp
-def test_a_fresh_copy_of_a_big_tensor_lies_in_huge_pages() -> None:
+def test_a_fresh_copy_of_a_big_tensor_lies_in_huge_pages(huge_pages_on: None) -> None:
     big = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB
     snap = flatten_state({"big": big}, pool=BufferPool())
     wait_ready(snap)
@@ -77,17 +88,39 @@ def test_a_fresh_copy_of_a_big_tensor_lies_in_huge_pages() -> None:
 
 
 @on_request
-def test_the_switch_and_small_buffers_keep_plain_pages(monkeypatch) -> None:
-    """Turned off, or under ``HUGE_MIN``, a buffer comes from torch's allocator: plain pages
-    (where the kernel grants huge ones only on request); on, huge pages."""
+def test_huge_pages_are_off_by_default_and_small_buffers_keep_plain_pages(monkeypatch) -> None:
+    """By default, turned off, or under ``HUGE_MIN``, a buffer comes from torch's allocator:
+    plain pages (where the kernel grants huge ones only on request); turned on, huge pages."""
+    monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
+    default = host_empty(8 << 20).fill_(1)
     monkeypatch.setenv(HUGE_PAGES_ENV, "0")
     off = host_empty(8 << 20).fill_(1)
-    monkeypatch.delenv(HUGE_PAGES_ENV)
+    monkeypatch.setenv(HUGE_PAGES_ENV, "1")
     small = host_empty(HUGE_MIN - 4096).fill_(1)
     on = host_empty(8 << 20).fill_(1)
+    assert _huge_kb(default) == 0
     assert _huge_kb(off) == 0
     assert _huge_kb(small) == 0
     assert (_huge_kb(on) or 0) >= 2048
+
+
+def _page_faults_of_a_copy_into(buffer: torch.Tensor) -> int:
+    """Minor page faults the process takes while ``buffer`` is filled."""
+    src = torch.ones(buffer.numel(), dtype=torch.uint8)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buffer.copy_(src)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_a_fresh_slab_is_faulted_in_before_the_copy() -> None:
+    """A fresh slab comes resident (zeroed on torch's intra-op threads), so the slab's copy of
+    thousands of small tensors takes no page fault of its own; a plain fresh buffer does."""
+    nbytes = 64 << 20  # torch's allocator maps a buffer this large on its own
+    pages = nbytes // 4096
+    slab = BufferPool().lend_slab(nbytes, [nbytes])
+    assert int(slab.count_nonzero()) == 0
+    assert _page_faults_of_a_copy_into(slab) < pages // 100
+    assert _page_faults_of_a_copy_into(host_empty(nbytes)) > pages // 2
 
 
 def test_host_tensors_of_every_shape_and_dtype_hold_what_is_copied_in() -> None:
@@ -99,7 +132,7 @@ def test_host_tensors_of_every_shape_and_dtype_hold_what_is_copied_in() -> None:
         assert torch.equal(out, src)
 
 
-def test_the_pool_recycles_a_huge_page_buffer() -> None:
+def test_the_pool_recycles_a_huge_page_buffer(huge_pages_on: None) -> None:
     pool = BufferPool()
     first = pool.take(torch.Size([HUGE_MIN // 4]), torch.float32)
     address = first.data_ptr()
@@ -116,7 +149,7 @@ def _mapping(address: int) -> tuple[int, int] | None:
     return None
 
 
-def test_a_huge_page_buffer_is_unmapped_with_its_last_tensor() -> None:
+def test_a_huge_page_buffer_is_unmapped_with_its_last_tensor(huge_pages_on: None) -> None:
     buffer = host_empty(HUGE_MIN + 4096)
     view = buffer[4096:].view(torch.int32)
     address = buffer.data_ptr()
@@ -131,7 +164,7 @@ def test_a_huge_page_buffer_is_unmapped_with_its_last_tensor() -> None:
     assert _mapping(address) != mapped
 
 
-def test_a_store_round_trips_states_held_in_huge_pages(tmp_path: Path) -> None:
+def test_a_store_round_trips_states_held_in_huge_pages(tmp_path: Path, huge_pages_on: None) -> None:
     state = {
         "big": torch.randn(HUGE_MIN // 4 + 3),
         "small": {f"s{i}": torch.randn(1000) for i in range(2000)},

@@ -41,7 +41,8 @@ def test_tensor_operations_do_not_grow_with_the_number_of_small_tensors(n: int) 
     state = _many(n)
     with _CountOps() as counted:
         flat = flatten_state(state, pool=BufferPool())
-    assert sum(counted.ops.values()) <= 8, counted.ops  # one cat per dtype, a few views
+    # per dtype: a fresh slab (empty, zero_ to fault it in), a view of it as the dtype, one cat
+    assert sum(counted.ops.values()) <= 10, counted.ops
     assert counted.ops["cat"] == 2
     wait_ready(flat)
     assert len(flat.leaves) == 2 * n
@@ -184,8 +185,8 @@ def test_a_steady_save_reuses_the_slab_memory(tmp_path: Any) -> None:
     lent: list[int] = []
     original = BufferPool.lend_slab
 
-    def spy(self: BufferPool, nbytes: int, offsets: list[int]) -> torch.Tensor:
-        slab = original(self, nbytes, offsets)
+    def spy(self: BufferPool, nbytes: int, sizes: list[int]) -> torch.Tensor:
+        slab = original(self, nbytes, sizes)
         lent.append(slab.data_ptr())
         return slab
 
@@ -204,14 +205,14 @@ def test_a_steady_save_reuses_the_slab_memory(tmp_path: Any) -> None:
 
 def test_the_pool_takes_a_slab_back_once_every_leaf_came_back() -> None:
     pool = BufferPool()
-    slab = pool.lend_slab(48, [0, 16, 32])
+    slab = pool.lend_slab(48, [16, 16, 16])
     parts = [slab[i : i + 16].view(torch.float32) for i in (0, 16, 32)]
     pool.give(parts[:2])
     pool.give(parts[:1])  # given twice: counted once
     assert pool.nbytes == 0
     pool.give(parts[2:])
     assert pool.nbytes == 48
-    again = pool.lend_slab(48, [0])
+    again = pool.lend_slab(48, [48])
     assert again.data_ptr() == slab.data_ptr()
     pool.give([torch.empty(100)[10:20]])  # a view the pool did not lend: ignored
     assert pool.nbytes == 0

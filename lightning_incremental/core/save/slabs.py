@@ -16,13 +16,12 @@ hold (row-major order of the tensor as seen), so nothing downstream tells the tw
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lightning_incremental.core.buffers import BufferPool, collection_paused, host_empty
+from lightning_incremental.core.buffers import BufferPool, collection_paused, fresh_slab
 from lightning_incremental.core.codecs.bytes import group_width
 from lightning_incremental.core.format.tree import Leaf, dtype_name, key_path
 
@@ -32,10 +31,16 @@ SLAB_MAX = 256 << 10
 
 
 #: A small tensor seen by the walk, what it looked like then (a plain tuple: the walk makes one
-#: per tensor): (key path, slot, index in the snapshot's leaves, shape, requires_grad, is a
-#: parameter, bytes). The tensor itself is kept apart, in its dtype's list of sources, so that
-#: nothing is left to build to let go of it once copied.
-Noted = tuple[tuple[Any, ...], int, int, torch.Size, bool, bool, int]
+#: per tensor): (the key path of its parent, its key in it, slot, index in the snapshot's leaves,
+#: shape, requires_grad, is a parameter, bytes); a tensor outside any dict has its own key path
+#: and the key :data:`NO_KEY` (the walk does not build a tensor's key path: see
+#: ``_Flattener.items``). The tensor itself is kept apart, flat (a 1-D view of it, as
+#: ``torch.cat`` takes it), in its dtype's list of sources, so that nothing is left to build to
+#: let go of it once copied.
+Noted = tuple[tuple[Any, ...], Any, int, int, torch.Size, bool, bool, int]
+
+#: The key of a :data:`Noted` whose path is the whole key path (a tensor not in a dict).
+NO_KEY: Any = object()
 
 
 @dataclass
@@ -51,7 +56,7 @@ class Slab:
 class Slabs:
     """The small tensors of one snapshot: noted during the walk, copied after it."""
 
-    #: dtype -> (the tensors, what was noted of each), in the order seen
+    #: dtype -> (the tensors, each flat, and what was noted of each), in the order seen
     by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[Noted]]] = field(
         default_factory=dict
     )
@@ -61,17 +66,14 @@ class Slabs:
         """Copy every noted tensor into its dtype's slab (the part of the snapshot that must
         happen before ``save`` returns)."""
         for dtype, (tensors, noted) in self.by_dtype.items():
-            sizes = [n[6] for n in noted]
+            sizes = [n[7] for n in noted]
             total = sum(sizes)
             if pool is not None:
-                raw = pool.lend_slab(total, [0, *itertools.accumulate(sizes[:-1])])
-                data = raw.view(dtype)
+                data = pool.lend_slab(total, sizes).view(dtype)
             else:
-                data = host_empty(total).view(dtype)
-            sources = [t if t.dim() == 1 else t.reshape(-1) for t in tensors]
+                data = fresh_slab(total).view(dtype)
             with torch.no_grad():  # out= refuses inputs that require grad otherwise
-                torch.cat(sources, out=data)
-            del sources
+                torch.cat(tensors, out=data)
             self.copied.append(Slab(dtype, data, noted))
         self.by_dtype.clear()  # the copies are taken: let go of the tensors
 
@@ -126,10 +128,11 @@ def _complete(slabs: Slabs, leaves: list[Leaf | None]) -> None:
         itemsize = slab.dtype.itemsize
         start = 0  # bytes
         data = slab.data
-        for path, slot, index, shape, requires_grad, parameter, size in slab.noted:
+        for path, key, slot, index, shape, requires_grad, parameter, size in slab.noted:
             end = start + size
+            where = key_path(path if key is NO_KEY else (*path, key))
             leaves[index] = SlabLeaf(
-                key_path(path), name, list(shape), width, parameter, requires_grad, slot,
+                where, name, list(shape), width, parameter, requires_grad, slot,
                 raw[start:end], data, start // itemsize,
             )  # fmt: skip
             start = end

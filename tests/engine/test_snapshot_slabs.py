@@ -144,6 +144,29 @@ def test_leaves_hold_exactly_each_tensor_as_seen() -> None:
     assert [leaf.slot for leaf in leaves] == sorted(leaf.slot for leaf in leaves)
 
 
+def test_small_tensors_keep_their_key_paths_wherever_they_sit() -> None:
+    """A dict's tensors are noted with the dict's path and their key (no path of their own is
+    built during the walk); the key path each leaf gets is the one a path built in full gives."""
+    state = {
+        "m": {"a": torch.ones(2), 3: torch.ones(3), (1, "x"): torch.ones(4)},
+        "l": [torch.ones(5), {"deep": torch.ones(6)}],
+        "t": (torch.ones(7),),
+    }
+    _, leaves, _ = flatten(state)
+    assert sorted(leaf.path for leaf in leaves) == sorted(
+        [
+            "state['m']['a']",
+            "state['m'][3]",
+            "state['m'][(1, 'x')]",
+            "state['l'][0]",
+            "state['l'][1]['deep']",
+            "state['t'][0]",
+        ]
+    )
+    _, (alone,), _ = flatten(torch.arange(3.0))
+    assert alone.path == "state" and torch.equal(alone.data, torch.arange(3.0))
+
+
 def test_changes_after_save_returns_are_not_saved(tmp_path: Any) -> None:
     """The snapshot is taken when ``save`` returns: later in-place changes, a new shape or a
     flag turned off go into the next save only."""

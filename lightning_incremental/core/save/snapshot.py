@@ -66,6 +66,9 @@ from lightning_incremental.core.format.tree import (
 )
 from lightning_incremental.core.save.slabs import NO_KEY, SLAB_MAX, Slabs, complete
 
+# Read once: the walk tests every tensor against them (a module attribute lookup each otherwise).
+_TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
+
 
 def _unsupported(t: torch.Tensor, path: tuple[Any, ...]) -> UnsupportedValueError:
     where = key_path(path)
@@ -184,7 +187,7 @@ class _Flattener:
         for k, v in value.items():
             key = k if type(k) is str else self.key(k, path)
             kind = type(v)
-            if kind is torch.Tensor or kind is torch.nn.Parameter:
+            if kind is _TENSOR or kind is _PARAMETER:
                 append([key, [T_TENSOR, tensor(v, path, k)]])
             else:
                 append([key, node(v, (*path, k))])
@@ -218,7 +221,7 @@ class _Flattener:
         """The slot of tensor ``t`` at ``path`` (or at ``path`` + ``key``: see :meth:`items`)."""
         # Called for every tensor of the state: the attribute reads below are what ``save``
         # blocks for at tens of thousands of tensors, so each is read once.
-        if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.is_meta:
+        if t.layout is not _STRIDED or t.is_quantized or t.is_nested or t.is_meta:
             raise _unsupported(t, path if key is NO_KEY else (*path, key))
         conj, neg, dtype, requires_grad = t.is_conj(), t.is_neg(), t.dtype, t.requires_grad
         nbytes = t.nbytes
@@ -238,7 +241,7 @@ class _Flattener:
             return slot  # identical on every rank: rank 0 writes it
         if nbytes <= SLAB_MAX and nbytes and t.is_cpu and not (conj or neg):
             # copied with the other small tensors of its dtype once the walk is done
-            parameter = type(t) is torch.nn.Parameter or bool(getattr(t, "_is_param", False))
+            parameter = type(t) is _PARAMETER or bool(getattr(t, "_is_param", False))
             leaves = self.leaves
             shape = t.shape
             noted = (path, key, slot, len(leaves), shape, requires_grad, parameter, nbytes)

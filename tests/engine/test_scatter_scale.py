@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_incremental.core.format import boxindex, pieces
 from lightning_incremental.core.format.pieces import Box, check_tiling, plan_reads
@@ -231,3 +232,24 @@ def test_a_resharded_plan_triggers_no_garbage_collection_growing_with_the_pieces
     assert len(targets) == n
     assert len(started) <= 3, started  # the young generation, once collection resumes
     assert gc.isenabled()
+
+
+def _boxes_in(dims: int):
+    side = st.tuples(st.integers(0, 6), st.integers(0, 4))  # a start and a size, 0 allowed
+    return st.lists(side, min_size=dims, max_size=dims).map(
+        lambda s: (tuple(a for a, _ in s), tuple(a + n for a, n in s))
+    )
+
+
+@given(data=st.data())
+@settings(max_examples=300, deadline=None)
+def test_meets_is_whether_two_boxes_share_an_element(data) -> None:
+    """The box test, spelled out as comparisons, against its definition: some element lies in
+    both boxes (an empty box meets nothing)."""
+    dims = data.draw(st.integers(1, 3))
+    (lo_a, hi_a), (lo_b, hi_b) = data.draw(_boxes_in(dims)), data.draw(_boxes_in(dims))
+    shared = any(
+        all(a <= x < c and b <= x < d for x, a, c, b, d in zip(point, lo_a, hi_a, lo_b, hi_b))
+        for point in itertools.product(range(11), repeat=dims)
+    )
+    assert boxindex.meets(lo_a, hi_a, lo_b, hi_b) == shared

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_incremental.core.buffers import collection_paused
 from lightning_incremental.core.chunks.encode import Encoded
 from lightning_incremental.core.commit.committer import Committed, Committer, Part
 from lightning_incremental.core.commit.group import Group, describe_error, rebuild
@@ -98,6 +99,14 @@ def merge(records: Sequence[PartRecord]) -> list[TensorEntry]:
         ManifestError: records that do not describe one state (other slots, another sharded
             layout), or a tensor no rank wrote.
     """
+    # A few objects per piece, all of them live (the manifest's table): the collections they
+    # triggered rescanned the records and the table again and again, and a full one now and
+    # then took a merge of 4,096 ranks' records from about 55 ms to over 200 ms.
+    with collection_paused():
+        return _merge(records)
+
+
+def _merge(records: Sequence[PartRecord]) -> list[TensorEntry]:
     first = records[0]
     plain: dict[int, TensorEntry] = {}
     pieces: dict[int, dict[tuple[tuple[int, ...], tuple[int, ...]], PieceEntry]] = {}

@@ -22,7 +22,12 @@ Corner = tuple[int, ...]
 def meets(lo_a: Corner, hi_a: Corner, lo_b: Corner, hi_b: Corner) -> bool:
     """Whether the boxes ``[lo_a, hi_a)`` and ``[lo_b, hi_b)`` share an element: the one box
     test an index does (tests count its calls to bound the work of a query)."""
-    return all(max(a, b) < min(c, d) for a, c, b, d in zip(lo_a, hi_a, lo_b, hi_b))
+    # max(a, b) < min(c, d) in every dim, spelled out: a plan of 4,096 ranks' pieces makes half
+    # a million of these tests, and the generator with max and min cost four times this loop.
+    for a, c, b, d in zip(lo_a, hi_a, lo_b, hi_b):
+        if a >= c or b >= d or a >= d or b >= c:
+            return False
+    return True
 
 
 def corners(box: Any) -> tuple[Corner, Corner]:

@@ -23,8 +23,8 @@ to the coordinator. On a local store, per N:
 
 Each phase is timed with ``time.perf_counter``: the plan best of ``repeats``, the merge (which
 is pure) best of at least three, the commit and the ``gc`` plan once (the second step's commit
-is kept). Records are those of :func:`benchmarks.scale.record` (``sweep`` ``"ranks"``, ``size`` the ranks, ``unit``
-``"s"``) with the counts as extra keys.
+is kept). Records are those of :func:`benchmarks.scale.record` (``sweep`` ``"ranks"``,
+``size`` the ranks, ``unit`` ``"s"``) with the counts as extra keys.
 """
 
 from __future__ import annotations

@@ -101,13 +101,14 @@ def _tensors(value: Any, prefix: str, path: tuple[Any, ...]) -> Any:
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Write ``tensors`` (by name) to the safetensors file ``path``, durably.
+    """Write ``tensors`` (by name) to the safetensors file ``path``, durably. Each tensor is
+    written from its own memory (a copy of one tensor at a time only where it is not a
+    contiguous CPU tensor): exporting a state never holds a second copy of it.
 
     Raises:
         UnsupportedValueError: a dtype safetensors cannot hold, naming the tensor.
     """
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    blobs = []
     offset = 0
     for name, tensor in tensors.items():
         code = _SAFETENSORS_DTYPES.get(tensor.dtype)
@@ -116,21 +117,22 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
                 f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot hold; "
                 "use --format torch"
             )
-        data = tensor.detach().cpu().contiguous()
-        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        nbytes = tensor.numel() * tensor.element_size()
         header[name] = {
             "dtype": code,
-            "shape": list(data.shape),
-            "data_offsets": [offset, offset + len(raw)],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
         }
-        blobs.append(raw)
-        offset += len(raw)
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(text)))
         fh.write(text)
-        for raw in blobs:
-            fh.write(raw)
+        for tensor in tensors.values():
+            if tensor.numel():
+                data = tensor.detach().resolve_neg().cpu().contiguous()
+                fh.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                del data
         fh.flush()
         os.fsync(fh.fileno())

@@ -11,10 +11,11 @@ lends a slab, remembers where each of its tensors starts, and takes it back once
 them was given back (the delta base may keep some of them for a while).
 
 A fresh slab (the first save, or a save whose state grew) is faulted in before the copy, by
-``zero_()``: torch fills it on every intra-op thread (idle while ``save`` blocks), where the
-slab's ``torch.cat`` of thousands of small tensors would take its page faults one at a time on
-one thread. 20,000 tensors of 4 KiB (82 MB) into a fresh slab: 41 ms copied straight in, 29 ms
-faulted first, on the benchmark machine (2 cores; the fill divides over more).
+``zero_()`` where torch has several intra-op threads: it fills it on all of them (idle while
+``save`` blocks), where the slab's ``torch.cat`` of thousands of small tensors would take its
+page faults one at a time on one thread. 20,000 tensors of 4 KiB (82 MB) into a fresh slab:
+41 ms copied straight in, 29 ms faulted first, on the benchmark machine (2 threads; the fill
+divides over more).
 
 Huge pages are opt-in (``LIGHTNING_INCREMENTAL_HUGE_PAGES=1``: fresh buffers of at least
 :data:`HUGE_MIN` bytes are asked of the kernel in huge pages, ``madvise``), as torch's own
@@ -78,8 +79,11 @@ def host_tensor(shape: torch.Size, dtype: torch.dtype, *, pin: bool = False) -> 
 
 
 def fresh_slab(nbytes: int) -> torch.Tensor:
-    """:func:`host_empty`, its pages faulted in on every intra-op thread (see above)."""
-    return host_empty(nbytes).zero_()
+    """:func:`host_empty`, its pages faulted in on every intra-op thread (see above) where
+    there are several; with one (``OMP_NUM_THREADS=1``, as ``torchrun`` sets by default) the
+    faults would cost the same in the copy, and zeroing first would only add a pass."""
+    slab = host_empty(nbytes)
+    return slab.zero_() if torch.get_num_threads() > 1 else slab
 
 
 class BufferPool:
@@ -127,6 +131,8 @@ class BufferPool:
                     self._give_back_part(storage.data_ptr(), tensor)
                     continue
                 flat = tensor.reshape(-1).view(torch.uint8)
+                # a slab of one tensor, given back as that tensor: no longer lent
+                self._lent.pop(storage.data_ptr(), None)
                 self._free[(flat.numel(), tensor.is_pinned())].append(flat)
 
     def give_slabs(self, slabs: Sequence[torch.Tensor]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import re
-import resource
 from pathlib import Path
 
 import pytest
@@ -106,17 +105,26 @@ def test_huge_pages_are_off_by_default_and_small_buffers_keep_plain_pages(monkey
 
 def _page_faults_of_a_copy_into(buffer: torch.Tensor) -> int:
     """Minor page faults the process takes while ``buffer`` is filled."""
+    import resource
+
     src = torch.ones(buffer.numel(), dtype=torch.uint8)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     buffer.copy_(src)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-def test_a_fresh_slab_is_faulted_in_before_the_copy() -> None:
+@pytest.mark.skipif(
+    _thp_mode() == "always", reason="every fresh buffer may come in huge pages: few faults"
+)
+def test_a_fresh_slab_is_faulted_in_before_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh slab comes resident (zeroed on torch's intra-op threads), so the slab's copy of
     thousands of small tensors takes no page fault of its own; a plain fresh buffer does."""
+    import resource
+
+    monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # zeroing pays with 2 threads
     nbytes = 64 << 20  # torch's allocator maps a buffer this large on its own
-    pages = nbytes // 4096
+    pages = nbytes // resource.getpagesize()
     slab = BufferPool().lend_slab(nbytes, [nbytes])
     assert int(slab.count_nonzero()) == 0
     assert _page_faults_of_a_copy_into(slab) < pages // 100
@@ -177,3 +185,19 @@ def test_a_store_round_trips_states_held_in_huge_pages(tmp_path: Path, huge_page
         back = store.load()
     assert torch.equal(back["big"], state["big"])
     assert all(torch.equal(back["small"][k], v) for k, v in state["small"].items())
+
+
+@pytest.mark.skipif(
+    _thp_mode() == "always", reason="every fresh buffer may come in huge pages: few faults"
+)
+def test_with_one_intra_op_thread_a_fresh_slab_is_not_zeroed_first(monkeypatch) -> None:
+    """With one thread (``OMP_NUM_THREADS=1``) zeroing would fault the same pages on the same
+    thread and add a pass: the copy takes the faults instead."""
+    import resource
+
+    monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    nbytes = 64 << 20
+    pages = nbytes // resource.getpagesize()
+    slab = BufferPool().lend_slab(nbytes, [nbytes])
+    assert _page_faults_of_a_copy_into(slab) > pages // 2

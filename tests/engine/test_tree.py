@@ -673,6 +673,9 @@ def test_unsupported_values_name_their_key_path(name: str) -> None:
         flatten({"a": [value]})
     with pytest.raises(UnsupportedValueError, match=re.escape("state['x'][1]['y'][2]")):
         flatten({"x": (0, {"y": [1, 2, value]})})
+    # straight in a dict (a tensor there is noted with its dict's path and its key)
+    with pytest.raises(UnsupportedValueError, match=re.escape("state['a']['b']")):
+        flatten({"a": {"b": value}})
     with pytest.raises(TypeError):  # UnsupportedValueError is a TypeError
         flatten({"a": value})
 

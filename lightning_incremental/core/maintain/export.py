@@ -126,13 +126,17 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(text)))
-        fh.write(text)
-        for tensor in tensors.values():
-            if tensor.numel():
-                data = tensor.detach().resolve_neg().cpu().contiguous()
-                fh.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-                del data
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(path, "wb") as fh:
+            fh.write(struct.pack("<Q", len(text)))
+            fh.write(text)
+            for tensor in tensors.values():
+                if tensor.numel():
+                    data = tensor.detach().resolve_neg().cpu().contiguous()
+                    fh.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                    del data
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)  # a file cut short is no export
+        raise

@@ -11,11 +11,12 @@ lends a slab, remembers where each of its tensors starts, and takes it back once
 them was given back (the delta base may keep some of them for a while).
 
 A fresh slab (the first save, or a save whose state grew) is faulted in before the copy, by
-``zero_()`` where torch has several intra-op threads: it fills it on all of them (idle while
-``save`` blocks), where the slab's ``torch.cat`` of thousands of small tensors would take its
-page faults one at a time on one thread. 20,000 tensors of 4 KiB (82 MB) into a fresh slab:
-41 ms copied straight in, 29 ms faulted first, on the benchmark machine (2 threads; the fill
-divides over more).
+``zero_()``: torch fills it on every intra-op thread (idle while ``save`` blocks), where the
+slab's ``torch.cat`` of thousands of small tensors would take its page faults one at a time on
+one thread. 20,000 tensors of 4 KiB (82 MB) into a fresh slab, on the benchmark machine: 41 ms
+copied straight in, 27-31 ms faulted first with two intra-op threads, and still 39 ms with one
+(``OMP_NUM_THREADS=1``, as ``torchrun`` sets): a fault is cheaper in a tight fill than between
+small copies, so the fill pays for its extra pass even then.
 
 Huge pages are opt-in (``LIGHTNING_INCREMENTAL_HUGE_PAGES=1``: fresh buffers of at least
 :data:`HUGE_MIN` bytes are asked of the kernel in huge pages, ``madvise``), as torch's own
@@ -79,11 +80,8 @@ def host_tensor(shape: torch.Size, dtype: torch.dtype, *, pin: bool = False) -> 
 
 
 def fresh_slab(nbytes: int) -> torch.Tensor:
-    """:func:`host_empty`, its pages faulted in on every intra-op thread (see above) where
-    there are several; with one (``OMP_NUM_THREADS=1``, as ``torchrun`` sets by default) the
-    faults would cost the same in the copy, and zeroing first would only add a pass."""
-    slab = host_empty(nbytes)
-    return slab.zero_() if torch.get_num_threads() > 1 else slab
+    """:func:`host_empty`, its pages faulted in on every intra-op thread (see above)."""
+    return host_empty(nbytes).zero_()
 
 
 class BufferPool:

@@ -122,7 +122,6 @@ def test_a_fresh_slab_is_faulted_in_before_the_copy(monkeypatch: pytest.MonkeyPa
     import resource
 
     monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # zeroing pays with 2 threads
     nbytes = 64 << 20  # torch's allocator maps a buffer this large on its own
     pages = nbytes // resource.getpagesize()
     slab = BufferPool().lend_slab(nbytes, [nbytes])
@@ -185,19 +184,3 @@ def test_a_store_round_trips_states_held_in_huge_pages(tmp_path: Path, huge_page
         back = store.load()
     assert torch.equal(back["big"], state["big"])
     assert all(torch.equal(back["small"][k], v) for k, v in state["small"].items())
-
-
-@pytest.mark.skipif(
-    _thp_mode() == "always", reason="every fresh buffer may come in huge pages: few faults"
-)
-def test_with_one_intra_op_thread_a_fresh_slab_is_not_zeroed_first(monkeypatch) -> None:
-    """With one thread (``OMP_NUM_THREADS=1``) zeroing would fault the same pages on the same
-    thread and add a pass: the copy takes the faults instead."""
-    import resource
-
-    monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    nbytes = 64 << 20
-    pages = nbytes // resource.getpagesize()
-    slab = BufferPool().lend_slab(nbytes, [nbytes])
-    assert _page_faults_of_a_copy_into(slab) > pages // 2

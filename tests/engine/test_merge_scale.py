@@ -4,7 +4,6 @@ builds is exact, and its cost grows with the pieces, not faster. Counted, never 
 from __future__ import annotations
 
 import gc
-from typing import Any
 
 import pytest
 
@@ -13,6 +12,7 @@ from lightning_incremental.core.commit.committer import Part
 from lightning_incremental.core.commit.sharded import PartRecord, merge
 from lightning_incremental.core.format.records import TensorEntry
 from lightning_incremental.core.format.tree import ShardedInfo
+from tests.engine.gc_counts import collections_started
 
 ROWS, COLS, TENSORS = 4, 8, 4
 
@@ -54,18 +54,8 @@ def test_a_merge_triggers_no_garbage_collection_growing_with_the_ranks(ranks: in
     (a merge of 4,096 ranks' records took 55 ms, or over 200 ms when one struck). Merging
     pauses collection: their number does not grow with the ranks."""
     records = _records(ranks)
-    started: list[int] = []
-
-    def count(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started.append(info["generation"])
-
-    gc.collect()
-    gc.callbacks.append(count)
-    try:
+    with collections_started() as started:
         table = merge(records)
-    finally:
-        gc.callbacks.remove(count)
     assert sum(len(t.pieces) for t in table) == ranks * TENSORS
     assert len(started) <= 3, started  # the young generation, once collection resumes
     assert gc.isenabled()

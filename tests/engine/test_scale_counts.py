@@ -25,6 +25,7 @@ from lightning_incremental.core.format import canonical, compact, validation
 from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.format.records import ChunkRecipe, Manifest, TensorEntry
 from tests.conftest import assert_state_equal
+from tests.engine.gc_counts import collections_started
 
 
 @contextmanager
@@ -325,21 +326,10 @@ def test_the_background_of_a_save_triggers_few_garbage_collections(tmp_path: Pat
     import gc
 
     state = _small_state(n)
-    started: list[int] = []
-
-    def count(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started.append(info["generation"])
-
     with CheckpointStore(tmp_path / "s") as store:
         for step in (1, 2):
-            gc.collect()
-            started.clear()
-            gc.callbacks.append(count)
-            try:
+            with collections_started() as started:
                 store.save(state, step=step).result()
-            finally:
-                gc.callbacks.remove(count)
             assert len(started) <= 12, (step, started)
     assert gc.isenabled()
 

@@ -20,6 +20,7 @@ from lightning_incremental.core.format.records import ChunkRecipe, PieceEntry, T
 from lightning_incremental.core.load import scatter
 from lightning_incremental.core.load.scatter import piece_targets
 from lightning_incremental.core.load.targets import Regions
+from tests.engine.gc_counts import collections_started
 from tests.engine.test_pieces import near_tilings
 
 GROWTH = 2  # the log factor allowed: 4x the pieces may cost at most 4 * GROWTH x the tests
@@ -217,18 +218,8 @@ def test_a_resharded_plan_triggers_no_garbage_collection_growing_with_the_pieces
     entry, recipes, _ = _stored(full, _rows(4 * n, list(range(4, 4 * n, 4)), 2), 16)
     wanted = _rows(4 * n, list(range(8, 4 * n, 8)), 2)
     outs = [torch.zeros(box.sizes) for box in wanted]
-    started: list[int] = []
-
-    def count(phase: str, info: dict) -> None:
-        if phase == "start":
-            started.append(info["generation"])
-
-    gc.collect()
-    gc.callbacks.append(count)
-    try:
+    with collections_started() as started:
         targets = piece_targets(entry, Regions(tuple(zip(outs, wanted))), recipes)
-    finally:
-        gc.callbacks.remove(count)
     assert len(targets) == n
     assert len(started) <= 3, started  # the young generation, once collection resumes
     assert gc.isenabled()

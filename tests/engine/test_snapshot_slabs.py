@@ -15,6 +15,7 @@ from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.save.slabs import SLAB_MAX
 from lightning_incremental.core.save.snapshot import flatten, flatten_state, wait_ready
+from tests.engine.gc_counts import collections_started
 
 
 class _CountOps(TorchDispatchMode):
@@ -52,18 +53,8 @@ def test_the_walk_triggers_no_garbage_collection() -> None:
     """Every tensor of the walk makes a few small objects; collections triggered by them only
     scanned the same objects again (half the time ``save`` blocked at 20,000 tensors)."""
     state = _many(3000)
-    collections: list[int] = []
-
-    def count(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            collections.append(info["generation"])
-
-    gc.collect()
-    gc.callbacks.append(count)
-    try:
+    with collections_started() as collections:
         flatten_state(state, pool=BufferPool())
-    finally:
-        gc.callbacks.remove(count)
     # at most one, once collection is back on (it was one per few hundred objects made)
     assert len(collections) <= 1, collections
     assert gc.isenabled()

@@ -90,7 +90,8 @@ class BufferPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
-        # slabs lent out: storage address -> (the slab, byte offsets of its tensors still out)
+        # slabs lent out: storage address -> (the slab, the byte sizes of its tensors as lent;
+        # once one of them came back, the byte offsets of those still out)
         self._lent: dict[int, tuple[torch.Tensor, list[int] | set[int]]] = {}
 
     def take(self, shape: torch.Size, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:

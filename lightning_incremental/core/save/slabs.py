@@ -43,6 +43,11 @@ Noted = tuple[tuple[Any, ...], Any, int, int, torch.Size, bool, bool, int]
 NO_KEY: Any = object()
 
 
+def full_path(path: tuple[Any, ...], key: Any) -> tuple[Any, ...]:
+    """The key path of a tensor noted at ``path`` with ``key`` (see :data:`Noted`)."""
+    return path if key is NO_KEY else (*path, key)
+
+
 @dataclass
 class Slab:
     """One dtype's small tensors, copied: ``data`` holds them end to end."""
@@ -130,7 +135,7 @@ def _complete(slabs: Slabs, leaves: list[Leaf | None]) -> None:
         data = slab.data
         for path, key, slot, index, shape, requires_grad, parameter, size in slab.noted:
             end = start + size
-            where = key_path(path if key is NO_KEY else (*path, key))
+            where = key_path(full_path(path, key))
             leaves[index] = SlabLeaf(
                 where, name, list(shape), width, parameter, requires_grad, slot,
                 raw[start:end], data, start // itemsize,

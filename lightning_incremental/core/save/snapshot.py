@@ -64,7 +64,7 @@ from lightning_incremental.core.format.tree import (
     float_hex,
     key_path,
 )
-from lightning_incremental.core.save.slabs import NO_KEY, SLAB_MAX, Slabs, complete
+from lightning_incremental.core.save.slabs import NO_KEY, SLAB_MAX, Slabs, complete, full_path
 
 # Read once: the walk tests every tensor against them (a module attribute lookup each otherwise).
 _TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
@@ -222,7 +222,7 @@ class _Flattener:
         # Called for every tensor of the state: the attribute reads below are what ``save``
         # blocks for at tens of thousands of tensors, so each is read once.
         if t.layout is not _STRIDED or t.is_quantized or t.is_nested or t.is_meta:
-            raise _unsupported(t, path if key is NO_KEY else (*path, key))
+            raise _unsupported(t, full_path(path, key))
         conj, neg, dtype, requires_grad = t.is_conj(), t.is_neg(), t.dtype, t.requires_grad
         nbytes = t.nbytes
         slot = self.slots
@@ -254,7 +254,7 @@ class _Flattener:
                 group[1].append(noted)
             leaves.append(None)  # type: ignore[arg-type]  # built by slabs.complete
             return slot
-        where = key_path(path if key is NO_KEY else (*path, key))
+        where = key_path(full_path(path, key))
         self.leaves.append(self.snapshot(t, where, slot))
         return slot
 

@@ -91,6 +91,28 @@ def test_group_ungroup_round_trip(data: bytes, width: int) -> None:
 
 
 @fast
+@given(
+    sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=3),
+    width=st.sampled_from([1, 2, 4, 8]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_interleave_assembles_each_element_from_its_byte_planes(
+    sizes: list[int], width: int, seed: int
+) -> None:
+    """Byte ``k`` of element ``i`` is ``planes[k][i]`` (little endian), for every width; one
+    thread's calls of several sizes in a row (its scratch buffers reused and grown) too."""
+    from lightning_incremental.core.codecs.bytes import interleave
+
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(f"<u{width}")
+    for n in sizes:
+        want = rng.integers(0, 256, (n, width), dtype=np.uint8)
+        out = np.full(n, 0xAB, dtype=dtype)
+        assert interleave([np.ascontiguousarray(want[:, k]) for k in range(width)], out) is out
+        assert out.view(np.uint8).reshape(n, width).tobytes() == want.tobytes()
+
+
+@fast
 @given(n_elems=st.integers(1, 300), width=widths, seed=st.integers(0, 2**32 - 1))
 def test_group_bytes_puts_byte_k_of_every_element_in_plane_k(
     n_elems: int, width: int, seed: int

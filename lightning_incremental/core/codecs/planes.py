@@ -44,7 +44,7 @@ import zstandard
 
 from lightning_incremental.core.buffers import gather
 from lightning_incremental.core.codecs import predict as pr
-from lightning_incremental.core.codecs.bytes import compress, decompress, scratch
+from lightning_incremental.core.codecs.bytes import compress, decompress, interleave, scratch
 from lightning_incremental.core.codecs.registry import Codec, register
 
 MAGIC = b"LPZ1"
@@ -119,15 +119,7 @@ def to_planes(elems: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 def from_planes(planes: list[np.ndarray], elems: np.ndarray) -> None:
     """Inverse of :func:`to_planes`: assemble ``elems`` (unsigned, ``len(planes)`` bytes each)
     from its byte planes (uint8 arrays of ``elems.size``)."""
-    if elems.itemsize == 1:
-        np.copyto(elems, planes[0])
-        return
-    widened = scratch("widen", elems.size, elems.dtype)
-    np.copyto(elems, planes[0], casting="unsafe")
-    for k in range(1, len(planes)):
-        np.copyto(widened, planes[k], casting="unsafe")
-        np.left_shift(widened, 8 * k, out=widened)
-        np.bitwise_or(elems, widened, out=elems)
+    interleave(planes, elems)
 
 
 def _code_plane(plane: np.ndarray, level: int) -> tuple[int, bytes | memoryview]:

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +80,11 @@ def record(
     unit: str,
     target: float | None = None,
     absolute: bool = False,
+    detail: str | None = None,
 ) -> dict[str, Any]:
     """One row: ``ratio`` is ours / baseline; ``met`` compares the ratio (or, ``absolute``, our
-    value) with ``target`` (None: no target)."""
+    value) with ``target`` (None: no target); ``detail``: what the figure depends on, printed
+    as a note under the table."""
     # a multiple of the state beside a baseline near zero is no ratio
     ratio = ours / baseline if baseline and unit != "x" else None
     checked = ours if absolute else ratio
@@ -99,6 +102,7 @@ def record(
         "target": target,
         "target_absolute": absolute,
         "met": met,
+        "detail": detail,
     }
 
 
@@ -285,6 +289,40 @@ def copy_bound(state: dict[str, Any], repeats: int) -> float:
     return best
 
 
+def chain_makeup(store_dir: Path, step: int) -> str:
+    """What a restore of ``step`` decodes: its chunks by how each is stored, and the bytes it
+    reads against the raw bytes.
+
+    It varies from run to run, and the restore's time with it: under ``codec_effort="auto"``
+    (the default) a save whose background thread waited for a CPU longer than it ran stores its
+    changed chunks as they are (codec ``s``), and the next save's deltas then have such roots;
+    a chunk stored as it is restores at copy speed, a coded one at the codec's, a delta at
+    about the sum of its root's and its own."""
+    from lightning_incremental.core import CheckpointStore
+
+    with CheckpointStore(str(store_dir)) as store:
+        doc = store.manifest(step).to_dict()
+    chunks = doc["chunks"]
+    kinds: Counter[str] = Counter()
+    read = raw = 0
+    for tensor in doc["tensors"]:
+        for digest in tensor["chunks"]:
+            recipe = root = chunks[digest]
+            while root.get("base"):
+                root = chunks[root["base"]]
+            plain = root["kind"] == "s"
+            if recipe["depth"]:
+                what = "deltas on a root stored as it is" if plain else "deltas on a coded root"
+                kinds[what] += 1
+            else:
+                kinds["stored as they are" if plain else "coded standalone"] += 1
+            read += recipe["chain"] or recipe["length"]
+            raw += recipe["size"]
+    parts = ", ".join(f"{n} {what}" for what, n in sorted(kinds.items()))
+    count = sum(kinds.values())
+    return f"restored {count} chunks ({parts}), reading {read / raw:.2f}x their raw bytes"
+
+
 def big_sweep(nbytes: int, root: Path, repeats: int) -> list[dict[str, Any]]:
     """The big-state figures for a state of about ``nbytes`` in 8 tensors."""
     from lightning_incremental.core import CheckpointStore
@@ -330,6 +368,7 @@ def big_sweep(nbytes: int, root: Path, repeats: int) -> list[dict[str, Any]]:
     torch_load = fresh_restore("torch", plain, repeats)
     base_load = fresh_restore("ours", store_dir, repeats, step=1)
     chain_load = fresh_restore("ours", store_dir, repeats, step=CHAIN)
+    makeup = chain_makeup(store_dir, CHAIN)
     rows = [
         record(
             "big",
@@ -374,6 +413,7 @@ def big_sweep(nbytes: int, root: Path, repeats: int) -> list[dict[str, Any]]:
             "torch.load",
             "s",
             RESTORE_TARGET,
+            detail=f"step {CHAIN} of the chain {makeup}",
         ),
     ]
     plain_x = None if plain_peak.extra_bytes is None else plain_peak.extra_bytes / size

@@ -76,6 +76,7 @@ def _row(case: str, ranks: int, figure: str, seconds: float, **extra: Any) -> di
         "target": None,
         "target_absolute": False,
         "met": None,
+        "detail": None,
         **extra,
     }
 

@@ -86,6 +86,7 @@ def markdown(
         *table(records),
         "",
     ]
+    lines += [f"Note: {r['case']}, {r['detail']}." for r in records if r.get("detail")]
     lines += [f"Note: {n}" for n in notes]
     return "\n".join(lines).rstrip() + "\n"
 

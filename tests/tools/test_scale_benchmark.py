@@ -5,6 +5,7 @@ section of its docs page."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ KEYS = {
     "target",
     "target_absolute",
     "met",
+    "detail",
 }
 MACHINE = {"cpu_model": "test CPU", "cpu_available": 2, "ram_gib": 4, "torch": "x"}
 
@@ -128,6 +130,15 @@ def test_the_sweeps_measure_every_figure_at_a_tiny_size(
         assert peak["unit"] == "x" and peak["ratio"] is None and peak["target_absolute"]
         assert peak["met"] == (peak["ours"] <= scale.PEAK_MEMORY_TARGET_X)
     assert all(r["case"] == big[0]["case"] and r["size"] == pytest.approx(0.002) for r in big)
+    # the chain's restore says what it decoded: 8 tensors of 250 kB, one chunk each
+    chain = next(r for r in big if "chain" in r["figure"])
+    assert re.fullmatch(
+        rf"step {scale.CHAIN} of the chain restored 8 chunks \((\d+ [a-z ]+(, )?)+\), "
+        r"reading \d+\.\d\dx their raw bytes",
+        chain["detail"],
+    ), chain["detail"]
+    text = scale_report.markdown({}, {}, big, [])
+    assert f"Note: {chain['case']}, {chain['detail']}." in text
     assert restores == [
         ("ours", "tensors-64", None),
         ("torch", "tensors-64.pt", None),

@@ -372,6 +372,7 @@ def big_sweep(nbytes: int, root: Path, repeats: int) -> list[dict[str, Any]]:
                 if steady:
                     baselines.append(plain_s)
     shutil.rmtree(kept, ignore_errors=True)
+    copy.dst.clear()  # the restores below run with the memory they had before
     baseline = min(baselines)
     torch_load = fresh_restore("torch", plain, repeats)
     base_load = fresh_restore("ours", store_dir, repeats, step=1)

@@ -12,10 +12,12 @@ Three sweeps, each figure of ours a ratio to its baseline measured in the same r
 * **Big state** (``--big-gb``, default 1 GB in 8 float32 tensors). Five saves, every tensor
   changed in place (``add_(1)``: a dense update) before each after the first. Figures: the
   stall of the third save (steady state: snapshot buffers recycled) against copying the state
-  into buffers that already exist (``dst.copy_(src)``, the memory-bandwidth bound); the time
+  into buffers that already exist (``dst.copy_(src)``, the memory-bandwidth bound, timed right
+  before that save); the time
   to durable of the steady saves (the third on) against ``torch.save`` + fsync after each;
   restores in a fresh process of the full base (the first save) and of the end of the chain
-  of five against ``torch.load``; the peak extra host memory of the first save (snapshot
+  of five against ``torch.load`` (with what the chain's end is made of, see
+  :func:`chain_makeup`); the peak extra host memory of the first save (snapshot
   buffers allocated) and of the fourth (recycled), as a multiple of the state
   (``benchmarks.memory``: ``VmHWM``), beside ``torch.save``'s.
 * **Many ranks, simulated**: the records of ``benchmarks.scale_ranks.run(ranks=...)`` (commit

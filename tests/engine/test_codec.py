@@ -90,6 +90,21 @@ def test_group_ungroup_round_trip(data: bytes, width: int) -> None:
     assert out.tobytes() == data
 
 
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_ungroup_bytes_of_a_chunk_of_several_blocks(width: int) -> None:
+    """Assembled block by block (``INTERLEAVE_BLOCK`` elements a pass): a chunk of two blocks
+    and a part, into a 2-D output as well as a flat one."""
+    from lightning_incremental.core.codecs.bytes import INTERLEAVE_BLOCK
+
+    n = 2 * INTERLEAVE_BLOCK + 3
+    raw = np.random.default_rng(width).integers(0, 256, n * width, dtype=np.uint8)
+    grouped = codec.group_bytes(raw, width)
+    for shape in ((n * width,), (n, width)):
+        out = np.zeros(shape, dtype=np.uint8)
+        codec.ungroup_bytes(grouped, width, out)
+        assert out.tobytes() == raw.tobytes()
+
+
 @fast
 @given(
     sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=3),

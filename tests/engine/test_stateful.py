@@ -721,6 +721,32 @@ def test_the_machines_choices_do_not_depend_on_the_store() -> None:
                 assert "data()" not in repr(strategy), f"{machine.__name__}.{name} draws {arg}"
 
 
+def test_a_save_after_maintenance_in_this_process_survives_a_gc_elsewhere() -> None:
+    """A history the held machine found (failing at every replay before the fix): a compact
+    and a gc through a second store object of the process beside step 7's save rewrote step 7
+    after it committed; the training store's delta base still named the replaced version's
+    objects, and at step 8 a gc in another process (its grace period past) deleted one that
+    step 8 reused: step 8 committed without it. A compact or delete through another store
+    object of the process now makes the next save build on what is committed."""
+    machine = HeldStoreMachine()
+    try:
+        machine.start(keep_last=3, history=["both", "none"])
+        for change, disturb, keep, nth, bare in [
+            ("none", "nothing", 2, 9, True),
+            ("both", "nothing", 1, 29, False),
+            ("none", "nothing", 1, 2, False),
+            ("none", "nothing", 1, 10, True),
+            ("both", "crash", 2, 21, True),
+            ("both", "maintenance in this process", 2, 1, False),
+            ("sparse", "concurrent gc", 2, 6, False),
+        ]:
+            machine.save_step(change=change, disturb=disturb, nth=nth, bare=bare, keep=keep)
+            machine.committed_steps_restore_exactly_or_are_reported()
+            machine.the_newest_generation_loses_no_object()
+    finally:
+        machine.teardown()
+
+
 def test_store_state_machine() -> None:
     StoreMachine.TestCase.settings = QUICK
     StoreMachine.TestCase().runTest()

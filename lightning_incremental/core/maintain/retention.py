@@ -414,6 +414,7 @@ class Maintainer:
                 Plan(None, (), (target,), 0.0, False, thorough=False, writer=True)
             )
             self.history.forget(target)
+            self.committer.rewrote()
             return report
 
     def compact(self) -> SaveResult | None:
@@ -438,6 +439,7 @@ class Maintainer:
             if done is None:
                 return None
             committed, part, leaves, before = done
+            self.committer.rewrote()  # before this object's base is set: it is current
             if committed.manifest.sharded:  # the ranks' pieces: bases read from storage
                 self.base.set(Parent(step, committed.manifest), [x.data for x in leaves])
             else:

@@ -111,6 +111,7 @@ def assemble(
     fence = fencing.Fencing(storage, functools.partial(read_manifest, storage))
     history = History(storage, fence)
     base = DeltaBase(config)
+    base.rewrites_seen = place.rewrites  # what other store objects rewrote before (rewrites.py)
     # One writing process per store (lease.py).
     lease = Lease(storage, config.lease_ttl_s)
     committer = Committer(

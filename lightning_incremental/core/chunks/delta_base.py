@@ -54,6 +54,9 @@ class DeltaBase:
         self.pool = BufferPool()
         self._lock = threading.Lock()
         self._parent: Parent | None = None
+        # compactions and deletes at the location that the parent takes into account (see
+        # commit.rewrites; the store sets it to the count when it opens)
+        self.rewrites_seen = 0
 
     @property
     def parent(self) -> Parent | None:

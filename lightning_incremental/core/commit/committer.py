@@ -168,39 +168,12 @@ class Committer:
         self.storage, self.config, self.pool = storage, config, pool
         self.location = location if location is not None else Location()
         self._part_began: tuple[int, int] | None = None  # (step, sweeps here) of the last part
-        self._rewrites_seen = self.location.rewrites  # see rebase_if_rewritten
         self.writer = writer if writer is not None else pool
         self.fencing, self.lease, self.history, self.base = fencing, lease, history, base
         self.hints = Hints()  # how each place was coded last: the next save skips the race
         self.effort = Effort(config.codec_effort)  # when changed chunks are stored as they are
 
     # ------------------------------------------------------------------ phase 1
-
-    def rewrote(self) -> None:
-        """This store object compacted or deleted a committed checkpoint (under the location's
-        lock) and set its own delta base accordingly: the other store objects of this process
-        on the location rebuild theirs (:meth:`rebase_if_rewritten`)."""
-        self._rewrites_seen = self.location.rewrote()
-
-    def rebase_if_rewritten(self) -> None:
-        """Under the location's lock, before a part is encoded: when another store object of
-        this process compacted or deleted a committed checkpoint since, the delta base may be
-        the version that is gone, naming objects no committed manifest names any more — a gc
-        in another process may delete them at any moment once they are past its grace period,
-        and a part reusing them would commit a checkpoint that loses them. The next part then
-        builds on what is committed now (its bases read from storage)."""
-        seen = self.location.rewrites
-        if seen == self._rewrites_seen:
-            return
-        self._rewrites_seen = seen
-        newest = self.history.newest_readable()
-        log.info(
-            "%s was compacted or had a checkpoint deleted through another store object of this "
-            "process: the next save builds on what is committed now (step %s)",
-            self.storage.url,
-            newest.step if newest is not None else None,
-        )
-        self.base.set(Parent(newest.step, newest) if newest is not None else None)
 
     def write_part(
         self,
@@ -224,8 +197,6 @@ class Committer:
             CorruptCheckpointError: objects to reuse keep vanishing (another process deleting).
         """
         self._part_began = (step, self.location.sweeps)
-        if parent is None:
-            self.rebase_if_rewritten()
         explicit = parent is not None
         parent = parent if explicit else self.base.parent
         full = full or parent is None or parent.manifest.since_base + 1 >= self.config.base_every

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from lightning_incremental.core.chunks.delta_base import DeltaBase, Parent
 from lightning_incremental.core.chunks.packs import damaged_objects
+from lightning_incremental.core.commit import rewrites
 from lightning_incremental.core.commit.committer import Committer, save_result
 from lightning_incremental.core.commit.fencing import Fencing, Generation, check_process
 from lightning_incremental.core.commit.history import History, check_step_type
@@ -414,7 +415,7 @@ class Maintainer:
                 Plan(None, (), (target,), 0.0, False, thorough=False, writer=True)
             )
             self.history.forget(target)
-            self.committer.rewrote()
+            rewrites.ours(self.committer)
             return report
 
     def compact(self) -> SaveResult | None:
@@ -439,7 +440,7 @@ class Maintainer:
             if done is None:
                 return None
             committed, part, leaves, before = done
-            self.committer.rewrote()  # before this object's base is set: it is current
+            rewrites.ours(self.committer)  # before this object's base is set: it is current
             if committed.manifest.sharded:  # the ranks' pieces: bases read from storage
                 self.base.set(Parent(step, committed.manifest), [x.data for x in leaves])
             else:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_incremental.core.chunks.delta_base import DeltaBase, Parent
+from lightning_incremental.core.commit import rewrites
 from lightning_incremental.core.commit.committer import Committer, Part, save_result
 from lightning_incremental.core.commit.fencing import Generation
 from lightning_incremental.core.commit.group import Group
@@ -167,6 +168,7 @@ class Saver:
             with self.lock:
                 self.admit()  # one writer per store
                 self.history.write_marker()
+                rewrites.rebase_if_others(self.committer)  # compacted through another object?
                 previous = self.base.parent
                 # the manifest is prepared while the part's last writes run (commit waits)
                 part: Part = self.committer.write_part(step, leaves, durable=False)
@@ -217,6 +219,7 @@ class Saver:
                 if coordinator:
                     self.admit()  # one writer per store: rank 0
                     self.history.write_marker()
+                rewrites.rebase_if_others(self.committer)  # compacted through another object?
                 return self.committer.write_part(step, flat.leaves)
 
         try:

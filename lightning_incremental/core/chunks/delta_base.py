@@ -45,6 +45,12 @@ class Parent:
     # parent's entry lies in it.
     slabs: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, manifest: Manifest | None) -> Parent | None:
+        """The next save built on committed ``manifest`` (its bases read from storage), or on
+        nothing."""
+        return cls(manifest.step, manifest) if manifest is not None else None
+
 
 class DeltaBase:
     """The parent of the next save, and the pool its snapshot buffers are recycled through."""

@@ -252,8 +252,7 @@ class Committer:
                         self.storage.url,
                         step,
                     )
-                    newest = self.history.newest_readable()
-                    parent = Parent(newest.step, newest) if newest is not None else None
+                    parent = Parent.of(self.history.newest_readable())
                     self.base.set(parent)
                     full, avoid, reloaded = True, set(), True
                     _drop(enc)  # this attempt's writes end before the next

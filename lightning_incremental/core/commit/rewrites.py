@@ -39,4 +39,4 @@ def rebase_if_others(committer: Committer) -> None:
         committer.storage.url,
         newest.step if newest is not None else None,
     )
-    committer.base.set(Parent(newest.step, newest) if newest is not None else None)
+    committer.base.set(Parent.of(newest))

@@ -85,10 +85,9 @@ class Saver:
         self.history.last_step = steps[-1] if steps else None
         newest = self.history.newest_readable(steps)
         if newest is None:  # a fork of weights only: its first save builds on the source's step
-            base = read_fork_base(self.storage)
-            self.base.set(Parent(base.step, base) if base is not None else None)
+            self.base.set(Parent.of(read_fork_base(self.storage)))
         else:
-            self.base.set(Parent(newest.step, newest))
+            self.base.set(Parent.of(newest))
         self.history.committed = newest.step if newest is not None else None
         self.initialised = True
 
@@ -240,8 +239,7 @@ class Saver:
             self.base.release(flat.leaves, step)
             self.history.rewind(self.queue.pending(exclude=step))
             # The ranks may have built on different parents: all start again from storage.
-            newest = self.history.newest_readable()
-            self.base.set(Parent(newest.step, newest) if newest is not None else None)
+            self.base.set(Parent.of(self.history.newest_readable()))
             log.error("checkpoint step %d failed on rank %d: %s", step, self.group.rank, exc)
             raise
         result = rank_result(

@@ -105,16 +105,17 @@ class BufferPool:
                 return flat.view(dtype).view(shape)
         return host_tensor(shape, dtype, pin=pin)
 
-    def lend_slab(self, nbytes: int, sizes: list[int]) -> torch.Tensor:
+    def lend_slab(self, nbytes: int, sizes: list[int], *, fault: bool = True) -> torch.Tensor:
         """A flat uint8 CPU buffer of ``nbytes`` holding tensors of ``sizes`` bytes end to end
         from its start: it comes back to the pool once each of them was given back
         (:meth:`give`). Where they start is worked out on the first give back, not here: this
-        runs while ``save`` blocks."""
+        runs while ``save`` blocks. A fresh one is faulted in (:func:`fresh_slab`) unless
+        ``fault`` is false (its copy runs on a thread of its own, beside other work)."""
         with self._lock:
             free = self._free.get((nbytes, False))
             slab = free.pop() if free else None
         if slab is None:
-            slab = fresh_slab(nbytes)
+            slab = fresh_slab(nbytes) if fault else host_empty(nbytes)
         with self._lock:
             self._lent[slab.data_ptr()] = (slab, sizes)
         return slab

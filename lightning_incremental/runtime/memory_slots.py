@@ -117,9 +117,9 @@ class SlotPool(BufferPool):
                 return raw.view(dtype).view(shape)
         return self.fallback.take(shape, dtype, pin=pin)
 
-    def lend_slab(self, nbytes: int, sizes: list[int]) -> torch.Tensor:
+    def lend_slab(self, nbytes: int, sizes: list[int], *, fault: bool = True) -> torch.Tensor:
         raw = self._carve(nbytes) if nbytes else None
-        return raw if raw is not None else self.fallback.lend_slab(nbytes, sizes)
+        return raw if raw is not None else self.fallback.lend_slab(nbytes, sizes, fault=fault)
 
     def give(self, tensors: list[torch.Tensor]) -> None:
         self.fallback.give([t for t in tensors if not self.slot.holds(t)])

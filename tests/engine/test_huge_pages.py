@@ -24,6 +24,7 @@ from lightning_incremental.core.buffers import (
     host_empty,
     host_tensor,
 )
+from lightning_incremental.core.save.slabs import BATCH_FIRST
 from lightning_incremental.core.save.snapshot import flatten_state, wait_ready
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -62,16 +63,16 @@ def huge_pages_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_thp
 def test_a_fresh_snapshot_of_many_small_tensors_lies_in_huge_pages(huge_pages_on: None) -> None:
-    """Turned on, the slab of 4,096 tensors of 4 KiB (16 MiB) is faulted in as huge pages
-    (torch's allocator gives 4 KiB pages, none huge where the kernel grants them only on
-    request)."""
+    """Turned on, the slabs of 4,096 tensors of 4 KiB (two of 8 MiB: the first copied on the
+    copying thread) are faulted in as huge pages (torch's allocator gives 4 KiB pages, none
+    huge where the kernel grants them only on request)."""
     state = {"m": {f"w{i}": torch.full((1024,), float(i)) for i in range(4096)}}
     snap = flatten_state(state, pool=BufferPool())
     wait_ready(snap)
     leaf = snap.leaves[0]
     assert leaf is not None
     slab = leaf.slab  # type: ignore[attr-defined]
-    assert slab.numel() * slab.element_size() == 16 << 20
+    assert slab.numel() * slab.element_size() == BATCH_FIRST * 4096 == 8 << 20
     assert (_huge_kb(slab) or 0) >= 2048, "the slab is not in huge pages"
     assert torch.equal(leaf.data, state["m"]["w0"])
 

@@ -4,6 +4,7 @@ collection during the walk, and leaves that hold exactly what a copy of each ten
 from __future__ import annotations
 
 import gc
+import threading
 from collections import Counter
 from typing import Any
 
@@ -13,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.buffers import BufferPool
-from lightning_incremental.core.save.slabs import SLAB_MAX
+from lightning_incremental.core.errors import UnsupportedValueError
+from lightning_incremental.core.save.slabs import BATCH_FIRST, BATCH_MAX, SLAB_MAX
 from lightning_incremental.core.save.snapshot import flatten, flatten_state, wait_ready
 from tests.engine.gc_counts import collections_started
 
@@ -199,8 +201,8 @@ def test_a_steady_save_reuses_the_slab_memory(tmp_path: Any) -> None:
     lent: list[int] = []
     original = BufferPool.lend_slab
 
-    def spy(self: BufferPool, nbytes: int, sizes: list[int]) -> torch.Tensor:
-        slab = original(self, nbytes, sizes)
+    def spy(self: BufferPool, nbytes: int, sizes: list[int], **kwargs: Any) -> torch.Tensor:
+        slab = original(self, nbytes, sizes, **kwargs)
         lent.append(slab.data_ptr())
         return slab
 
@@ -230,3 +232,110 @@ def test_the_pool_takes_a_slab_back_once_every_leaf_came_back() -> None:
     assert again.data_ptr() == slab.data_ptr()
     pool.give([torch.empty(100)[10:20]])  # a view the pool did not lend: ignored
     assert pool.nbytes == 0
+
+
+# ----------------------------------------------------------------- copies beside the walk
+
+
+def _mixed(n: int) -> dict[str, Any]:
+    """``n`` float32 tensors of odd shapes, some views, and ``n // 4`` bfloat16 ones."""
+    torch.manual_seed(1)
+    base = torch.randn(n, 6)
+    return {
+        "f": {
+            f"w{i}": (base[i, ::2] if i % 5 == 0 else torch.randn(i % 7 + 1, 3)) for i in range(n)
+        },
+        "b": [torch.randn(i % 3 + 1).to(torch.bfloat16) for i in range(n // 4)],
+    }
+
+
+def test_a_large_state_is_copied_in_batches_on_another_thread_as_the_walk_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past :data:`BATCH_FIRST` tensors of a dtype, batches go to the copying thread as the
+    walk notes them (their number grows linearly, by :data:`BATCH_MAX`), and every leaf still
+    holds exactly its tensor as seen."""
+    n = BATCH_FIRST + 2 * BATCH_MAX + 100  # float32: batches of BATCH_FIRST, BATCH_MAX, rest
+    state = _mixed(n)
+    cats: list[tuple[str, int]] = []
+    original = torch.cat
+
+    def counted(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        cats.append((threading.current_thread().name, len(tensors)))
+        return original(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", counted)
+    pool = BufferPool()
+    flat = flatten_state(state, pool=pool)
+    monkeypatch.setattr(torch, "cat", original)
+    wait_ready(flat)
+    on_thread = [size for name, size in cats if name == "snapshot-slab-copy"]
+    assert on_thread == [BATCH_FIRST, BATCH_MAX, BATCH_MAX], cats
+    assert sorted(size for _, size in cats) == sorted([*on_thread, 100, n // 4])
+    assert not [t for t in threading.enumerate() if t.name == "snapshot-slab-copy"]
+    leaves = {leaf.path: leaf for leaf in flat.leaves}
+    for i, value in enumerate(state["f"].values()):
+        leaf = leaves[f"state['f']['w{i}']"]
+        assert leaf.shape == list(value.shape) and torch.equal(leaf.data, value), i
+    for i, value in enumerate(state["b"]):
+        assert torch.equal(leaves[f"state['b'][{i}]"].data, value), i
+
+
+def test_a_walk_that_fails_after_hand_offs_gives_their_slabs_back() -> None:
+    """An unsupported value after thousands of tensors: the batches handed off are waited
+    for and their slabs go back to the pool; no copying thread is left."""
+    state = {"w": [torch.ones(4) for _ in range(BATCH_FIRST + BATCH_MAX + 5)], "z": object()}
+    pool = BufferPool()
+    with pytest.raises(UnsupportedValueError, match=r"state\['z'\]"):
+        flatten_state(state, pool=pool)
+    assert not pool._lent
+    assert pool.nbytes == (BATCH_FIRST + BATCH_MAX) * 16  # both batches' slabs, free
+    assert not [t for t in threading.enumerate() if t.name == "snapshot-slab-copy"]
+
+
+def test_a_copy_that_fails_on_the_copying_thread_fails_the_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original = torch.cat
+
+    def failing(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if threading.current_thread().name == "snapshot-slab-copy":
+            raise RuntimeError("copy failed on the copying thread")
+        return original(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", failing)
+    pool = BufferPool()
+    with pytest.raises(RuntimeError, match="copying thread"):
+        flatten_state({"w": [torch.ones(4) for _ in range(BATCH_FIRST + 10)]}, pool=pool)
+    assert not pool._lent and pool.nbytes == BATCH_FIRST * 16 + 10 * 16
+
+
+def test_steady_saves_of_a_large_state_recycle_their_batch_slabs(tmp_path: Any) -> None:
+    """Each save cuts the same batches, so the slabs of two saves ago come back at the same
+    sizes: the memory lent stops growing after the second save."""
+    state = {"w": {f"t{i}": torch.randn(8) for i in range(BATCH_FIRST + BATCH_MAX + 7)}}
+    lent: list[int] = []
+    original = BufferPool.lend_slab
+
+    def spy(self: BufferPool, nbytes: int, sizes: list[int], **kwargs: Any) -> torch.Tensor:
+        slab = original(self, nbytes, sizes, **kwargs)
+        lent.append(slab.data_ptr())
+        return slab
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(BufferPool, "lend_slab", spy)
+    try:
+        with CheckpointStore(tmp_path / "s") as store:
+            for step in range(1, 6):
+                for t in list(state["w"].values())[::50]:
+                    t.add_(1)
+                store.save(state, step=step).result()
+                if step == 2:
+                    after_two = set(lent)
+            restored = store.load(step=5)
+    finally:
+        monkeypatch.undo()
+    assert len(lent) == 5 * 3  # three batches a save
+    assert set(lent) == after_two, "a steady save lent new memory"
+    for key, value in state["w"].items():
+        assert torch.equal(restored["w"][key], value)

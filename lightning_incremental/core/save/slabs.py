@@ -1,4 +1,5 @@
-"""Small CPU tensors snapshotted together: one copy per dtype into one slab.
+"""Small CPU tensors snapshotted together: copied per dtype into slabs, a few large copies in
+place of one per tensor.
 
 Copying tensors one by one costs a few microseconds of Python and dispatch each, whatever their
 size: at tens of thousands of small tensors (an MoE model, optimizer state) that dominated the
@@ -8,6 +9,21 @@ tensors are copied into one buffer by a single ``torch.cat``. Building the leave
 paths, views of the slab, metadata) is left to the save's background work
 (:func:`complete`), which runs before anything reads them.
 
+The copies overlap the walk. A dtype's tensors are copied in batches: once
+:attr:`Slabs.limit` of them were noted, the walk lends a slab for them and hands both to a
+copying thread (:class:`_Copier`), then walks on. ``torch.cat`` releases the GIL, so the copy
+(and the page faults of a fresh slab) runs on another core while the walk reads the next
+tensors' attributes in Python. The walk waits at each hand-off until the thread has taken the
+batch: otherwise the thread would wait a whole switch interval (5 ms) for the GIL the walk holds
+before it could start the copy. The walk copies the last batch of each dtype itself, then waits
+for the thread. At 20,000 tensors of 4 KiB on the benchmark machine the walk took about 28 ms
+and the copy 14 ms into a recycled slab, 30 ms into a fresh one, one after the other; overlapped,
+``save`` blocked for 43 to 48 ms in place of 46 to 65 (the walk slows to about 35 ms beside the
+copy). Below :data:`BATCH_FIRST` small tensors of a dtype no thread starts: at 2,000 tensors,
+a thread and its hand-offs cost more than the 1 ms of copy they would hide (5.0-6.4 ms against
+4.4-6.0 ms without, alternating runs). Batches are cut by count, in walk order, so an unchanged
+layout cuts the same batches each save and the slabs come back to the pool at the same sizes.
+
 A slab comes from the snapshot pool when there is one (:meth:`.BufferPool.lend_slab`) and goes
 back to it once every leaf in it was given back, so a steady-state save reuses its memory as a
 save of large tensors does. The bytes of each leaf are exactly those a copy of its own would
@@ -16,18 +32,26 @@ hold (row-major order of the tensor as seen), so nothing downstream tells the tw
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lightning_incremental.core.buffers import BufferPool, collection_paused, fresh_slab
+from lightning_incremental.core.buffers import BufferPool, collection_paused, fresh_slab, host_empty
 from lightning_incremental.core.codecs.bytes import group_width
 from lightning_incremental.core.format.tree import Leaf, dtype_name, key_path
 
 #: Tensors up to this many bytes go into a slab; larger ones are copied on their own (their
 #: per-call cost is noise beside the copy, and their buffers are recycled one by one).
 SLAB_MAX = 256 << 10
+
+#: The number of a dtype's small tensors noted before the first of them are handed to the
+#: copying thread; the next batch is twice as large, up to :data:`BATCH_MAX` (see above):
+#: each hand-off costs switches of the GIL.
+BATCH_FIRST = 2048
+BATCH_MAX = 4096
 
 
 #: A small tensor seen by the walk, what it looked like then (a plain tuple: the walk makes one
@@ -59,28 +83,110 @@ class Slab:
 
 @dataclass
 class Slabs:
-    """The small tensors of one snapshot: noted during the walk, copied after it."""
+    """The small tensors of one snapshot: noted during the walk, copied in batches while it
+    goes on (see the module's documentation), the last batches after it."""
 
-    #: dtype -> (the tensors, each flat, and what was noted of each), in the order seen
+    #: where slabs come from (None: fresh memory each time)
+    pool: BufferPool | None = None
+    #: dtype -> (the tensors, each flat, and what was noted of each) of its batch being noted,
+    #: in the order seen
     by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[Noted]]] = field(
         default_factory=dict
     )
     copied: list[Slab] = field(default_factory=list)
+    #: a batch of this many tensors goes to the copying thread (see :meth:`hand_off`)
+    limit: int = BATCH_FIRST
+    copier: _Copier | None = None
 
-    def copy(self, pool: BufferPool | None) -> None:
-        """Copy every noted tensor into its dtype's slab (the part of the snapshot that must
-        happen before ``save`` returns)."""
-        for dtype, (tensors, noted) in self.by_dtype.items():
-            sizes = [n[7] for n in noted]
-            total = sum(sizes)
-            if pool is not None:
-                data = pool.lend_slab(total, sizes).view(dtype)
-            else:
-                data = fresh_slab(total).view(dtype)
-            with torch.no_grad():  # out= refuses inputs that require grad otherwise
-                torch.cat(tensors, out=data)
-            self.copied.append(Slab(dtype, data, noted))
-        self.by_dtype.clear()  # the copies are taken: let go of the tensors
+    def hand_off(self, dtype: torch.dtype) -> None:
+        """The walk noted :attr:`limit` tensors of ``dtype``: a slab is lent for them here (on
+        the walk's thread: a pool is not shared between threads) and the copying thread copies
+        them into it while the walk goes on."""
+        tensors, noted = self.by_dtype.pop(dtype)
+        data = self._lend(dtype, noted, fault=False)  # its faults are taken by the copy
+        self.copied.append(Slab(dtype, data, noted))
+        if self.copier is None:
+            self.copier = _Copier()
+        self.copier.put(tensors, data)
+        self.limit = min(2 * self.limit, BATCH_MAX)
+
+    def copy(self) -> None:
+        """Copy each dtype's last batch and wait for the copying thread: once this returns
+        every noted tensor is in a slab (the part of the snapshot that must happen before
+        ``save`` returns). On an error the slabs lent go back (:meth:`abandon`)."""
+        try:
+            # a fresh slab is faulted in on every intra-op thread before its copy, unless the
+            # copying thread runs: one of those threads would then wait for a core
+            fault = self.copier is None
+            for dtype, (tensors, noted) in self.by_dtype.items():
+                data = self._lend(dtype, noted, fault=fault)
+                self.copied.append(Slab(dtype, data, noted))
+                with torch.no_grad():  # out= refuses inputs that require grad otherwise
+                    torch.cat(tensors, out=data)
+            self.by_dtype.clear()  # the copies are taken: let go of the tensors
+            self._join()
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """The snapshot failed: wait for the copying thread, give every slab lent back."""
+        self.by_dtype.clear()
+        try:
+            self._join()
+        except BaseException:
+            pass  # the snapshot failed already: that error is the one to see
+        slabs, self.copied = self.copied, []
+        if self.pool is not None and slabs:
+            self.pool.give_slabs([slab.data for slab in slabs])
+
+    def _lend(self, dtype: torch.dtype, noted: list[Noted], *, fault: bool) -> torch.Tensor:
+        sizes = [n[7] for n in noted]
+        total = sum(sizes)
+        if self.pool is not None:
+            return self.pool.lend_slab(total, sizes, fault=fault).view(dtype)
+        return (fresh_slab(total) if fault else host_empty(total)).view(dtype)
+
+    def _join(self) -> None:
+        copier, self.copier = self.copier, None
+        if copier is not None:
+            copier.close()
+
+
+class _Copier:
+    """A thread that copies the batches handed to it, in order, until closed."""
+
+    def __init__(self) -> None:
+        self.batches: queue.SimpleQueue[tuple[list[torch.Tensor], torch.Tensor] | None] = (
+            queue.SimpleQueue()
+        )
+        self.error: BaseException | None = None
+        self.taken = threading.Semaphore(0)  # released as each batch's copy begins
+        self.thread = threading.Thread(target=self._run, name="snapshot-slab-copy", daemon=True)
+        self.thread.start()
+
+    def put(self, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Hand a batch over and wait until its copy began (the GIL handed to the thread: see
+        the module's documentation)."""
+        self.batches.put((tensors, out))
+        self.taken.acquire()
+
+    def close(self) -> None:
+        """Wait for every batch handed over; raise the first copy's error, if any."""
+        self.batches.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        with torch.no_grad():  # grad mode is per thread
+            while (batch := self.batches.get()) is not None:
+                self.taken.release()
+                if self.error is None:
+                    try:
+                        torch.cat(batch[0], out=batch[1])
+                    except BaseException as exc:  # raised on the walk's thread by close()
+                        self.error = exc
 
 
 class SlabLeaf(Leaf):

@@ -123,7 +123,7 @@ class _Flattener:
         self.addresses: dict[int, Any] = {}
         self.pickled: list[str] = []
         self.cuda = _DeviceCopies()
-        self.slabs = Slabs()
+        self.slabs = Slabs(pool)
         self.small = self.slabs.by_dtype  # dtype -> the small tensors noted (see .slabs)
 
     def node(self, value: Any, path: tuple[Any, ...]) -> Any:
@@ -251,7 +251,10 @@ class _Flattener:
                 self.small[dtype] = ([flat], [noted])
             else:
                 group[0].append(flat)
-                group[1].append(noted)
+                notes = group[1]
+                notes.append(noted)
+                if len(notes) >= self.slabs.limit:  # copied on another thread meanwhile
+                    self.slabs.hand_off(dtype)
             leaves.append(None)  # type: ignore[arg-type]  # built by slabs.complete
             return slot
         where = key_path(full_path(path, key))
@@ -400,10 +403,14 @@ def flatten_state(
     # would trigger only scan them again and again (half the walk's time at 20,000 tensors).
     with collection_paused():
         try:
-            skeleton = flattener.node(state, ())
-        finally:
-            ready = flattener.cuda.finish()  # also when the walk failed: no copy left unordered
-        flattener.slabs.copy(pool)
+            try:
+                skeleton = flattener.node(state, ())
+            finally:
+                ready = flattener.cuda.finish()  # also when the walk failed: none unordered
+        except BaseException:
+            flattener.slabs.abandon()  # batches handed to the copying thread: their slabs back
+            raise
+        flattener.slabs.copy()
     slabs = flattener.slabs
     return Flat(
         skeleton, flattener.leaves, flattener.pickled, flattener.slots, flattener.sharded,

@@ -11,5 +11,7 @@ bash scripts/setup.sh test
 if [ "$#" -gt 0 ]; then
     exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 fi
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-auto}" -m "not slow or spread"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -m "slow and not spread"
+# --durations: the slowest tests are named in every run's log (where the suite's time goes)
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-auto}" -m "not slow or spread" \
+    --durations=15
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -m "slow and not spread" --durations=15

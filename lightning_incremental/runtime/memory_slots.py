@@ -124,6 +124,10 @@ class SlotPool(BufferPool):
     def give(self, tensors: list[torch.Tensor]) -> None:
         self.fallback.give([t for t in tensors if not self.slot.holds(t)])
 
+    def give_slabs(self, slabs: Sequence[torch.Tensor]) -> None:
+        """Slabs the fallback lent go back to it; those carved from the slot are the slot's."""
+        self.fallback.give_slabs([s for s in slabs if not self.slot.holds(s)])
+
 
 class Slots:
     """This process's slots under ``parts``: at most one spare per rank (its next step's

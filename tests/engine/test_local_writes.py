@@ -126,3 +126,23 @@ def test_without_writev_each_part_is_written_whole(
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == _joined(parts)
+
+
+def test_a_system_without_a_stated_iov_limit_writes_sixteen_parts_a_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sysconf", lambda name: -1)  # "no limit stated"
+    assert local._iov_max() == 16
+
+
+def test_an_empty_part_of_any_shape_is_skipped_without_writev(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(os, "writev")
+    parts = [b"ab", memoryview(np.empty((0, 5), dtype=np.float32)), b"cd"]
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        local.write_parts(fd, parts)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"abcd"

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.errors import UnsupportedValueError
+from lightning_incremental.core.save import slabs as slabs_module
 from lightning_incremental.core.save.slabs import BATCH_FIRST, BATCH_MAX, SLAB_MAX
 from lightning_incremental.core.save.snapshot import flatten, flatten_state, wait_ready
 from tests.engine.gc_counts import collections_started
@@ -238,13 +239,21 @@ def test_the_pool_takes_a_slab_back_once_every_leaf_came_back() -> None:
 
 
 def _mixed(n: int) -> dict[str, Any]:
-    """``n`` float32 tensors of odd shapes, some views, and ``n // 4`` bfloat16 ones."""
+    """``n`` float32 tensors of odd shapes, some views, some parameters (they require grad,
+    which ``torch.cat`` with ``out=`` refuses outside ``no_grad``), and ``n // 4`` bfloat16
+    ones."""
     torch.manual_seed(1)
     base = torch.randn(n, 6)
+
+    def one(i: int) -> torch.Tensor:
+        if i % 5 == 0:
+            return base[i, ::2]
+        if i % 5 == 1:
+            return torch.nn.Parameter(torch.randn(i % 4 + 1))
+        return torch.randn(i % 7 + 1, 3)
+
     return {
-        "f": {
-            f"w{i}": (base[i, ::2] if i % 5 == 0 else torch.randn(i % 7 + 1, 3)) for i in range(n)
-        },
+        "f": {f"w{i}": one(i) for i in range(n)},
         "b": [torch.randn(i % 3 + 1).to(torch.bfloat16) for i in range(n // 4)],
     }
 
@@ -276,7 +285,8 @@ def test_a_large_state_is_copied_in_batches_on_another_thread_as_the_walk_goes_o
     leaves = {leaf.path: leaf for leaf in flat.leaves}
     for i, value in enumerate(state["f"].values()):
         leaf = leaves[f"state['f']['w{i}']"]
-        assert leaf.shape == list(value.shape) and torch.equal(leaf.data, value), i
+        assert leaf.shape == list(value.shape) and torch.equal(leaf.data, value.detach()), i
+        assert leaf.requires_grad == value.requires_grad, i
     for i, value in enumerate(state["b"]):
         assert torch.equal(leaves[f"state['b'][{i}]"].data, value), i
 
@@ -339,3 +349,80 @@ def test_steady_saves_of_a_large_state_recycle_their_batch_slabs(tmp_path: Any) 
     assert set(lent) == after_two, "a steady save lent new memory"
     for key, value in state["w"].items():
         assert torch.equal(restored["w"][key], value)
+
+
+def test_a_large_state_saved_in_inference_mode_and_out_of_it_restores_exactly(
+    tmp_path: Any,
+) -> None:
+    """Lightning saves from its validation loop under ``torch.inference_mode`` and from its
+    training loop outside it: buffers allocated in one mode are written in the other (by the
+    save, and by the copying thread, which runs in neither), so they are normal tensors."""
+    state = {"w": [torch.randn(4) for _ in range(BATCH_FIRST + 300)], "big": torch.randn(1 << 18)}
+    with CheckpointStore(tmp_path / "s") as store:
+        for step, inference in enumerate([True, False, False, True, False, True], start=1):
+            for t in state["w"][::9]:
+                t.add_(1)
+            state["big"].add_(1)
+            with torch.inference_mode(inference):
+                store.save(state, step=step).result()
+            restored = store.load(step=step)
+            assert all(torch.equal(a, b) for a, b in zip(restored["w"], state["w"])), step
+            assert torch.equal(restored["big"], state["big"]), step
+
+
+def test_an_interrupt_while_the_walk_waits_for_the_copies_gives_no_slab_back_early(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C as the walk waits for the copying thread: the interrupt is raised once the
+    thread has ended, and only then do the slabs go back to the pool (given back earlier, the
+    next save would be lent a slab the thread still writes into)."""
+    release = threading.Event()
+    original = torch.cat
+    copying = {"ended": False}
+
+    def slow(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if threading.current_thread().name == "snapshot-slab-copy":
+            release.wait(10)
+            out = original(tensors, *args, **kwargs)
+            copying["ended"] = True
+            return out
+        return original(tensors, *args, **kwargs)
+
+    class InterruptedOnce(threading.Event):
+        calls = 0
+
+        def wait(self, timeout: float | None = None) -> bool:
+            InterruptedOnce.calls += 1
+            if InterruptedOnce.calls == 1:  # the walk's first wait for the thread: a Ctrl-C
+                threading.Timer(0.3, release.set).start()
+                raise KeyboardInterrupt
+            return super().wait(timeout)
+
+    started = slabs_module._Copier.__init__
+
+    def start(self: Any) -> None:
+        started(self)
+        self.ended = InterruptedOnce()  # what finish() waits on; the thread sets it as it ends
+
+    monkeypatch.setattr(torch, "cat", slow)
+    monkeypatch.setattr(slabs_module._Copier, "__init__", start)
+    pool = BufferPool()
+    with pytest.raises(KeyboardInterrupt):
+        flatten_state({"w": [torch.ones(4) for _ in range(BATCH_FIRST + 10)]}, pool=pool)
+    assert copying["ended"], "raised while the copying thread still wrote into a lent slab"
+    assert not pool._lent and pool.nbytes == (BATCH_FIRST + 10) * 16
+    assert not [t for t in threading.enumerate() if t.name == "snapshot-slab-copy"]
+
+
+def test_a_failed_walk_gives_the_memory_tiers_fallback_slabs_back(tmp_path: Any) -> None:
+    """With a memory tier's slot too small for the batches, the slabs come from its fallback
+    pool, and a failed walk gives them back there (not to the slot, which never lent them)."""
+    from lightning_incremental.runtime.memory_slots import Slot, SlotPool
+
+    fallback = BufferPool()
+    pool = SlotPool(Slot(tmp_path / "slot", 1024), fallback)
+    state = {"w": [torch.ones(4) for _ in range(BATCH_FIRST + 5)], "z": object()}
+    with pytest.raises(UnsupportedValueError):
+        flatten_state(state, pool=pool)
+    assert not fallback._lent
+    assert fallback.nbytes == BATCH_FIRST * 16  # the batch handed off; the rest never lent

@@ -47,11 +47,13 @@ from lightning_incremental.core.format.tree import Leaf, dtype_name, key_path
 #: per-call cost is noise beside the copy, and their buffers are recycled one by one).
 SLAB_MAX = 256 << 10
 
-#: The number of a dtype's small tensors noted before the first of them are handed to the
-#: copying thread; the next batch is twice as large, up to :data:`BATCH_MAX` (see above):
-#: each hand-off costs switches of the GIL.
+#: The number of small tensors of one dtype noted before they are handed to the copying thread
+#: as a batch; each hand-off doubles it (one limit for every dtype), up to :data:`BATCH_MAX`
+#: (see above): each hand-off costs switches of the GIL.
 BATCH_FIRST = 2048
 BATCH_MAX = 4096
+#: The limit once no copying thread could be started: every batch is then copied by the walk.
+BATCH_NEVER = 1 << 62
 
 
 #: A small tensor seen by the walk, what it looked like then (a plain tuple: the walk makes one
@@ -105,10 +107,16 @@ class Slabs:
         tensors, noted = self.by_dtype.pop(dtype)
         data = self._lend(dtype, noted, fault=False)  # its faults are taken by the copy
         self.copied.append(Slab(dtype, data, noted))
-        if self.copier is None:
-            self.copier = _Copier()
-        self.copier.put(tensors, data)
         self.limit = min(2 * self.limit, BATCH_MAX)
+        if self.copier is None:
+            try:
+                self.copier = _Copier()
+            except RuntimeError:  # no thread to be had (a process at its limit): copy here
+                self.limit = BATCH_NEVER
+                with torch.no_grad():
+                    torch.cat(tensors, out=data)
+                return
+        self.copier.put(tensors, data)
 
     def copy(self) -> None:
         """Copy each dtype's last batch and wait for the copying thread: once this returns
@@ -130,15 +138,18 @@ class Slabs:
             raise
 
     def abandon(self) -> None:
-        """The snapshot failed: wait for the copying thread, give every slab lent back."""
+        """The snapshot failed: wait until the copying thread has ended, then give every slab
+        lent back (never while the thread may still write into one). A copy's own error is
+        dropped: the snapshot failed already, with the error to see; an interrupt is raised."""
         self.by_dtype.clear()
         try:
             self._join()
-        except BaseException:
-            pass  # the snapshot failed already: that error is the one to see
-        slabs, self.copied = self.copied, []
-        if self.pool is not None and slabs:
-            self.pool.give_slabs([slab.data for slab in slabs])
+        except Exception:
+            pass
+        finally:
+            slabs, self.copied = self.copied, []
+            if self.pool is not None and slabs:
+                self.pool.give_slabs([slab.data for slab in slabs])
 
     def _lend(self, dtype: torch.dtype, noted: list[Noted], *, fault: bool) -> torch.Tensor:
         sizes = [n[7] for n in noted]
@@ -148,13 +159,25 @@ class Slabs:
         return (fresh_slab(total) if fault else host_empty(total)).view(dtype)
 
     def _join(self) -> None:
-        copier, self.copier = self.copier, None
+        copier = self.copier
         if copier is not None:
-            copier.close()
+            try:
+                copier.finish()
+            finally:
+                self.copier = None  # finish() returns or raises once the thread has ended
 
 
 class _Copier:
-    """A thread that copies the batches handed to it, in order, until closed."""
+    """A thread that copies the batches handed to it, in order, until :meth:`finish`.
+
+    Slabs it copies into must not be given back (to a pool, or a memory tier's slot) before
+    it ended: :meth:`finish` waits for that through an interrupt (a Ctrl-C), which it raises
+    once the thread ended. ``Thread.join`` would not do: an interrupted join marks the thread
+    stopped while it still runs (CPython 3.11, bpo-45274). A copy runs at memory speed, a few
+    milliseconds for a batch, so the wait is short. The thread copies without the walk's
+    thread-local state (grad mode is set here; a dispatch mode active on the walk's thread
+    does not see these copies); the slabs are normal tensors whatever mode allocated them
+    (:func:`.buffers.host_empty`), which inference mode would otherwise refuse to update."""
 
     def __init__(self) -> None:
         self.batches: queue.SimpleQueue[tuple[list[torch.Tensor], torch.Tensor] | None] = (
@@ -162,6 +185,7 @@ class _Copier:
         )
         self.error: BaseException | None = None
         self.taken = threading.Semaphore(0)  # released as each batch's copy begins
+        self.ended = threading.Event()
         self.thread = threading.Thread(target=self._run, name="snapshot-slab-copy", daemon=True)
         self.thread.start()
 
@@ -171,22 +195,37 @@ class _Copier:
         self.batches.put((tensors, out))
         self.taken.acquire()
 
-    def close(self) -> None:
-        """Wait for every batch handed over; raise the first copy's error, if any."""
-        self.batches.put(None)
-        self.thread.join()
+    def finish(self) -> None:
+        """Wait until every batch handed over was copied and the thread ended; then raise an
+        interrupt that came meanwhile, else the first copy's error, if any."""
+        interrupted: BaseException | None = None
+        closed = False
+        while True:
+            try:
+                if not closed:
+                    self.batches.put(None)  # twice after an interrupt here: the first ends it
+                    closed = True
+                self.ended.wait()
+                break
+            except BaseException as exc:  # an interrupt: raised once the thread has ended
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
         if self.error is not None:
             raise self.error
 
     def _run(self) -> None:
-        with torch.no_grad():  # grad mode is per thread
-            while (batch := self.batches.get()) is not None:
-                self.taken.release()
-                if self.error is None:
-                    try:
-                        torch.cat(batch[0], out=batch[1])
-                    except BaseException as exc:  # raised on the walk's thread by close()
-                        self.error = exc
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                while (batch := self.batches.get()) is not None:
+                    self.taken.release()
+                    if self.error is None:
+                        try:
+                            torch.cat(batch[0], out=batch[1])
+                        except BaseException as exc:  # raised on the walk's thread by finish
+                            self.error = exc
+        finally:
+            self.ended.set()
 
 
 class SlabLeaf(Leaf):

@@ -401,7 +401,10 @@ def flatten_state(
     flattener = _Flattener(allow_pickle, pool, rank)
     # The walk makes a few small objects per tensor, none of them garbage; the collections they
     # would trigger only scan them again and again (half the walk's time at 20,000 tensors).
-    with collection_paused():
+    # Out of inference mode (Lightning's validation loop saves in it): a buffer or a view of
+    # one made in it is an inference tensor, which later saves outside it, and the copying
+    # thread, could not write into (the buffers are recycled from save to save).
+    with collection_paused(), torch.inference_mode(False):
         try:
             try:
                 skeleton = flattener.node(state, ())

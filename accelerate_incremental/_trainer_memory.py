@@ -232,7 +232,8 @@ class TrainerMemory:
                 f"save (step {lost}) never committed to the store: it is ignored, and "
                 "load_best_model_at_end loads a later best checkpoint, if any",
             )
-        folder = tempfile.mkdtemp(prefix=f"accelerate-incremental-memory-{step}-")
+        sweep_resume_folders()
+        folder = tempfile.mkdtemp(prefix=f"{RESUME_PREFIX}{step}-{os.getpid()}-")
         path = os.path.join(folder, _hf_compat.state_file())
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(json.dumps(record))
@@ -245,6 +246,44 @@ class TrainerMemory:
         if found is None or not isinstance(path, (str, os.PathLike)):
             return None
         return found if os.path.abspath(path) == os.path.abspath(found.folder) else None
+
+
+#: A memory resume's folder: this, the step, the process id, a random part.
+RESUME_PREFIX = "accelerate-incremental-memory-"
+
+
+def sweep_resume_folders(directory: str | None = None) -> int:
+    """Remove the memory-resume folders of processes that are gone (killed before
+    ``train()`` ended, which removes its own): one small folder each, left in the temporary
+    directory by every preempted run otherwise. A folder whose process is alive (or may be:
+    another user's) stays, as do those named otherwise. Returns how many went."""
+    directory = directory or tempfile.gettempdir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    gone = 0
+    for name in names:
+        if not name.startswith(RESUME_PREFIX):
+            continue
+        fields = name[len(RESUME_PREFIX) :].split("-")
+        if len(fields) != 3 or not fields[1].isdigit() or _alive(int(fields[1])):
+            continue
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        gone += 1
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a process of its own: leave it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
 
 
 def _epoch_ends(trainer: Any) -> bool:

@@ -334,3 +334,32 @@ def test_a_release_whose_hook_changed_keeps_the_store_only(
     with pytest.warns(UserWarning, match="memory tier is off.*_maybe_log_save_evaluate takes"):
         ckpt = enable_trainer(trainer, str(tmp_path / "s"), memory_every_n_steps=1)
     assert ckpt is not None and ckpt.memory is None
+
+
+def test_the_resume_folders_of_processes_that_are_gone_are_swept(tmp_path: Path) -> None:
+    """A run killed after a memory resume never reaches ``train()``'s end, which removes its
+    resume folder: the next resume on the machine removes those whose process is gone, and
+    only those."""
+    import os
+    import subprocess
+    import sys
+
+    from accelerate_incremental._trainer_memory import RESUME_PREFIX, sweep_resume_folders
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True)  # fmt: skip
+    dead = int(done.stdout)  # a process id that no longer runs (reused: the folder stays)
+    names = {
+        "dead": f"{RESUME_PREFIX}7-{dead}-abc123",
+        "alive": f"{RESUME_PREFIX}7-{os.getpid()}-def456",
+        "old_name": f"{RESUME_PREFIX}7-ghi789",  # an earlier release's: no process id
+        "other": "something-else-1-2-3",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.json").write_text("{}")
+    assert sweep_resume_folders(str(tmp_path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        v for k, v in names.items() if k != "dead"
+    )
+    assert sweep_resume_folders(str(tmp_path / "missing")) == 0

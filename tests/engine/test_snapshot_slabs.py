@@ -3,9 +3,11 @@ collection during the walk, and leaves that hold exactly what a copy of each ten
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -195,10 +197,9 @@ def test_a_round_trip_of_odd_tensors_through_the_store(tmp_path: Any) -> None:
     assert restored["param"] is restored["same_param"]
 
 
-def test_a_steady_save_reuses_the_slab_memory(tmp_path: Any) -> None:
-    """The slab of a save comes back to the pool once the next save replaced it as the delta
-    base, and the save after that copies into it: no new memory per save."""
-    state = {"w": {f"t{i}": torch.randn(32) for i in range(300)}}
+@contextlib.contextmanager
+def _slabs_lent() -> Iterator[list[int]]:
+    """The address of every slab a pool lends meanwhile, in order."""
     lent: list[int] = []
     original = BufferPool.lend_slab
 
@@ -207,15 +208,20 @@ def test_a_steady_save_reuses_the_slab_memory(tmp_path: Any) -> None:
         lent.append(slab.data_ptr())
         return slab
 
-    BufferPool.lend_slab = spy  # type: ignore[method-assign]
-    try:
-        with CheckpointStore(tmp_path / "s") as store:
-            for step in range(1, 6):
-                for t in state["w"].values():
-                    t.add_(1)
-                store.save(state, step=step).result()
-    finally:
-        BufferPool.lend_slab = original  # type: ignore[method-assign]
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(BufferPool, "lend_slab", spy)
+        yield lent
+
+
+def test_a_steady_save_reuses_the_slab_memory(tmp_path: Any) -> None:
+    """The slab of a save comes back to the pool once the next save replaced it as the delta
+    base, and the save after that copies into it: no new memory per save."""
+    state = {"w": {f"t{i}": torch.randn(32) for i in range(300)}}
+    with _slabs_lent() as lent, CheckpointStore(tmp_path / "s") as store:
+        for step in range(1, 6):
+            for t in state["w"].values():
+                t.add_(1)
+            store.save(state, step=step).result()
     assert len(lent) == 5
     assert len(set(lent)) <= 2, lent  # the snapshot's slab and the delta base's, in turn
 
@@ -324,27 +330,14 @@ def test_steady_saves_of_a_large_state_recycle_their_batch_slabs(tmp_path: Any) 
     """Each save cuts the same batches, so the slabs of two saves ago come back at the same
     sizes: the memory lent stops growing after the second save."""
     state = {"w": {f"t{i}": torch.randn(8) for i in range(BATCH_FIRST + BATCH_MAX + 7)}}
-    lent: list[int] = []
-    original = BufferPool.lend_slab
-
-    def spy(self: BufferPool, nbytes: int, sizes: list[int], **kwargs: Any) -> torch.Tensor:
-        slab = original(self, nbytes, sizes, **kwargs)
-        lent.append(slab.data_ptr())
-        return slab
-
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(BufferPool, "lend_slab", spy)
-    try:
-        with CheckpointStore(tmp_path / "s") as store:
-            for step in range(1, 6):
-                for t in list(state["w"].values())[::50]:
-                    t.add_(1)
-                store.save(state, step=step).result()
-                if step == 2:
-                    after_two = set(lent)
-            restored = store.load(step=5)
-    finally:
-        monkeypatch.undo()
+    with _slabs_lent() as lent, CheckpointStore(tmp_path / "s") as store:
+        for step in range(1, 6):
+            for t in list(state["w"].values())[::50]:
+                t.add_(1)
+            store.save(state, step=step).result()
+            if step == 2:
+                after_two = set(lent)
+        restored = store.load(step=5)
     assert len(lent) == 5 * 3  # three batches a save
     assert set(lent) == after_two, "a steady save lent new memory"
     for key, value in state["w"].items():

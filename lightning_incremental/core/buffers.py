@@ -53,15 +53,7 @@ def host_empty(nbytes: int) -> torch.Tensor:
     """A fresh uninitialised flat uint8 CPU tensor of ``nbytes`` (not pinned): in huge pages
     where they are turned on (``LIGHTNING_INCREMENTAL_HUGE_PAGES=1``), the kernel grants them
     on request and ``nbytes >= HUGE_MIN``, else from torch's allocator. Its memory is returned
-    when the last tensor viewing it is freed. A normal tensor even under inference mode (as
-    Lightning's validation loop runs a save): recycled, it is written by later saves outside
-    that mode and by the snapshot's copying thread, and an inference tensor refuses in-place
-    updates outside it."""
-    with torch.inference_mode(False):  # a normal tensor, whatever mode the caller is in
-        return _host_empty(nbytes)
-
-
-def _host_empty(nbytes: int) -> torch.Tensor:
+    when the last tensor viewing it is freed."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < HUGE_MIN or advice is None or os.environ.get(HUGE_PAGES_ENV, "0") != "1":
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -79,13 +71,12 @@ def _host_empty(nbytes: int) -> torch.Tensor:
 def host_tensor(shape: torch.Size, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
     """:func:`host_empty` as an uninitialised contiguous tensor of ``shape`` and ``dtype``
     (``pin``: in pinned memory instead, from torch's allocator)."""
-    with torch.inference_mode(False):  # see host_empty
-        if pin:
-            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
-        nbytes = shape.numel() * dtype.itemsize
-        if nbytes < HUGE_MIN:
-            return torch.empty(shape, dtype=dtype)
-        return _host_empty(nbytes).view(dtype).view(shape)
+    if pin:
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+    nbytes = shape.numel() * dtype.itemsize
+    if nbytes < HUGE_MIN:
+        return torch.empty(shape, dtype=dtype)
+    return host_empty(nbytes).view(dtype).view(shape)
 
 
 def fresh_slab(nbytes: int) -> torch.Tensor:

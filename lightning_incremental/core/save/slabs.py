@@ -176,8 +176,8 @@ class _Copier:
     stopped while it still runs (CPython 3.11, bpo-45274). A copy runs at memory speed, a few
     milliseconds for a batch, so the wait is short. The thread copies without the walk's
     thread-local state (grad mode is set here; a dispatch mode active on the walk's thread
-    does not see these copies); the slabs are normal tensors whatever mode allocated them
-    (:func:`.buffers.host_empty`), which inference mode would otherwise refuse to update."""
+    does not see these copies); the slabs are normal tensors, made out of inference mode
+    (see :func:`.snapshot.flatten_state`), which this thread could not update otherwise."""
 
     def __init__(self) -> None:
         self.batches: queue.SimpleQueue[tuple[list[torch.Tensor], torch.Tensor] | None] = (

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from accelerate_incremental import _hf_compat
+from lightning_incremental.core.commit.owner import process_exists
 from lightning_incremental.runtime import rng
 from lightning_incremental.runtime.memory_steps import MemoryOptions, MemorySteps
 
@@ -267,23 +268,11 @@ def sweep_resume_folders(directory: str | None = None) -> int:
         if not name.startswith(RESUME_PREFIX):
             continue
         fields = name[len(RESUME_PREFIX) :].split("-")
-        if len(fields) != 3 or not fields[1].isdigit() or _alive(int(fields[1])):
+        if len(fields) != 3 or not fields[1].isdigit() or process_exists(int(fields[1])):
             continue
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
         gone += 1
     return gone
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # not a process of its own: leave it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process: alive
-    return True
 
 
 def _epoch_ends(trainer: Any) -> bool:

@@ -25,6 +25,7 @@ import torch
 
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.codecs.bytes import chunk_hasher
+from lightning_incremental.core.commit.owner import process_exists
 from lightning_incremental.core.format.tree import Leaf
 
 log = logging.getLogger(__name__)
@@ -267,15 +268,5 @@ def sweep(parts: Path) -> None:
         if not path.name.startswith((".slot-", ".tmp-")):
             continue
         pid = path.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_exists(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return True

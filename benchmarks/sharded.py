@@ -15,6 +15,7 @@ restore its time and peak extra memory. Results: ``OUT/sharded.json`` and ``OUT/
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -37,9 +38,13 @@ def _status_kb(field: str) -> int:
 class PeakRSS:
     """Peak extra host memory of this process over a block: the kernel's high-water mark of
     resident memory (reset through ``/proc/self/clear_refs``) minus the resident memory at the
-    start. Counts every allocation (torch, numpy, zstd), unlike ``tracemalloc``."""
+    start. Counts every allocation (torch, numpy, zstd), unlike ``tracemalloc``.
+
+    Collects garbage first: garbage of earlier work, freed by a collection inside the block,
+    would take resident memory below the start and hide the block's own peak."""
 
     def __enter__(self) -> PeakRSS:
+        gc.collect()
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")  # reset VmHWM to the current VmRSS
         self.start = _status_kb("VmRSS")

@@ -8,14 +8,14 @@ system saves the same sharded state dict into its own directory (a rotating orde
 until durable before the next one starts; then each restores its newest checkpoint into a
 fresh model of the same layout (``--restores`` times, alternating). A 1-rank launch then restores
 both checkpoints resharded 2 → 1. Per system and checkpoint: the caller's stall, the time until
-durable, the bytes each rank wrote and its peak extra host memory (:class:`PeakRSS`); per
-restore its time and peak extra memory. Results: ``OUT/sharded.json`` and ``OUT/sharded.md``.
+durable, the bytes each rank wrote and its peak extra host memory
+(``benchmarks.memory.peak_extra_rss``); per restore its time and peak extra memory. Results:
+``OUT/sharded.json`` and ``OUT/sharded.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -24,34 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.memory import peak_extra_rss
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-class PeakRSS:
-    """Peak extra host memory of this process over a block: the kernel's high-water mark of
-    resident memory (reset through ``/proc/self/clear_refs``) minus the resident memory at the
-    start. Counts every allocation (torch, numpy, zstd), unlike ``tracemalloc``.
-
-    Collects garbage first: garbage of earlier work, freed by a collection inside the block,
-    would take resident memory below the start and hide the block's own peak."""
-
-    def __enter__(self) -> PeakRSS:
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # reset VmHWM to the current VmRSS
-        self.start = _status_kb("VmRSS")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.extra = (_status_kb("VmHWM") - self.start) * 1024
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -126,7 +101,7 @@ def _worker(args: argparse.Namespace) -> None:
                 dist.barrier()
                 target = work / system / f"step{ckpt}"
                 held = 0
-                with PeakRSS() as peak:
+                with peak_extra_rss() as peak:
                     start = time.perf_counter()
                     if system == "ours":
                         handle = store.save(sd, ckpt)
@@ -153,7 +128,7 @@ def _worker(args: argparse.Namespace) -> None:
                         "durable_s": durable,
                         "bytes_written": written,
                         "bytes_local": local_bytes(sd),
-                        "peak_extra": peak.extra,
+                        "peak_extra": peak.extra_bytes,
                         "held": held,
                     }
                 )
@@ -208,7 +183,7 @@ def _timed_restore(
 
     start = time.perf_counter()
     target = state(model, opt)
-    with PeakRSS() as peak:
+    with peak_extra_rss() as peak:
         loading, cpu = time.perf_counter(), time.process_time()
         restored = _restore(system, target, work, step)
         loaded, cpu = time.perf_counter(), time.process_time() - cpu
@@ -219,7 +194,7 @@ def _timed_restore(
         f"{prefix}restore_s": done - start,
         f"{prefix}load_s": loaded - loading,
         f"{prefix}load_cpu_s": cpu,
-        f"{prefix}restore_peak_extra": peak.extra,
+        f"{prefix}restore_peak_extra": peak.extra_bytes,
     }
 
 

@@ -110,28 +110,28 @@ def test_restore_benchmark_runs_every_system(tmp_path: Path) -> None:
 _PEAK_RSS = """
 import gc
 import numpy as np
-from benchmarks.sharded import PeakRSS
+from benchmarks.memory import peak_extra_rss
 
 held = np.ones(64 << 20, dtype=np.uint8)  # resident before the block: not extra
-with PeakRSS() as peak:
+with peak_extra_rss() as peak:
     temporary = np.ones(96 << 20, dtype=np.uint8)
     del temporary
-print(peak.extra)
+print(peak.extra_bytes)
 
 gc.disable()
 garbage = [np.ones(128 << 20, dtype=np.uint8)]
 garbage.append(garbage)  # a cycle: freed only by a collection
 del garbage
-with PeakRSS() as peak:
+with peak_extra_rss() as peak:
     gc.collect()  # a collection inside the block frees 128 MB of earlier work
     temporary = np.ones(96 << 20, dtype=np.uint8)
     del temporary
-print(peak.extra)
+print(peak.extra_bytes)
 """
 
 
 def test_peak_rss_counts_memory_freed_before_the_block_ends() -> None:
-    """The sharded benchmark's memory figure: the high-water mark of the block, so memory
+    """The benchmarks' memory figure (``benchmarks.memory``): the high-water mark of the block, so memory
     allocated, touched and freed inside it counts; memory held before it does not, and
     garbage of earlier work freed inside it does not hide the block's peak. In a fresh
     interpreter: another test's threads or garbage, freed during the block, would lower the

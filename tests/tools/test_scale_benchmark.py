@@ -137,8 +137,20 @@ def test_the_sweeps_measure_every_figure_at_a_tiny_size(
         r"reading \d+\.\d\dx their raw bytes",
         chain["detail"],
     ), chain["detail"]
+    # the time to durable says what codec_effort="auto" chose for the saves it timed
+    durable = next(r for r in big if r["figure"] == "time to durable, steady save")
+    said = re.fullmatch(
+        r"the steady saves timed for durability under codec_effort=\"auto\": (\d) of (\d) stored "
+        r"their chunks as they are, (\d) coded them in full; the fastest "
+        r"(stored them as they are|coded them)",
+        durable["detail"],
+    )
+    assert said, durable["detail"]
+    fast, timed, full = (int(said[i]) for i in (1, 2, 3))
+    assert timed == 2 and fast + full == timed  # steps 3 and 5 (step 4 measures memory)
     text = scale_report.markdown({}, {}, big, [])
     assert f"Note: {chain['case']}, {chain['detail']}." in text
+    assert f"Note: {durable['case']}, {durable['detail']}." in text
     assert restores == [
         ("ours", "tensors-64", None),
         ("torch", "tensors-64.pt", None),

@@ -16,8 +16,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def _bench(*args: str, timeout: float = 300) -> str:
     """Run ``python -m <args>`` from the repository root; fail with its output if it fails,
     else return its standard output."""
+    return _python("-m", *args, timeout=timeout)
+
+
+def _python(*args: str, timeout: float) -> str:
+    """``_bench`` with the interpreter's own ``args`` (``-m`` or ``-c``)."""
     out = subprocess.run(
-        [sys.executable, "-m", *args],
+        [sys.executable, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -131,21 +136,13 @@ print(peak.extra_bytes)
 
 
 def test_peak_rss_counts_memory_freed_before_the_block_ends() -> None:
-    """The benchmarks' memory figure (``benchmarks.memory``): the high-water mark of the block, so memory
-    allocated, touched and freed inside it counts; memory held before it does not, and
-    garbage of earlier work freed inside it does not hide the block's peak. In a fresh
-    interpreter: another test's threads or garbage, freed during the block, would lower the
-    resident memory under the start here."""
-    out = subprocess.run(
-        [sys.executable, "-c", _PEAK_RSS],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    plain, after_garbage = (int(line) for line in out.stdout.split())
+    """The benchmarks' memory figure (``benchmarks.memory``): the high-water mark of the
+    block, so memory allocated, touched and freed inside it counts; memory held before it does
+    not, and garbage of earlier work freed inside it does not hide the block's peak. In a
+    fresh interpreter: another test's threads or garbage, freed during the block, would lower
+    the resident memory under the start here."""
+    out = _python("-c", _PEAK_RSS, timeout=120)
+    plain, after_garbage = (int(line) for line in out.split())
     assert 90 << 20 <= plain < 150 << 20
     assert 90 << 20 <= after_garbage < 150 << 20
 

@@ -393,14 +393,12 @@ def big_sweep(nbytes: int, root: Path, repeats: int) -> list[dict[str, Any]]:
                 else:
                     if step == 3:
                         copy.measure(3)  # the bound, timed beside the save it bounds
-                    made: list[str] = []
-                    stall, durable = timed_save(store, state, step, made)
                     steady = step >= 3  # snapshot buffers recycled
+                    stall, durable = timed_save(store, state, step, efforts if steady else None)
                     if step == 3:
                         stalls.append(stall)
                     if steady:
                         durables.append(durable)
-                        efforts += made
                 # Each of our saves followed by torch.save of the same state into a new file:
                 # the same disk state for both, the same bytes kept on it; the time to durable
                 # compares the steady saves (the third on) with the torch.save after each.

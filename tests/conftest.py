@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -84,6 +86,17 @@ def backend_url(kind: str, request: pytest.FixtureRequest, tmp_path) -> Iterator
 @pytest.fixture
 def local_url(tmp_path) -> str:
     return str(tmp_path / "store")
+
+
+def dead_pid() -> int:
+    """The id of a process that has exited (reused by another meanwhile: then a live one)."""
+    exited = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(exited.stdout)
 
 
 def small_store(url: str, **options) -> CheckpointStore:

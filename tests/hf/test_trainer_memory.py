@@ -341,14 +341,11 @@ def test_the_resume_folders_of_processes_that_are_gone_are_swept(tmp_path: Path)
     resume folder: the next resume on the machine removes those whose process is gone, and
     only those."""
     import os
-    import subprocess
-    import sys
 
     from accelerate_incremental._trainer_memory import RESUME_PREFIX, sweep_resume_folders
+    from tests.conftest import dead_pid
 
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
-                          capture_output=True, text=True)  # fmt: skip
-    dead = int(done.stdout)  # a process id that no longer runs (reused: the folder stays)
+    dead = dead_pid()  # reused by another process meanwhile: the folder stays
     names = {
         "dead": f"{RESUME_PREFIX}7-{dead}-abc123",
         "alive": f"{RESUME_PREFIX}7-{os.getpid()}-def456",

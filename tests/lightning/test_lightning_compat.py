@@ -36,7 +36,7 @@ from lightning_incremental.core.save import inflight
 from lightning_incremental.core.storage import open_storage
 from lightning_incremental.core.workers import WorkerPool
 from lightning_incremental.lightning.pointers import HEADER, NotATorchCheckpointError, document
-from tests.conftest import assert_state_equal
+from tests.conftest import assert_state_equal, dead_pid
 from tests.faulty import FaultyStorage
 from tests.lightning.test_checkpoint_io import (
     STEPS_PER_EPOCH,
@@ -231,13 +231,7 @@ def _pointer_by(
 
 def test_uncommitted_pointer_says_whether_its_writer_is_alive(tmp_path: Path) -> None:
     host = socket.gethostname()
-    exited = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    dead_pid = int(exited.stdout)
+    dead = dead_pid()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         cases = [
@@ -247,9 +241,9 @@ def test_uncommitted_pointer_says_whether_its_writer_is_alive(tmp_path: Path) ->
                 rf"{sleeper.pid} on .*is still running",
             ),
             (
-                {"host": host, "pid": dead_pid},
+                {"host": host, "pid": dead},
                 rf"never committed: its writer died \(process "
-                rf"{dead_pid} on .*exited before",
+                rf"{dead} on .*exited before",
             ),
             (
                 {"host": host, "pid": os.getpid()},

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import builtins
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import torch
 from lightning_incremental.runtime import memory_tier
 from lightning_incremental.runtime.memory_steps import MemoryOptions, MemorySteps
 from lightning_incremental.runtime.memory_tier import DATA, MemoryPartError
+from tests.conftest import dead_pid
 
 
 def _steps(path: Path) -> MemorySteps:
@@ -223,9 +222,7 @@ def test_a_process_leaves_only_its_parts_and_a_finished_one_nothing(tmp_path: Pa
 
 
 def test_the_slots_of_a_process_that_is_gone_are_swept(tmp_path: Path) -> None:
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
-                          capture_output=True, text=True)  # fmt: skip
-    dead = int(gone.stdout)
+    dead = dead_pid()
     parts = tmp_path / "job"
     for name in (
         f".slot-r000000-0-{dead}",

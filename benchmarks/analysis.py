@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.state import tensors
 from lightning_incremental.core import codecs as codec
-from lightning_incremental.core.chunks.encode import HINT_TTL
+from lightning_incremental.core.chunks.hints import HINT_TTL
 
 
 def category(path: str) -> str:
@@ -191,7 +191,7 @@ def two_threads(
     * ``encode_2t_race_MBps``: every chunk encoded with the predictor race, as the first save
       after a restart codes every place;
     * ``encode_2t_hinted_MBps``: every chunk coded the way the race chose for it, as a save
-      codes a place whose choice it remembers (``encoder.Hints``);
+      codes a place whose choice it remembers (``hints.Hints``);
     * ``encode_2t_MBps``: a save's steady state, where each place races every ``HINT_TTL``-th
       save and reuses its choice at the others (time: hinted + (race - hinted) / HINT_TTL);
     * ``decode_2t_MBps``: every payload decoded into memory already touched (a restore's

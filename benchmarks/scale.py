@@ -140,29 +140,36 @@ def fresh_restore(kind: str, path: Path, repeats: int, step: int | None = None) 
 
 
 def timed_save(
-    store: Any, state: dict[str, Any], step: int, efforts: list[str] | None = None
+    store: Any, state: dict[str, Any], step: int, efforts: list[tuple[str, float]] | None = None
 ) -> tuple[float, float]:
     """(stall, time to durable) of one save: the ``save`` call, and ``save`` to ``result()``;
-    the effort it used (``SaveResult.effort``) is appended to ``efforts``."""
+    the effort it used (``SaveResult.effort``) and the share of its changed chunks it stored as
+    they are are appended to ``efforts``."""
     started = time.perf_counter()
     handle = store.save(state, step=step)
     stall = time.perf_counter() - started
     result = handle.result()
     durable = time.perf_counter() - started
     if efforts is not None:
-        efforts.append(result.effort)
+        changed = result.chunks_full + result.chunks_delta
+        efforts.append((result.effort, result.chunks_as_is / changed if changed else 0.0))
     return stall, durable
 
 
-def efforts_detail(efforts: list[str], fastest: str) -> str:
-    """What ``codec_effort="auto"`` chose for the timed saves: the time to durable of a dense
-    save depends on it (a save coded in full runs at the codec's speed, one stored as it is at
-    the disk's)."""
-    fast = efforts.count("fast")
+def efforts_detail(efforts: list[tuple[str, float]], fastest: tuple[str, float]) -> str:
+    """What ``codec_effort="auto"`` chose for the timed saves (``timed_save``'s ``efforts``):
+    the time to durable of a dense save depends on it (a save coded in full runs at the codec's
+    speed, one stored as it is at the disk's; a paced one codes what the disk's time allows)."""
+    count = {e: sum(1 for effort, _ in efforts if effort == e) for e in ("fast", "full", "paced")}
+    shares = [share for effort, share in efforts if effort == "paced"]
+    paced = f"{count['paced']} were paced"
+    if shares:
+        paced += f" (stored {100 * min(shares):.0f}-{100 * max(shares):.0f} % of them as they are)"
+    said = {"fast": "stored them as they are", "full": "coded them", "paced": "was paced"}
     return (
-        f'the steady saves timed for durability under codec_effort="auto": {fast} of '
-        f"{len(efforts)} stored their chunks as they are, {len(efforts) - fast} coded them in "
-        f"full; the fastest {'stored them as they are' if fastest == 'fast' else 'coded them'}"
+        f'the steady saves timed for durability under codec_effort="auto": {count["fast"]} of '
+        f"{len(efforts)} stored their changed chunks as they are, {count['full']} coded them in "
+        f"full, {paced}; the fastest {said.get(fastest[0], fastest[0])}"
     )
 
 
@@ -375,7 +382,7 @@ def big_sweep(nbytes: int, root: Path, repeats: int) -> list[dict[str, Any]]:
         torch_save(state, plain)
     store_dir, kept = root / "big-store", root / "big-baseline"
     stalls, durables, peaks, baselines = [], [], {}, []
-    efforts: list[str] = []
+    efforts: list[tuple[str, float]] = []
     for attempt in range(repeats):
         shutil.rmtree(store_dir, ignore_errors=True)
         shutil.rmtree(kept, ignore_errors=True)

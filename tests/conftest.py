@@ -100,8 +100,11 @@ def dead_pid() -> int:
 
 
 def small_store(url: str, **options) -> CheckpointStore:
-    """A store with small chunks and packs so that small test states span many objects."""
+    """A store with small chunks and packs so that small test states span many objects. Its
+    changed chunks are coded in full unless ``codec_effort`` is given: under ``"auto"`` how a
+    chunk is coded depends on how fast the machine codes and writes (``test_pace.py``)."""
     options.setdefault("chunk_size", 4096)
+    options.setdefault("codec_effort", "full")
     options.setdefault("pack_size", 16384)
     return CheckpointStore(url, **options)
 

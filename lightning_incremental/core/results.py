@@ -23,8 +23,12 @@ class SaveResult:
         chunks_total / chunks_reused / chunks_delta / chunks_full: chunks in the state; of them,
             referenced from earlier checkpoints, written as XOR deltas, written standalone.
         objects_written: pack objects written (the manifest not included).
-        effort: ``"full"``, or ``"fast"`` when changed chunks were stored as they are (the
-            store's ``codec_effort``).
+        effort: ``"full"``: every changed chunk coded in full; ``"fast"``: stored as they are;
+            ``"paced"``: coded in full while the storage was busy writing, the rest
+            (``chunks_as_is``) stored as they are (the store's ``codec_effort``, see
+            :mod:`~lightning_incremental.core.commit.effort`).
+        chunks_as_is: of ``chunks_full``, the changed chunks stored as they are (codec ``s``)
+            to spare CPU or time (``effort``).
         warnings: what went wrong after the commit (retention), each a sentence; the
             checkpoint is committed regardless.
     """
@@ -45,6 +49,7 @@ class SaveResult:
     objects_written: int
     warnings: tuple[str, ...] = ()
     effort: str = "full"
+    chunks_as_is: int = 0
 
     @property
     def ratio(self) -> float:

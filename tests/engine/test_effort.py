@@ -92,12 +92,14 @@ def test_auto_follows_whether_the_last_save_waited_for_a_cpu(
     caplog.set_level(logging.INFO, logger="lightning_incremental")
     state, step = _training()
     efforts = []
-    with small_store(local_url) as store:  # codec_effort="auto", the default
+    with small_store(local_url, codec_effort="auto") as store:
         for s in range(1, 6):
             efforts.append(store.save(state, s).wait().effort)
             step()
-    # save 1 measured contended: save 2 fast (contended too), 3 fast (measured free), 4 full
-    assert efforts == ["full", "fast", "fast", "full", "full"]
+    # save 1 measured contended: save 2 fast (contended too), 3 fast (measured free), 4 coded
+    # ("full", or "paced" where the disk took some chunks faster than the codec: test_pace.py)
+    coded = ["fast" if e == "fast" else "coded" for e in efforts]
+    assert coded == ["coded", "fast", "fast", "coded", "coded"]
     assert "changed chunks are stored as they are" in caplog.text
     assert "coded in full again" in caplog.text
 
@@ -164,7 +166,7 @@ def test_a_store_behind_its_saves_stores_the_next_one_as_is(
     with CheckpointStore(
         faulty, chunk_size=4096, pack_size=16384, max_in_flight=2, min_object_age_s=0
     ) as store:
-        assert store.save(state, 1).wait().effort == "full"  # measured: a full save's time
+        assert store.save(state, 1).wait().effort != "fast"  # measured: a full save's time
         step()
         gate = faulty.hold("pack")
         chosen = threading.Event()  # save 2's encoding chose its effort
@@ -175,7 +177,7 @@ def test_a_store_behind_its_saves_stores_the_next_one_as_is(
         step()
         third = store.save(state, 3)  # asked for while save 2 (full) still writes
         gate.set()
-        assert second.wait().effort == "full"
+        assert second.wait().effort != "fast"
         assert third.wait().effort == "fast"
         assert torch.equal(store.load(3)["moving"], state["moving"])
         assert store.verify(3).ok

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_incremental.core import codecs
-from lightning_incremental.core.chunks import encode as encoder
-from lightning_incremental.core.chunks.encode import HINT_TTL, Hints
+from lightning_incremental.core.chunks import hints as hints_module
+from lightning_incremental.core.chunks.hints import HINT_TTL, Hints
 from lightning_incremental.core.codecs import Hint
 from lightning_incremental.core.codecs import planes as P
 from lightning_incremental.core.codecs import predict as pr
@@ -141,7 +141,7 @@ def test_a_store_races_each_place_once_then_codes_it_as_before(
     states = [train() for _ in range(HINT_TTL + 4)]
     written = {}
     for ttl in (HINT_TTL, 0):  # 0: never reuse a choice, race every changed chunk
-        monkeypatch.setattr(encoder, "HINT_TTL", ttl)
+        monkeypatch.setattr(hints_module, "HINT_TTL", ttl)
         races_per_save = []
         written[ttl] = 0
         with small_store(f"{local_url}-{ttl}", chunk_size=16384, full_every=100) as store:

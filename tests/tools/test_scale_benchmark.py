@@ -141,13 +141,15 @@ def test_the_sweeps_measure_every_figure_at_a_tiny_size(
     durable = next(r for r in big if r["figure"] == "time to durable, steady save")
     said = re.fullmatch(
         r"the steady saves timed for durability under codec_effort=\"auto\": (\d) of (\d) stored "
-        r"their chunks as they are, (\d) coded them in full; the fastest "
-        r"(stored them as they are|coded them)",
+        r"their changed chunks as they are, (\d) coded them in full, (\d) were paced"
+        r"( \(stored \d+-\d+ % of them as they are\))?; the fastest "
+        r"(stored them as they are|coded them|was paced)",
         durable["detail"],
     )
     assert said, durable["detail"]
-    fast, timed, full = (int(said[i]) for i in (1, 2, 3))
-    assert timed == 2 and fast + full == timed  # steps 3 and 5 (step 4 measures memory)
+    fast, timed, full, paced = (int(said[i]) for i in (1, 2, 3, 4))
+    assert timed == 2 and fast + full + paced == timed  # steps 3 and 5 (step 4: memory)
+    assert bool(said[5]) == (paced > 0)
     text = scale_report.markdown({}, {}, big, [])
     assert f"Note: {chain['case']}, {chain['detail']}." in text
     assert f"Note: {durable['case']}, {durable['detail']}." in text
@@ -352,3 +354,12 @@ def test_the_command_writes_its_report(tmp_path: Path) -> None:
     text = (tmp_path / "out" / "scale.md").read_text()
     assert text.count("\n| ") >= len(doc["records"]) + 1
     assert {p.name for p in tmp_path.iterdir()} == {"out"}, "the scratch directory is removed"
+
+
+def test_the_durable_note_says_how_many_saves_were_paced() -> None:
+    efforts = [("paced", 0.7), ("full", 0.0), ("paced", 0.85), ("fast", 1.0)]
+    assert scale.efforts_detail(efforts, ("paced", 0.7)) == (
+        'the steady saves timed for durability under codec_effort="auto": 1 of 4 stored their '
+        "changed chunks as they are, 1 coded them in full, 2 were paced (stored 70-85 % of them "
+        "as they are); the fastest was paced"
+    )

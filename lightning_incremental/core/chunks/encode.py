@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -22,12 +21,14 @@ from lightning_incremental.core import codecs
 from lightning_incremental.core.buffers import collection_paused
 from lightning_incremental.core.chunks.decode import ObjectReader, decode_chunk
 from lightning_incremental.core.chunks.delta_base import Parent
+from lightning_incremental.core.chunks.hints import Hints
 from lightning_incremental.core.chunks.lossy import (
     family,
     lossy_codec,
     lossy_key,
     reusable,
 )
+from lightning_incremental.core.chunks.pace import Pacer
 from lightning_incremental.core.chunks.packs import PackWriter, aligned_from
 from lightning_incremental.core.chunks.small import STORE_SMALL, encode_small, small_leaves
 from lightning_incremental.core.codecs import STORED, Codec, Hint, chunk_hash
@@ -58,6 +59,7 @@ class Encoded:
     chunks_delta: int = 0
     chunks_full: int = 0
     fast: bool = False  # changed chunks stored as they are (codec_effort)
+    chunks_as_is: int = 0  # changed chunks stored as they are (fast, or paced: see encode)
     cpu_run_s: float = 0.0  # the encoding thread's time on a CPU during encode
     cpu_wait_s: float = 0.0  # ... and runnable but waiting for one (see workers.cpu_times)
     # encode(durable=False): waits until the packs it wrote are durable (raising write errors)
@@ -165,50 +167,14 @@ def _lossy_delta(
     return delta, blob
 
 
+def _done(payload: _Payload) -> Future[_Payload]:
+    done: Future[_Payload] = Future()
+    done.set_result(payload)
+    return done
+
+
 def _since(start: float) -> float:
     return time.perf_counter() - start
-
-
-HINT_TTL = 8  # saves a remembered choice is reused before its place is raced again
-
-
-class Hints:
-    """How each place (tensor key, chunk index) was delta-coded at its last save — the
-    predictor, or standalone — and for how many saves that choice has been reused.
-
-    A changed chunk is coded the way its place was last time, without the sample race
-    (about 40 % of a raced chunk's encoding under dense updates), and raced again every
-    ``HINT_TTL`` saves; first races are spread over that many saves, so re-races do not all
-    fall on one.
-    The winning choice of a place rarely changes between checkpoints: reusing it cost under
-    0.1 % of the bytes on dense fp32 training, in some saves less than racing anew (the race
-    itself only looks at a sample). Advisory: a hint decides how a chunk is coded, never
-    whether it decodes; a store starts without hints (after a restart, every place races)."""
-
-    def __init__(self) -> None:
-        self._places: dict[tuple[str, int], tuple[Hint, int]] = {}
-
-    def get(self, place: tuple[str, int]) -> Hint | None:
-        """The choice to reuse at ``place``, or None (race)."""
-        known = self._places.get(place)
-        return known[0] if known is not None and known[1] < HINT_TTL else None
-
-    def update(self, made: Mapping[tuple[str, int], tuple[Hint, bool]], keys: set[str]) -> None:
-        """One save coded ``made`` (place -> its choice, and whether that was a reused hint);
-        places of tensors not in ``keys`` (gone from the state) are forgotten."""
-        places = {p: v for p, v in self._places.items() if p[0] in keys}
-        for place, (hint, reused) in made.items():
-            known = places.get(place)
-            if reused and known is not None:
-                places[place] = (hint, known[1] + 1)
-            elif known is not None:  # raced again
-                places[place] = (hint, 0)
-            else:  # first race: spread the next one over HINT_TTL saves
-                places[place] = (
-                    hint,
-                    zlib.crc32(f"{place[0]}:{place[1]}".encode()) % max(HINT_TTL, 1),
-                )
-        self._places = places
 
 
 def mixed_key(out: Encoded, exact: set[str]) -> str | None:
@@ -241,6 +207,7 @@ def encode(
     avoid: set[str] | frozenset[str] = frozenset(),
     hints: Hints | None = None,
     fast: bool = False,
+    pacer: Pacer | None = None,
     durable: bool = True,
 ) -> Encoded:
     """Encode and write the data of one checkpoint; returns its manifest tables once every object
@@ -251,6 +218,8 @@ def encode(
     touches an object in ``avoid`` (found damaged) are neither reused nor delta bases. ``hints``:
     the store's memory of how each place was coded (read, and updated when this save is done).
     ``fast``: changed chunks are stored as they are (codec ``s``), lossy ones excepted.
+    ``pacer``: each changed chunk is coded in full only while that costs no time, else stored
+    as it is (:mod:`.pace`; ``codec_effort="auto"``).
     A member of a shared pool writes aligned packs (see :class:`~.packs.PackWriter`).
 
     A chunk coded lossily is keyed by :func:`lossy_key`, apart from a lossless chunk of the same
@@ -272,7 +241,11 @@ def encode(
         out,
         sum(leaf.nbytes for leaf in leaves),
         aligned_from=aligned_from(storage),
+        # Paced, how a chunk is coded depends on timing: not in aligned packs, whose bytes must
+        # be the same in two runs that store the same tensors (a shared pool holds them once).
+        pacer=pacer if not fast and aligned_from(storage) is None else None,
     )
+    paced = pack.pacer
     fetch = None
     stored: dict[str, TensorEntry] = {}
     same_chunking = parent is not None and parent.manifest.chunk_size == config.chunk_size
@@ -285,6 +258,16 @@ def encode(
         }
         fetch = BaseReader(storage, parent.manifest, parent_chunks).read
     window: deque[tuple[Future[_Payload], _Task]] = deque()
+
+    def _worth(task: _Task) -> bool:
+        """Paced: whether to code ``task`` in full now (before the first pack is handed
+        over, yes: see :mod:`.pace`)."""
+        assert paced is not None
+        if not pack.handed:
+            return True
+        coding = sum(1 for fut, _ in window if not fut.done())
+        return paced.code(nbytes=int(task.raw.size), coding=coding, unwritten=pack.unwritten)
+
     scheduled: set[str] = set()
     made: dict[tuple[str, int], tuple[Hint, bool]] = {}
     declined: dict[str, str] = {}  # lossy key -> raw hash, for chunks stored exactly instead
@@ -300,35 +283,57 @@ def encode(
                 return
             digest = recipe.base
 
-    def drain(limit: int) -> None:
+    def drain(limit: int, *, end: bool = False) -> None:
+        """Pack the oldest chunks until ``limit`` are left being encoded. Paced, while the
+        writers wait for the encoder: return (the next chunks are stored as they are), or at
+        the ``end`` store those whose encoding has not started as they are."""
         while len(window) > limit:
-            fut, task = window.popleft()
-            done = fut.result()
-            out.encode_s += done.seconds
-            if done.hint is not None:
-                made[task.place] = (done.hint, done.hint == task.hint)
-            # The recipe's fields; the pack writer adds where the payload lies and builds it.
-            fields = {
-                "kind": done.codec.kind,
-                "size": int(task.raw.size),
-                "width": task.width,
-                "chain": len(done.blob),
-                "lossless": done.codec.lossless,
-                "decoded": done.decoded,
-            }
-            if done.codec.needs_base:
-                assert task.base_digest is not None and task.base_recipe is not None
-                adopt(task.base_digest)
-                fields["base"] = task.base_digest
-                fields["depth"] = task.base_recipe.depth + 1
-                fields["chain"] = task.base_recipe.chain + len(done.blob)
-                out.chunks_delta += 1
-            else:
-                out.chunks_full += 1
-            key = task.digest
-            if task.lossy is not None and done.codec.lossless:
-                key = declined[task.digest] = task.raw_digest
-            pack.add(key, done.blob, fields, tensor_bytes=task.tensor_bytes, last=task.last)
+            oldest, task = window[0]
+            if paced is not None and not oldest.done():
+                if pack.waiting():
+                    if not end:
+                        return
+                    if task.lossy is None and oldest.cancel():
+                        window.popleft()
+                        settle(_done(_encode_task(task, 0, 0.0, True)), task)
+                        out.chunks_as_is += 1
+                        continue
+                running = pack.writing()
+                either = [oldest] if running is None else [oldest, running]
+                wait(either, return_when=FIRST_COMPLETED)
+                continue
+            settle(*window.popleft())
+
+    def settle(fut: Future[_Payload], task: _Task) -> None:
+        """Add an encoded chunk to its pack, its recipe to the tables."""
+        done = fut.result()
+        out.encode_s += done.seconds
+        if paced is not None and done.codec is not STORED and task.lossy is None:
+            paced.coded(int(task.raw.size), done.seconds)
+        if done.hint is not None:
+            made[task.place] = (done.hint, done.hint == task.hint)
+        # The recipe's fields; the pack writer adds where the payload lies and builds it.
+        fields = {
+            "kind": done.codec.kind,
+            "size": int(task.raw.size),
+            "width": task.width,
+            "chain": len(done.blob),
+            "lossless": done.codec.lossless,
+            "decoded": done.decoded,
+        }
+        if done.codec.needs_base:
+            assert task.base_digest is not None and task.base_recipe is not None
+            adopt(task.base_digest)
+            fields["base"] = task.base_digest
+            fields["depth"] = task.base_recipe.depth + 1
+            fields["chain"] = task.base_recipe.chain + len(done.blob)
+            out.chunks_delta += 1
+        else:
+            out.chunks_full += 1
+        key = task.digest
+        if task.lossy is not None and done.codec.lossless:
+            key = declined[task.digest] = task.raw_digest
+        pack.add(key, done.blob, fields, tensor_bytes=task.tensor_bytes, last=task.last)
 
     entries: list[TensorEntry | None] = [None] * len(leaves)
 
@@ -413,16 +418,20 @@ def encode(
                         task.place = (leaf.key, index)
                         task.hint = hints.get(task.place) if hints is not None else None
                 scheduled.add(digest)
-                args = (task, config.compression_level, config.max_chain_ratio, fast)
+                as_is = lossy is None and (fast or (paced is not None and not _worth(task)))
+                args = (task, config.compression_level, config.max_chain_ratio, as_is)
                 small = raw.size < STORE_SMALL and task.base_recipe is None  # the tensor
-                if lossy is None and (fast or small):  # stored as it is (see .small)
+                if lossy is None and (as_is or small):  # stored as it is (see .small)
                     args = (task, config.compression_level, config.max_chain_ratio, True)
-                if (piece.size < INLINE_MAX and task.fetch is None) or (fast and lossy is None):
-                    done: Future[_Payload] = Future()
-                    done.set_result(_encode_task(*args))
+                    out.chunks_as_is += as_is and not small
+                if (piece.size < INLINE_MAX and task.fetch is None) or as_is:
+                    done = _done(_encode_task(*args))
                 else:
                     done = pool.submit(_encode_task, *args)
-                window.append((done, task))
+                if paced is not None and as_is:
+                    settle(done, task)  # packed now, not behind the chunks still being coded
+                else:
+                    window.append((done, task))
                 drain(2 * getattr(pool, "max_workers", 2))
             entries[number] = TensorEntry(
                 path=leaf.key,
@@ -436,7 +445,7 @@ def encode(
                 requires_grad=leaf.requires_grad,
                 chunks=tuple(digests),
             )
-        drain(0)
+        drain(0, end=True)
         out.tensors = entries  # type: ignore[assignment]  # every one is filled in
         pack.finish(wait=durable)
         if not durable:
@@ -477,6 +486,7 @@ def encode(
             avoid=avoid,
             hints=hints,
             fast=fast,
+            pacer=pacer,
             durable=durable,
         )
     if hints is not None:

@@ -4,6 +4,7 @@ name)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from lightning_incremental.core.storage import Storage
 
 if TYPE_CHECKING:
     from lightning_incremental.core.chunks.encode import Encoded
+    from lightning_incremental.core.chunks.pace import Pacer
 
 
 TAIL_PACK = 2 << 20  # the smallest pack written near the end of a save (see PackWriter.limit)
@@ -80,6 +82,7 @@ class PackWriter:
         out: Encoded,
         remaining: int,
         aligned_from: int | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.storage, self.pool, self.pack_size, self.out = (
             storage,
@@ -92,6 +95,25 @@ class PackWriter:
         self.aligned_from = aligned_from
         self.aligned = _Open()
         self.writes: deque[tuple[Future[float], bool]] = deque()
+        # A paced save (see .pace): the writers' measured rate, and the bytes handed to them
+        # and not written yet; its first pack is handed over at TAIL_PACK (one default chunk).
+        self.pacer = pacer
+        self.handed = False  # a pack of this save was handed to a writer
+        self.unwritten = 0
+        self._lock = threading.Lock()
+
+    def waiting(self) -> bool:
+        """Whether the writers are waiting for the encoder: a pack of this save was handed to
+        them, and every one handed over is written."""
+        return self.handed and self.unwritten == 0
+
+    def writing(self) -> Future[float] | None:
+        """A write still running of the two handed over last, or None. Writers take packs in
+        order, so those are the last to end; O(1): asked for every chunk."""
+        for i in range(1, min(2, len(self.writes)) + 1):
+            if not self.writes[-i][0].done():
+                return self.writes[-i][0]
+        return None
 
     def add(
         self,
@@ -123,6 +145,8 @@ class PackWriter:
         of the save (a quarter of the raw bytes not scheduled yet, at least ``TAIL_PACK``). The
         writes still running when the last chunk is encoded are what the save then waits for:
         with 16 MiB packs that was a quarter of a 100 MB save's time to durable."""
+        if self.pacer is not None and not self.handed:
+            return min(self.pack_size, TAIL_PACK)  # paced: the writers start sooner
         return min(self.pack_size, max(TAIL_PACK, self.remaining // 4))
 
     def flush(self) -> None:
@@ -148,7 +172,10 @@ class PackWriter:
             out.packs[path] = size
             out.written.add(path)
             out.bytes_written += size
-            self.writes.append((self.pool.submit(self._write, path, parts), pack.owned))
+            with self._lock:
+                self.unwritten += size
+            self.handed = True
+            self.writes.append((self.pool.submit(self._write, path, parts, size), pack.owned))
         while sum(owned for _, owned in self.writes) > 2:
             self._collect()
 
@@ -156,16 +183,23 @@ class PackWriter:
         future, _ = self.writes.popleft()
         self.out.write_s += future.result()
 
-    def _write(self, path: str, parts: list[bytes | memoryview]) -> float:
+    def _write(self, path: str, parts: list[bytes | memoryview], size: int) -> float:
         start = time.perf_counter()
-        if not self.storage.put_parts(path, parts):
-            # Same content, same name: an earlier checkpoint's object, or one left behind by a
-            # deleted checkpoint or a crashed save. It is written again all the same: it may
-            # have rotted or been truncated, and an old object that no manifest names yet may
-            # be collected by a concurrent gc at any moment — a fresh one is protected by its
-            # grace period, like every other object this save writes.
-            self.storage.put_parts(path, parts, overwrite=True)
-        return time.perf_counter() - start
+        try:
+            if not self.storage.put_parts(path, parts):
+                # Same content, same name: an earlier checkpoint's object, or one left behind by
+                # a deleted checkpoint or a crashed save. It is written again all the same: it
+                # may have rotted or been truncated, and an old object that no manifest names yet
+                # may be collected by a concurrent gc at any moment — a fresh one is protected by
+                # its grace period, like every other object this save writes.
+                self.storage.put_parts(path, parts, overwrite=True)
+        finally:
+            with self._lock:
+                self.unwritten -= size
+        seconds = time.perf_counter() - start
+        if self.pacer is not None:
+            self.pacer.wrote(size, seconds)
+        return seconds
 
     def finish(self, *, wait: bool = True) -> None:
         """Flush the last packs; with ``wait``, wait until every pack is durable (re-raising

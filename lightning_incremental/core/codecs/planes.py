@@ -6,7 +6,7 @@ One chunk becomes a self-describing payload:
    one: ``xor``, ``sub`` (zigzag integer difference) or ``scaled``, chosen per chunk on a sample
    (a few spread slices, every candidate coded as in step 3), or ``none``. The store remembers
    each place's choice and reuses it at the next saves (``PlanesDelta.encode_as``; see
-   ``encoder.Hints``) instead of racing again.
+   ``hints.Hints``) instead of racing again.
 2. *Byte planes*: plane ``k`` holds byte ``k`` of every element. After a small update of a float
    tensor the sign/exponent plane is almost constant while the low mantissa planes are noise.
 3. *Per-plane coding*: each plane is zstd-compressed, and stored raw when zstd saves less than

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_incremental.core.chunks.delta_base import DeltaBase, Parent
-from lightning_incremental.core.chunks.encode import Encoded, Hints, encode
+from lightning_incremental.core.chunks.encode import Encoded, encode
+from lightning_incremental.core.chunks.hints import Hints
+from lightning_incremental.core.chunks.pace import Pacer
 from lightning_incremental.core.chunks.packs import damaged_objects
 from lightning_incremental.core.commit.effort import Effort
 from lightning_incremental.core.commit.fencing import Fencing
@@ -45,7 +47,6 @@ from lightning_incremental.core.format import canonical
 from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.format.records import ChunkRecipe, Manifest, TensorEntry
 from lightning_incremental.core.format.tree import Leaf
-from lightning_incremental.core.results import SaveResult
 from lightning_incremental.core.storage import Storage
 
 log = logging.getLogger("lightning_incremental")
@@ -172,6 +173,13 @@ class Committer:
         self.fencing, self.lease, self.history, self.base = fencing, lease, history, base
         self.hints = Hints()  # how each place was coded last: the next save skips the race
         self.effort = Effort(config.codec_effort)  # when changed chunks are stored as they are
+        # The encoders' and writers' rates (codec_effort="auto": see .pace). Not with one thread
+        # for both (workers=1): a chunk's coding never overlaps a write there.
+        self.pacer = (
+            Pacer(getattr(pool, "max_workers", 1), getattr(self.writer, "max_workers", 1))
+            if self.writer is not pool
+            else None
+        )
 
     # ------------------------------------------------------------------ phase 1
 
@@ -216,6 +224,7 @@ class Committer:
                 avoid=avoid,
                 hints=self.hints,
                 fast=fast,
+                pacer=self.pacer if self.effort.paced() else None,  # auto, not fast
                 durable=durable,
             )
             adopted = {p: enc.packs[p] for p in set(enc.packs) - enc.written}
@@ -503,37 +512,3 @@ def _drop(enc: Encoded, *, quiet: bool = False) -> None:
     except BaseException:
         if not quiet:
             raise
-
-
-def save_result(
-    parts: Sequence[Part],
-    committed: Committed,
-    *,
-    previous: Manifest | None,
-    snapshot_s: float,
-    wait_s: float,
-    total_s: float,
-) -> SaveResult:
-    """The figures of a committed save (``previous``: the parent's manifest, whose objects
-    were not written again)."""
-    figures = [p.encoded for p in parts]
-    before = previous.packs if previous is not None else {}
-    stats = committed.manifest.stats
-    return SaveResult(
-        step=committed.manifest.step,
-        bytes_logical=stats["bytes_logical"],
-        bytes_written=stats["bytes_data"] + committed.nbytes,
-        snapshot_s=snapshot_s,
-        wait_s=wait_s,
-        encode_s=sum(f.encode_s for f in figures),
-        write_s=sum(f.write_s for f in figures) + committed.write_s,
-        total_s=total_s,
-        full_base=stats["full_base"],
-        chunks_total=stats["chunks_total"],
-        chunks_reused=stats["chunks_reused"],
-        chunks_delta=stats["chunks_delta"],
-        chunks_full=stats["chunks_full"],
-        objects_written=sum(1 for p in committed.manifest.packs if p not in before),
-        warnings=committed.warnings,
-        effort="fast" if any(f.fast for f in figures) else "full",
-    )

@@ -28,6 +28,7 @@ from typing import Any
 from lightning_incremental.core.buffers import collection_paused
 from lightning_incremental.core.chunks.encode import Encoded
 from lightning_incremental.core.commit.committer import Committed, Committer, Part
+from lightning_incremental.core.commit.figures import effort_of
 from lightning_incremental.core.commit.group import Group, describe_error, rebuild
 from lightning_incremental.core.errors import DistributedSaveError, ManifestError
 from lightning_incremental.core.format import canonical
@@ -287,5 +288,6 @@ def rank_result(
         chunks_full=enc.chunks_full,
         objects_written=len(part.written),
         warnings=committed.warnings if committed is not None else (),
-        effort="fast" if enc.fast else "full",
+        effort=effort_of([enc]),
+        chunks_as_is=enc.chunks_as_is,
     )

@@ -47,8 +47,9 @@ from dataclasses import dataclass
 from lightning_incremental.core.chunks.delta_base import DeltaBase, Parent
 from lightning_incremental.core.chunks.packs import damaged_objects
 from lightning_incremental.core.commit import rewrites
-from lightning_incremental.core.commit.committer import Committer, save_result
+from lightning_incremental.core.commit.committer import Committer
 from lightning_incremental.core.commit.fencing import Fencing, Generation, check_process
+from lightning_incremental.core.commit.figures import save_result
 from lightning_incremental.core.commit.history import History, check_step_type
 from lightning_incremental.core.commit.lease import Lease
 from lightning_incremental.core.commit.location import Location

@@ -20,8 +20,9 @@ from typing import Any
 
 from lightning_incremental.core.chunks.delta_base import DeltaBase, Parent
 from lightning_incremental.core.commit import rewrites
-from lightning_incremental.core.commit.committer import Committer, Part, save_result
+from lightning_incremental.core.commit.committer import Committer, Part
 from lightning_incremental.core.commit.fencing import Generation
+from lightning_incremental.core.commit.figures import save_result
 from lightning_incremental.core.commit.group import Group
 from lightning_incremental.core.commit.history import History, read_fork_base
 from lightning_incremental.core.commit.lease import Lease

@@ -79,19 +79,22 @@ def measure(megabytes: int, args: argparse.Namespace, root: Path) -> dict[str, A
         states.append(_clone({"model": model.state_dict(), "optimizer": opt.state_dict()}))
     first, second, third = states
     plain, ours, steady, written, steady_written, size, int8 = [], [], [], 0, 0, 0, 0
+    efforts = []
     for i in range(args.repeats):
         path = root / f"plain-{i}.pt"
         plain.append(torch_save(third, path))
         size = path.stat().st_size
         path.unlink()
-        with CheckpointStore(root / f"store-{i}") as store:
+        with CheckpointStore(root / f"store-{i}", codec_effort=args.codec_effort) as store:
             store.save(first, step=1).wait()
             start = time.perf_counter()
             written = store.save(second, step=2).wait().bytes_written
             ours.append(time.perf_counter() - start)
             start = time.perf_counter()
-            steady_written = store.save(third, step=3).wait().bytes_written
+            result = store.save(third, step=3).wait()
             steady.append(time.perf_counter() - start)
+            steady_written = result.bytes_written
+            efforts.append(result.effort)
         shutil.rmtree(root / f"store-{i}")
     with CheckpointStore(root / "int8", optimizer_state="int8") as store:
         store.save(first, step=1).wait()
@@ -120,6 +123,8 @@ def measure(megabytes: int, args: argparse.Namespace, root: Path) -> dict[str, A
         "steady_fewer_bytes": size / steady_written if steady_written else None,
         "int8_bytes_written": int8,
         "int8_fewer_bytes": size / int8 if int8 else None,
+        "codec_effort": args.codec_effort,
+        "steady_efforts": efforts,  # SaveResult.effort of each repeat's steady save
     }
 
 
@@ -168,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", type=Path, default=None, help="scratch directory (a local disk)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--codec-effort",
+        choices=("auto", "full", "fast"),
+        default="auto",
+        help="the stores' codec_effort (auto: paced on a disk faster than the codec)",
+    )
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="li-durable-") as tmp:

@@ -72,19 +72,19 @@ class StoreConfig:
             run at the normal priority). Under contention training keeps the cores and a save
             runs in the gaps: a save takes longer to become durable, training loses less. 0:
             the same priority as training. Default 10.
-        codec_effort: how much CPU a save spends to write fewer bytes. ``"full"``: every
-            changed chunk raced over the codecs (predicted deltas, byte planes, zstd). ``"fast"``:
-            changed chunks stored as they are (codec ``s``: no CPU beyond the copy; unchanged
-            chunks are still referenced, not written). ``"auto"`` (default): fast while the last
-            save's background thread waited longer for a CPU than it ran (training holds every
-            core, and the codec's CPU would come out of training's), or while saves are asked
-            for before a save coded in full has ended (they would queue up and training wait
-            for them) (:mod:`~lightning_incremental.core.commit.effort`); otherwise paced: a
-            changed chunk is coded in full only while its coding ends before the writers run
-            out of work, else stored as it is (:mod:`~lightning_incremental.core.chunks.pace`:
-            every chunk is coded where storage is slower than the codec; a save on a disk
-            faster than the codec is durable about when its raw bytes would be). Opt-in lossy
-            codecs (``optimizer_state``) always apply.
+        codec_effort: how much CPU a save spends to write fewer bytes. ``"full"``: every changed
+            chunk raced over the codecs (predicted deltas, byte planes, zstd). ``"fast"``: changed
+            chunks stored as they are (codec ``s``: no CPU beyond the copy; unchanged chunks are
+            still referenced, not written). ``"auto"`` (default): fast while the last save's
+            background thread waited longer for a CPU than it ran (training holds every core, and
+            the codec's CPU would come out of training's), or while saves are asked for before a
+            save coded in full has ended (they would queue up and training wait for them)
+            (:mod:`~lightning_incremental.core.commit.effort`); otherwise paced: a changed chunk the
+            codec shrinks little (dense float32 noise) is coded in full only while its coding ends
+            before the writers run out of work, else stored as it is
+            (:mod:`~lightning_incremental.core.chunks.pace`: every chunk is coded where storage is
+            slower than the codec; a save on a disk faster than the codec is durable about when its
+            raw bytes would be). Opt-in lossy codecs (``optimizer_state``) always apply.
         pack_size: encoded chunks are appended to pack objects of about this size, so a save of
             thousands of small tensors writes a few objects, not thousands. Packs are written while
             later chunks are still being encoded: smaller packs overlap more and hold less in

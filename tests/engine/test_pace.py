@@ -6,6 +6,7 @@ codec that does; every checkpoint restores bit-exact whichever way its chunks we
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.chunks import encode as encoder
 from lightning_incremental.core.chunks import packs as packs_module
-from lightning_incremental.core.chunks.pace import SMOOTHING, Pacer
+from lightning_incremental.core.chunks.pace import PACE_FROM, RELEARN, SMOOTHING, Pacer
 from lightning_incremental.core.errors import StorageError
 from lightning_incremental.core.storage import open_storage
 from tests.conftest import assert_state_equal
@@ -27,13 +28,18 @@ CHUNK = 16 << 10
 OPTIONS: dict[str, Any] = {"chunk_size": CHUNK, "pack_size": 4 * CHUNK, "min_object_age_s": 0}
 
 
-def _states(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """``n`` states of 48 chunks each, every chunk changed by a small step from the last."""
+def _states(n: int, seed: int = 0, step: float | None = None) -> list[dict[str, torch.Tensor]]:
+    """``n`` states of 48 chunks each, every chunk changed: new random values (dense float32
+    noise, which the codec shrinks little), or a small ``step`` from the last (which it
+    shrinks to a fraction)."""
     g = torch.Generator().manual_seed(seed)
     state = {f"w{i}": torch.randn(12 * CHUNK // 4, generator=g) for i in range(4)}
     out = []
     for _ in range(n):
-        state = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+        if step is None:
+            state = {k: torch.randn(v.shape, generator=g) for k, v in state.items()}
+        else:
+            state = {k: v + step * torch.randn(v.shape, generator=g) for k, v in state.items()}
         out.append(state)
     return out
 
@@ -90,20 +96,33 @@ def test_a_storage_slower_than_the_codec_gets_every_chunk_coded(local_url: str) 
         results = _save_all(store, _states(3))
     assert [r.effort for r in results] == ["full"] * 3
     assert all(r.chunks_as_is == 0 for r in results)
+    assert all(r.chunks_full + r.chunks_delta == 48 for r in results[1:])
+
+
+def test_chunks_the_codec_shrinks_well_are_coded_whatever_the_disk(slow_codec: None) -> None:
+    """Small steps: each chunk's XOR delta codes to a fraction of its bytes (under
+    ``PACE_FROM``), so every chunk is coded though the codec is the slower."""
+    with CheckpointStore("memory://li-test-pace-shrinks", **OPTIONS) as store:
+        results = _save_all(store, _states(3, step=1e-6))
+    assert [(r.effort, r.chunks_as_is) for r in results] == [("full", 0)] * 3
     assert all(r.chunks_delta == 48 for r in results[1:])
+    assert results[-1].bytes_written < results[-1].bytes_logical * PACE_FROM
 
 
 def test_a_codec_slower_than_the_storage_stores_what_it_cannot_keep_up_with(
     slow_codec: None,
 ) -> None:
-    states = _states(3)
+    states = _states(4)
     with CheckpointStore("memory://li-test-pace-slow-codec", **OPTIONS) as store:
         results = _save_all(store, states)
     with CheckpointStore(
         "memory://li-test-pace-slow-codec-full", codec_effort="full", **OPTIONS
     ) as full:
         coded = _save_all(full, states)
-    for paced, every in zip(results, coded, strict=True):
+    # The first save learns how well the codec shrinks each place standalone, the second as a
+    # delta on the first: both coded in full. New random values shrink little either way.
+    assert [(r.effort, r.chunks_as_is) for r in results[:2]] == [("full", 0), ("full", 0)]
+    for paced, every in zip(results[2:], coded[2:], strict=True):
         assert paced.effort == "paced" and every.effort == "full"
         assert 24 <= paced.chunks_as_is < 48  # most stored as they are: the writers wait
         assert paced.chunks_full + paced.chunks_delta == 48  # every chunk changed, written once
@@ -153,25 +172,26 @@ def test_a_member_of_a_shared_pool_is_never_paced(tmp_path: Path, slow_codec: No
     """Its packs must be the same bytes in two runs that store the same tensors (the pool holds
     them once): how a chunk is coded cannot depend on timing there."""
     with CheckpointStore(tmp_path / "a", pool=tmp_path / "pool", **OPTIONS) as store:
-        results = _save_all(store, _states(2))
-    assert [(r.effort, r.chunks_as_is) for r in results] == [("full", 0), ("full", 0)]
+        results = _save_all(store, _states(4))  # the last two would be paced (see above)
+    assert [(r.effort, r.chunks_as_is) for r in results] == [("full", 0)] * 4
 
 
 def test_a_failed_write_in_a_paced_save_commits_nothing(local_url: str, slow_codec: None) -> None:
     faulty = FaultyStorage(open_storage(local_url, None))
-    states = _states(3)
+    states = _states(4)
     with CheckpointStore(faulty, **OPTIONS) as store:
         store.save(states[0], 1).wait()
+        store.save(states[1], 2).wait()  # the places' ratios are known from here on
         faulty.fail("pack", nth=3)
         with pytest.raises(StorageError):
-            store.save(states[1], 2).wait()
-        assert store.steps() == [1]
-        result = store.save(states[2], 3).wait()
+            store.save(states[2], 3).wait()
+        assert store.steps() == [1, 2]
+        result = store.save(states[3], 4).wait()
         assert result.effort == "paced"
     with CheckpointStore(local_url, **OPTIONS) as fresh:
-        assert fresh.steps() == [1, 3]
-        assert_state_equal(fresh.load(3), states[2])
-        assert fresh.verify(3).ok
+        assert fresh.steps() == [1, 2, 4]
+        assert_state_equal(fresh.load(4), states[3])
+        assert fresh.verify(4).ok
 
 
 def test_a_writer_reports_what_is_left_to_write(local_url: str) -> None:
@@ -200,19 +220,77 @@ def test_a_writer_reports_what_is_left_to_write(local_url: str) -> None:
         assert writer.unwritten == 0
 
 
+def test_chunks_coded_whatever_the_writers_do_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lossy chunks are coded even while the writers wait (for them there is no "as it is"):
+    the scheduling thread still waits for the encoders once ``PACED_AHEAD`` times the window's
+    limit are being coded, instead of queueing a whole tensor's chunks."""
+    original = encoder._encode_task
+
+    def slow_lossy(task: Any, level: int, ratio: float, fast: bool = False) -> Any:
+        if task.lossy is not None:
+            time.sleep(0.005)
+        return original(task, level, ratio, fast)
+
+    monkeypatch.setattr(encoder, "_encode_task", slow_lossy)
+    g = torch.Generator().manual_seed(0)
+    state = {"m": torch.randn(64 * CHUNK // 4, generator=g).abs(), "w": torch.randn(4096)}
+    url = "memory://li-test-pace-lossy"
+    with CheckpointStore(url, workers=2, lossy_codecs={"state['m']": "b16"}, **OPTIONS) as store:
+        pool = store._engine.pool
+        submit, outstanding, most = pool.submit, [0], [0]
+
+        def counted(fn: Any, *args: Any) -> Any:
+            outstanding[0] += 1
+            most[0] = max(most[0], outstanding[0])
+            future = submit(fn, *args)
+            future.add_done_callback(lambda _: outstanding.__setitem__(0, outstanding[0] - 1))
+            return future
+
+        monkeypatch.setattr(pool, "submit", counted)
+        store.save(state, 1).wait()
+        state["m"].mul_(1.01)
+        store.save(state, 2).wait()
+        loaded = store.load(2)
+    assert most[0] <= encoder.PACED_AHEAD * 2 * 2 + 1, most[0]
+    assert torch.equal(loaded["w"], state["w"])
+    assert torch.allclose(loaded["m"], state["m"], rtol=1e-2)
+
+
 # ---------------------------------------------------------------------------- the rule
 
 
 def test_nothing_measured_codes() -> None:
-    assert Pacer(2, 2).code(nbytes=4 << 20, coding=0, unwritten=0)
+    assert Pacer(2, 2).code(nbytes=4 << 20, coding=0, unwritten=0, ratio=0.9)
 
 
 def test_writers_with_nothing_to_write_are_never_kept_waiting() -> None:
     pacer = Pacer(1, 1)
     pacer.coded(1 << 20, 0.001)  # a fast codec
     pacer.wrote(1 << 20, 1.0)  # a slow disk
-    assert not pacer.code(nbytes=1 << 20, coding=0, unwritten=0)
-    assert pacer.code(nbytes=1 << 20, coding=0, unwritten=1 << 20)
+    assert not pacer.code(nbytes=1 << 20, coding=0, unwritten=0, ratio=0.9)
+    assert pacer.code(nbytes=1 << 20, coding=0, unwritten=1 << 20, ratio=0.9)
+
+
+def test_a_place_is_paced_only_once_its_codec_shrank_it_little() -> None:
+    pacer = Pacer(1, 1)
+    pacer.coded(1 << 20, 10.0)  # a codec far slower than the disk
+    pacer.wrote(1 << 20, 0.001)
+    place = ("state['w']", 3)
+    assert pacer.ratio(place) is None
+    assert pacer.code(nbytes=1 << 20, coding=0, unwritten=0, ratio=pacer.ratio(place))
+    pacer.coded(1 << 20, 10.0, place, int(0.2 * (1 << 20)))  # shrank to a fifth
+    assert pacer.code(nbytes=1 << 20, coding=0, unwritten=0, ratio=pacer.ratio(place))
+    pacer.coded(1 << 20, 10.0, place, int(0.9 * (1 << 20)))  # dense noise
+    assert not pacer.code(nbytes=1 << 20, coding=0, unwritten=0, ratio=pacer.ratio(place))
+    assert pacer.ratio(place, delta=True) is None  # a delta's ratio is learnt apart
+    for _ in range(RELEARN):  # stored as it is RELEARN times: measured anew
+        assert pacer.ratio(place) == pytest.approx(0.9)
+        pacer.stored(place)
+    assert pacer.ratio(place) is None
+    pacer.coded(1 << 20, 10.0, place, int(0.9 * (1 << 20)))
+    assert pacer.ratio(place) == pytest.approx(0.9)
+    pacer.forget_except({"state['other']"})
+    assert pacer.ratio(place) is None
 
 
 @given(
@@ -240,12 +318,16 @@ def test_a_chunk_is_coded_exactly_when_its_coding_ends_before_the_writes(
     unwritten = int(unwritten_mb * 1e6)
     coding_s = (coding + 1) * nbytes / (int(code_mbps * 1e6) * workers)
     writing_s = unwritten / (int(write_mbps * 1e6) * writers)
-    assert pacer.code(nbytes=nbytes, coding=coding, unwritten=unwritten) == (coding_s <= writing_s)
+    code = partial(pacer.code, nbytes=nbytes, ratio=PACE_FROM)  # a place the codec shrank little
+    assert code(coding=coding, unwritten=unwritten) == (coding_s <= writing_s)
     # Monotone: more queued for the writers never turns coding off, more being coded never on.
-    if pacer.code(nbytes=nbytes, coding=coding, unwritten=unwritten):
-        assert pacer.code(nbytes=nbytes, coding=coding, unwritten=2 * unwritten)
+    if code(coding=coding, unwritten=unwritten):
+        assert code(coding=coding, unwritten=2 * unwritten)
     else:
-        assert not pacer.code(nbytes=nbytes, coding=coding + 1, unwritten=unwritten)
+        assert not code(coding=coding + 1, unwritten=unwritten)
+    # A place the codec shrank well, or never coded, is coded whatever the rates.
+    assert pacer.code(nbytes=nbytes, coding=coding, unwritten=unwritten, ratio=PACE_FROM / 2)
+    assert pacer.code(nbytes=nbytes, coding=coding, unwritten=unwritten, ratio=None)
 
 
 def test_rates_follow_the_newest_measurements() -> None:
@@ -261,6 +343,13 @@ def test_rates_follow_the_newest_measurements() -> None:
     pacer.coded(500, 1.0)
     pacer.coded(1500, 1.0)
     assert pacer.code_bps == pytest.approx(500 * (1 - SMOOTHING) + 1500 * SMOOTHING)
+    # Weighted by bytes: a small write's fixed cost counts for its bytes, not for a sample.
+    fresh = Pacer(1, 1)
+    fresh.wrote(16_000_000, 0.016)  # 1 GB/s
+    fresh.wrote(2_000_000, 0.012)  # a small pack, mostly its fsync
+    bytes_ = 16e6 * (1 - SMOOTHING) + 2e6 * SMOOTHING
+    seconds = 0.016 * (1 - SMOOTHING) + 0.012 * SMOOTHING
+    assert fresh.write_bps == pytest.approx(bytes_ / seconds)
 
 
 def test_one_thread_for_coding_and_writing_is_never_paced(slow_codec: None) -> None:
@@ -268,5 +357,5 @@ def test_one_thread_for_coding_and_writing_is_never_paced(slow_codec: None) -> N
     a write; pacing would only trade bytes for nothing."""
     url = "memory://li-test-pace-one-thread"
     with CheckpointStore(url, workers=1, **OPTIONS) as store:
-        results = _save_all(store, _states(2))
-    assert [(r.effort, r.chunks_as_is) for r in results] == [("full", 0), ("full", 0)]
+        results = _save_all(store, _states(4))
+    assert [(r.effort, r.chunks_as_is) for r in results] == [("full", 0)] * 4

@@ -275,3 +275,29 @@ def _checksum(link: str, recipe: ChunkRecipe, where: str) -> Exception:
     return CorruptCheckpointError(
         f"checkpoint {where}: chunk {link} in {recipe.pack} fails its checksum (corrupted object)"
     )
+
+
+class BaseReader:
+    """A parent checkpoint's chunks, decoded from storage on demand (as delta bases when the
+    parent's bytes are not in memory; a lossy chunk as it decodes). A chunk that cannot be read
+    or fails its hash is no base: the chunk it would have been the base of is stored standalone
+    instead."""
+
+    def __init__(
+        self, storage: Storage, manifest: Manifest, chunks: Mapping[str, ChunkRecipe]
+    ) -> None:
+        self.storage, self.manifest, self.chunks = storage, manifest, chunks
+
+    def read(self, digest: str) -> np.ndarray | None:
+        recipe = self.chunks.get(digest)
+        if recipe is None:
+            return None
+        reader = ObjectReader(self.storage, self.manifest, f"step {self.manifest.step}")
+        out = np.empty(recipe.size, dtype=np.uint8)
+        try:
+            for plan in reader.plan(set(closure(digest, self.chunks))):
+                reader.read(plan)
+            decode_chunk(digest, self.chunks, reader.blobs, out, reader.where)
+        except (CorruptCheckpointError, OSError):
+            return None
+        return out

@@ -19,7 +19,7 @@ import numpy as np
 
 from lightning_incremental.core import codecs
 from lightning_incremental.core.buffers import collection_paused
-from lightning_incremental.core.chunks.decode import ObjectReader, decode_chunk
+from lightning_incremental.core.chunks.decode import BaseReader
 from lightning_incremental.core.chunks.delta_base import Parent
 from lightning_incremental.core.chunks.hints import Hints
 from lightning_incremental.core.chunks.lossy import (
@@ -28,14 +28,13 @@ from lightning_incremental.core.chunks.lossy import (
     lossy_key,
     reusable,
 )
-from lightning_incremental.core.chunks.pace import Pacer
+from lightning_incremental.core.chunks.pace import PACE_FROM, Pacer
 from lightning_incremental.core.chunks.packs import PackWriter, aligned_from
 from lightning_incremental.core.chunks.small import STORE_SMALL, encode_small, small_leaves
 from lightning_incremental.core.codecs import STORED, Codec, Hint, chunk_hash
 from lightning_incremental.core.codecs.stored import stored
 from lightning_incremental.core.config import StoreConfig
-from lightning_incremental.core.errors import CorruptCheckpointError
-from lightning_incremental.core.format.records import ChunkRecipe, Manifest, TensorEntry, closure
+from lightning_incremental.core.format.records import ChunkRecipe, TensorEntry, closure
 from lightning_incremental.core.format.tree import Leaf
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.workers import cpu_times
@@ -77,7 +76,8 @@ class _Task:
     # No base in memory: decode the parent's chunk ``base_digest`` from storage (on the worker)
     fetch: Callable[[str], np.ndarray | None] | None = None
     lossy: Codec | None = None  # the lossy codec configured for this tensor, if any
-    place: tuple[str, int] = ("", 0)  # tensor key, chunk index
+    place: tuple[str, int] = ("", 0)  # tensor key, chunk index (a delta's: for its hint)
+    slot: tuple[str, int] = ("", 0)  # tensor key, chunk index (every chunk's: for pacing)
     hint: Hint | None = None  # how the same place was coded last time (see Hints)
     raw_digest: str = ""  # the raw hash: the key if its lossy codec declines it (stored exactly)
     tensor_bytes: int = 0  # the size of the tensor it belongs to (for aligned packs)
@@ -99,6 +99,9 @@ class _Payload:
 # threads. Saving only the small tensors of the benchmark's transformer (biases, norms, their
 # moments: 300 of its 408 chunks, 0.2 % of its bytes) took 50 ms a save that way, 37 ms inline.
 INLINE_MAX = 64 << 10
+# Paced, while the writers wait, the window may grow to this many times its limit before the
+# scheduling thread waits for the encoders (a bound: lossy chunks are coded all the same).
+PACED_AHEAD = 2
 
 
 def _encode_task(task: _Task, level: int, max_chain_ratio: float, fast: bool = False) -> _Payload:
@@ -261,12 +264,18 @@ def encode(
 
     def _worth(task: _Task) -> bool:
         """Paced: whether to code ``task`` in full now (before the first pack is handed
-        over, yes: see :mod:`.pace`)."""
+        over, yes: see :mod:`.pace`). The window holds at most ``PACED_AHEAD`` times its
+        limit (see drain): counting it is bounded work."""
         assert paced is not None
         if not pack.handed:
             return True
         coding = sum(1 for fut, _ in window if not fut.done())
-        return paced.code(nbytes=int(task.raw.size), coding=coding, unwritten=pack.unwritten)
+        return paced.code(
+            nbytes=int(task.raw.size),
+            coding=coding,
+            unwritten=pack.unwritten,
+            ratio=paced.ratio(task.slot, delta=task.base_recipe is not None),
+        )
 
     scheduled: set[str] = set()
     made: dict[tuple[str, int], tuple[Hint, bool]] = {}
@@ -285,31 +294,51 @@ def encode(
 
     def drain(limit: int, *, end: bool = False) -> None:
         """Pack the oldest chunks until ``limit`` are left being encoded. Paced, while the
-        writers wait for the encoder: return (the next chunks are stored as they are), or at
-        the ``end`` store those whose encoding has not started as they are."""
+        writers wait for the encoder: return, so that the next chunks are stored as they are
+        (up to ``PACED_AHEAD`` times ``limit`` in the window: lossy chunks are coded whatever
+        the writers do); at the ``end``, store those whose coding has not started as they are."""
         while len(window) > limit:
             oldest, task = window[0]
             if paced is not None and not oldest.done():
                 if pack.waiting():
-                    if not end:
+                    if end:
+                        if _cancel_waiting():
+                            continue
+                    elif len(window) <= PACED_AHEAD * limit:
                         return
-                    if task.lossy is None and oldest.cancel():
-                        window.popleft()
-                        settle(_done(_encode_task(task, 0, 0.0, True)), task)
-                        out.chunks_as_is += 1
-                        continue
                 running = pack.writing()
                 either = [oldest] if running is None else [oldest, running]
                 wait(either, return_when=FIRST_COMPLETED)
                 continue
-            settle(*window.popleft())
+            fut, task = window.popleft()
+            if fut.cancelled():  # by _cancel_waiting
+                assert paced is not None
+                paced.stored(task.slot, delta=task.base_recipe is not None)
+                settle(_done(_encode_task(task, 0, 0.0, True)), task)
+                out.chunks_as_is += 1
+            else:
+                settle(fut, task)
+
+    def _cancel_waiting() -> bool:
+        """Cancel the coding of every lossless chunk in the window whose coding has not
+        started and whose place the codec shrinks little (they are then stored as they
+        are); whether any was."""
+        assert paced is not None
+        return sum(fut.cancel() for fut, task in window if task.lossy is None and _pace(task)) > 0
+
+    def _pace(task: _Task) -> bool:
+        """Whether ``task``'s place is one that pacing may store as it is (see .pace)."""
+        assert paced is not None
+        ratio = paced.ratio(task.slot, delta=task.base_recipe is not None)
+        return ratio is not None and ratio >= PACE_FROM
 
     def settle(fut: Future[_Payload], task: _Task) -> None:
         """Add an encoded chunk to its pack, its recipe to the tables."""
         done = fut.result()
         out.encode_s += done.seconds
-        if paced is not None and done.codec is not STORED and task.lossy is None:
-            paced.coded(int(task.raw.size), done.seconds)
+        if paced is not None and done.seconds > 0 and task.lossy is None:  # coded, not as is
+            delta = task.base_recipe is not None
+            paced.coded(int(task.raw.size), done.seconds, task.slot, len(done.blob), delta=delta)
         if done.hint is not None:
             made[task.place] = (done.hint, done.hint == task.hint)
         # The recipe's fields; the pack writer adds where the payload lies and builds it.
@@ -396,6 +425,7 @@ def encode(
                     tensor_bytes=int(raw.size), last=offset + config.chunk_size >= raw.size,
                 )  # fmt: skip
                 index = offset // config.chunk_size
+                task.slot = (leaf.key, index)  # pacing remembers how it coded (see .pace)
                 base_digests = xor_base[1] if xor_base is not None else stored_base
                 if base_digests is not None and not full_base and index < len(base_digests):
                     base_digest = base_digests[index]
@@ -424,6 +454,8 @@ def encode(
                 if lossy is None and (as_is or small):  # stored as it is (see .small)
                     args = (task, config.compression_level, config.max_chain_ratio, True)
                     out.chunks_as_is += as_is and not small
+                if as_is and paced is not None:
+                    paced.stored(task.slot, delta=task.base_recipe is not None)
                 if (piece.size < INLINE_MAX and task.fetch is None) or as_is:
                     done = _done(_encode_task(*args))
                 else:
@@ -491,30 +523,6 @@ def encode(
         )
     if hints is not None:
         hints.update(made, {leaf.key for leaf in leaves})
+    if pacer is not None:
+        pacer.forget_except({leaf.key for leaf in leaves})
     return out
-
-
-class BaseReader:
-    """A parent checkpoint's chunks, decoded from storage on demand (as delta bases when the
-    parent's bytes are not in memory; a lossy chunk as it decodes). A chunk that cannot be read
-    or fails its hash is no base: the chunk it would have been the base of is stored standalone
-    instead."""
-
-    def __init__(
-        self, storage: Storage, manifest: Manifest, chunks: Mapping[str, ChunkRecipe]
-    ) -> None:
-        self.storage, self.manifest, self.chunks = storage, manifest, chunks
-
-    def read(self, digest: str) -> np.ndarray | None:
-        recipe = self.chunks.get(digest)
-        if recipe is None:
-            return None
-        reader = ObjectReader(self.storage, self.manifest, f"step {self.manifest.step}")
-        out = np.empty(recipe.size, dtype=np.uint8)
-        try:
-            for plan in reader.plan(set(closure(digest, self.chunks))):
-                reader.read(plan)
-            decode_chunk(digest, self.chunks, reader.blobs, out, reader.where)
-        except (CorruptCheckpointError, OSError):
-            return None
-        return out

@@ -95,11 +95,13 @@ class PackWriter:
         self.aligned_from = aligned_from
         self.aligned = _Open()
         self.writes: deque[tuple[Future[float], bool]] = deque()
-        # A paced save (see .pace): the writers' measured rate, and the bytes handed to them
-        # and not written yet; its first pack is handed over at TAIL_PACK (one default chunk).
+        # A paced save (see .pace): the writers' measured rate, the bytes handed to them and
+        # not written yet, the writes not ended; its first pack is handed over once it holds
+        # TAIL_PACK (2 MiB: with the default 4 MiB chunks, its first chunk).
         self.pacer = pacer
         self.handed = False  # a pack of this save was handed to a writer
         self.unwritten = 0
+        self._running: set[Future[float]] = set()
         self._lock = threading.Lock()
 
     def waiting(self) -> bool:
@@ -108,12 +110,13 @@ class PackWriter:
         return self.handed and self.unwritten == 0
 
     def writing(self) -> Future[float] | None:
-        """A write still running of the two handed over last, or None. Writers take packs in
-        order, so those are the last to end; O(1): asked for every chunk."""
-        for i in range(1, min(2, len(self.writes)) + 1):
-            if not self.writes[-i][0].done():
-                return self.writes[-i][0]
-        return None
+        """A write handed over that has not ended, or None (O(1): asked for every chunk)."""
+        with self._lock:
+            return next(iter(self._running), None)
+
+    def _ended(self, future: Future[float]) -> None:
+        with self._lock:
+            self._running.discard(future)
 
     def add(
         self,
@@ -175,7 +178,11 @@ class PackWriter:
             with self._lock:
                 self.unwritten += size
             self.handed = True
-            self.writes.append((self.pool.submit(self._write, path, parts, size), pack.owned))
+            future = self.pool.submit(self._write, path, parts, size)
+            with self._lock:
+                self._running.add(future)
+            future.add_done_callback(self._ended)  # at once if it has ended already
+            self.writes.append((future, pack.owned))
         while sum(owned for _, owned in self.writes) > 2:
             self._collect()
 

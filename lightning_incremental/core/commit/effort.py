@@ -20,11 +20,12 @@ Two signals, each measured by the saves themselves:
 Either makes the next save fast; ``"full"`` and ``"fast"`` fix the choice.
 
 Otherwise a save is **paced** (:mod:`~lightning_incremental.core.chunks.pace`): a changed chunk
-is coded in full only while its coding ends before the writers run out of work, else stored as
-it is. Where storage is slower than the codec every chunk is coded; where the codec is slower
-(a local NVMe disk) the save becomes durable about when a save of the raw bytes would, with
-as many fewer bytes as the disk's time allowed. Coded in full on such a disk, a dense 1 GB
-save took 2.1x ``torch.save`` + fsync to be durable, a 4 GB one 2.9x.
+whose place the codec shrank to less than half is coded; one it shrinks little is coded only while
+its coding ends before the writers run out of work, else stored as it is. Where storage is slower
+than the codec every chunk is coded; where the codec is slower (a local NVMe disk) the save becomes
+durable about when a save of the raw bytes would, with as many fewer bytes as the disk's time
+allowed. Coded in full on such a disk, a dense 1 GB save took 2.1x ``torch.save`` + fsync to be
+durable, a 4 GB one 2.9x.
 """
 
 from __future__ import annotations

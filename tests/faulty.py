@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno as errnos
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -215,6 +216,20 @@ class FaultyStorage(Storage):
     def mtime(self, path: str) -> float | None:
         self._guard("mtime", path)
         return self.inner.mtime(path)
+
+
+class SlowStorage(FaultyStorage):
+    """Each ``put`` of a path under ``prefix`` (``"packs/"``, ``"manifests/"``) takes
+    ``delay_s`` longer: a slow storage, or one slow part of it."""
+
+    def __init__(self, inner: Storage, delay_s: float, prefix: str) -> None:
+        super().__init__(inner)
+        self.delay_s, self.prefix = delay_s, prefix
+
+    def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
+        if path.startswith(self.prefix):
+            time.sleep(self.delay_s)
+        return super().put(path, data, overwrite=overwrite)
 
 
 @contextmanager

@@ -10,7 +10,6 @@ import json
 import os
 import pickle
 import shutil
-import time
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,7 +40,7 @@ from lightning_incremental.core.storage import open_storage
 from lightning_incremental.lightning.checkpoint_io import PointerError
 from lightning_incremental.lightning.pointers import document
 from tests.conftest import assert_state_equal
-from tests.faulty import FaultyStorage
+from tests.faulty import FaultyStorage, SlowStorage
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
@@ -441,18 +440,8 @@ class SlowCommits(IncrementalCheckpointIO):
     delay = 0.3
 
     def _open_store(self, url: str, config: StoreConfig) -> CheckpointStore:
-        return CheckpointStore(_SlowManifests(open_storage(url, None), self.delay), config=config)
-
-
-class _SlowManifests(FaultyStorage):
-    def __init__(self, inner: Any, delay: float) -> None:
-        super().__init__(inner)
-        self.delay = delay
-
-    def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
-        if path.startswith("manifests/"):
-            time.sleep(self.delay)
-        return super().put(path, data, overwrite=overwrite)
+        storage = SlowStorage(open_storage(url, None), self.delay, "manifests/")
+        return CheckpointStore(storage, config=config)
 
 
 def test_pointer_written_at_save_and_previous_step_kept_until_commit(tmp_path: Path) -> None:

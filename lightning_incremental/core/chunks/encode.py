@@ -28,7 +28,7 @@ from lightning_incremental.core.chunks.lossy import (
     lossy_key,
     reusable,
 )
-from lightning_incremental.core.chunks.pace import PACE_FROM, Pacer
+from lightning_incremental.core.chunks.pace import Pacer, shrinks_little
 from lightning_incremental.core.chunks.packs import PackWriter, aligned_from
 from lightning_incremental.core.chunks.small import STORE_SMALL, encode_small, small_leaves
 from lightning_incremental.core.codecs import STORED, Codec, Hint, chunk_hash
@@ -329,8 +329,7 @@ def encode(
     def _pace(task: _Task) -> bool:
         """Whether ``task``'s place is one that pacing may store as it is (see .pace)."""
         assert paced is not None
-        ratio = paced.ratio(task.slot, delta=task.base_recipe is not None)
-        return ratio is not None and ratio >= PACE_FROM
+        return shrinks_little(paced.ratio(task.slot, delta=task.base_recipe is not None))
 
     def settle(fut: Future[_Payload], task: _Task) -> None:
         """Add an encoded chunk to its pack, its recipe to the tables."""

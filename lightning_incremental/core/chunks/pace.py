@@ -114,7 +114,7 @@ class Pacer:
         whether those chunks and this one are coded before the writers have written them —
         always where its place coded to ``ratio`` (coded over raw bytes) under ``PACE_FROM``,
         or was never coded (None)."""
-        if ratio is None or ratio < PACE_FROM:
+        if not shrinks_little(ratio):
             return True
         code_bps, write_bps = self.code_bps, self.write_bps
         if code_bps is None or write_bps is None:
@@ -143,3 +143,9 @@ class _Rate:
 
     def bps(self) -> float | None:
         return self.nbytes / self.seconds if self.seconds else None
+
+
+def shrinks_little(ratio: float | None) -> bool:
+    """Whether a place coded to ``ratio`` (coded over raw bytes; None: never coded) is one
+    pacing may store as it is: known, and at least ``PACE_FROM``."""
+    return ratio is not None and ratio >= PACE_FROM

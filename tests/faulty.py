@@ -27,16 +27,17 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_incremental.core.buffers import gather
 from lightning_incremental.core.errors import StorageError
 from lightning_incremental.core.storage import Storage, translate_errors
 
 PHASES = ("marker", "pack", "manifest", "quarantine", "other")
-OPS = ("put", "get", "exists", "list", "delete", "size", "mtime")
+OPS = ("put", "get", "exists", "list", "delete", "size", "mtime", "sync")
 WHEN = ("before", "after", "torn")
 GATE_TIMEOUT_S = 60.0  # a held call that is never released fails instead of hanging the suite
 
@@ -192,6 +193,39 @@ class FaultyStorage(Storage):
             with self._lock:
                 self.landed.append(path)
         raise self._error(fault, "put", path)
+
+    def put_parts(
+        self,
+        path: str,
+        parts: Sequence[bytes | memoryview],
+        *,
+        overwrite: bool = False,
+        durable: bool = True,
+    ) -> bool:
+        """A put (its faults and gates) that passes ``durable`` on to the inner storage, so
+        that the packs of a save reach it as they reach a real one (made durable later by
+        :meth:`sync`). A subclass that overrides ``put`` sees these writes through it."""
+        if type(self).put is not FaultyStorage.put:
+            return super().put_parts(path, parts, overwrite=overwrite)
+        fault = self._check("put", path)
+        if fault is None:
+            return self.inner.put_parts(path, parts, overwrite=overwrite, durable=durable)
+        data = parts[0] if len(parts) == 1 else gather(parts)
+        if fault.when == "after":
+            self.inner.put(path, data, overwrite=overwrite)
+        elif fault.when == "torn":
+            self.inner.put(path, bytes(data)[: len(data) // 2], overwrite=overwrite)
+        if fault.when != "before":
+            with self._lock:
+                self.landed.append(path)
+        raise self._error(fault, "put", path)
+
+    def sync(self, paths: Sequence[str]) -> None:
+        """Faults and gates of op ``"sync"`` fire per path (the disk reports a write back
+        error at the fsync); nothing is synced once one fires."""
+        for path in paths:
+            self._guard("sync", path)
+        self.inner.sync(paths)
 
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         self._guard("get", path)

@@ -120,6 +120,22 @@ def test_put_parts_writes_their_concatenation(storage: Storage) -> None:
     assert storage.list("packs") == ["packs/ab/none", "packs/ab/parts"]
 
 
+def test_put_parts_not_durable_yet_is_whole_to_readers_and_synced_later(storage: Storage) -> None:
+    """``durable=False`` changes only when the object survives a crash (at ``sync``): readers
+    see it whole at once, create-only and overwrite work as ever, and a sync of what was
+    written (or of nothing) succeeds."""
+    parts = [DATA[:300], memoryview(DATA)[300:]]
+    assert storage.put_parts("packs/ab/later", parts, durable=False) is True
+    assert storage.get("packs/ab/later") == DATA
+    assert storage.put_parts("packs/ab/later", [b"other"], durable=False) is False
+    assert storage.put_parts("packs/ab/later", [b"again"], overwrite=True, durable=False)
+    assert storage.put_parts("packs/cd/later", [b"two"], durable=False) is True
+    storage.sync(["packs/ab/later", "packs/cd/later"])
+    storage.sync([])
+    assert storage.get("packs/ab/later") == b"again"
+    assert storage.list("packs") == ["packs/ab/later", "packs/cd/later"]
+
+
 @pytest.mark.parametrize(
     ("start", "end"),
     [

@@ -28,7 +28,9 @@ little, their later small steps much.
 
 Both rates are measured as the saves run (per thread, smoothed over the last chunks and
 writes, each weighted by its bytes; kept by the store from one save to the next), so a
-machine's real figures decide, not an assumed ratio. Before a rate is known every chunk is
+machine's real figures decide, not an assumed ratio. A pack's write is measured once it is
+durable: its write and its share of the sync at the end of the save (a disk that takes writes
+into memory at once may be slow to make them durable). Before a rate is known every chunk is
 coded; so is every chunk a save schedules before its first pack is handed over, once it holds
 2 MiB (:class:`~.packs.PackWriter`): a save whose changes fit there (with the default 4 MiB
 chunks: one changed chunk, and the few scheduled while it is coded) is coded in full whatever

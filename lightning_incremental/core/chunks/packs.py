@@ -54,9 +54,12 @@ class PackWriter:
     """Appends encoded chunks to pack objects and writes full packs in the background.
 
     A pack is named (the hash of its parts) when it is full, on the thread that schedules the
-    encoding, and its chunks join the tables then; its write and fsync run on a writer thread.
-    The tables are thus complete once the last pack is handed to a writer, and the manifest
-    can be prepared while the writes finish (:meth:`wait` says when they are durable).
+    encoding, and its chunks join the tables then; it is written on a writer thread. The
+    tables are thus complete once the last pack is handed to a writer, and the manifest can be
+    prepared while the writes finish. The packs are written without waiting for each to be
+    durable (``durable=False``: a local disk starts writing each back at once) and made
+    durable together by :meth:`wait`, the writers syncing a share each, before the manifest
+    that names them is written (see :mod:`~lightning_incremental.core.storage.local`).
 
     At most two packs of *owned* payloads (bytes the encoder made) are in flight: they are
     memory the save holds. Parts *borrowed* from the snapshot (a small tensor stored as it is,
@@ -103,6 +106,8 @@ class PackWriter:
         self.unwritten = 0
         self._running: set[Future[float]] = set()
         self._lock = threading.Lock()
+        # Packs written and not synced yet: (path, bytes, seconds its write took).
+        self._unsynced: list[tuple[str, int, float]] = []
 
     def waiting(self) -> bool:
         """Whether the writers are waiting for the encoder: a pack of this save was handed to
@@ -193,19 +198,49 @@ class PackWriter:
     def _write(self, path: str, parts: list[bytes | memoryview], size: int) -> float:
         start = time.perf_counter()
         try:
-            if not self.storage.put_parts(path, parts):
+            if not self.storage.put_parts(path, parts, durable=False):
                 # Same content, same name: an earlier checkpoint's object, or one left behind by
                 # a deleted checkpoint or a crashed save. It is written again all the same: it
                 # may have rotted or been truncated, and an old object that no manifest names yet
                 # may be collected by a concurrent gc at any moment — a fresh one is protected by
                 # its grace period, like every other object this save writes.
-                self.storage.put_parts(path, parts, overwrite=True)
+                self.storage.put_parts(path, parts, overwrite=True, durable=False)
         finally:
             with self._lock:
                 self.unwritten -= size
         seconds = time.perf_counter() - start
+        with self._lock:
+            self._unsynced.append((path, size, seconds))
+        return seconds
+
+    def _sync(self) -> None:
+        """Make every pack written so far durable: the writers sync a share each (the files'
+        data is mostly on the disk by now). Each pack's write and its share of the sync are
+        then what the pacer learns of the writers' rate."""
+        with self._lock:
+            written, self._unsynced = self._unsynced, []
+        if not written:
+            return
+        shares = max(1, min(len(written), getattr(self.pool, "max_workers", 1)))
+        # The first share on this thread (the writers may be this thread's own pool of one).
+        others = [self.pool.submit(self._sync_share, written[i::shares]) for i in range(1, shares)]
+        try:
+            self.out.write_s += self._sync_share(written[::shares])
+        finally:
+            errors = [fut.exception() for fut in others]  # every sync ends before one is raised
+        for error in errors:
+            if error is not None:
+                raise error
+        self.out.write_s += sum(fut.result() for fut in others)
+
+    def _sync_share(self, written: list[tuple[str, int, float]]) -> float:
+        start = time.perf_counter()
+        self.storage.sync([path for path, _, _ in written])
+        seconds = time.perf_counter() - start
         if self.pacer is not None:
-            self.pacer.wrote(size, seconds)
+            total = sum(size for _, size, _ in written) or 1
+            for _, size, wrote_s in written:
+                self.pacer.wrote(size, wrote_s + seconds * size / total)
         return seconds
 
     def finish(self, *, wait: bool = True) -> None:
@@ -218,11 +253,12 @@ class PackWriter:
             self.wait()
 
     def wait(self) -> None:
-        """Wait until every pack handed to a writer is durable (re-raising the first write
-        error, once every write has ended)."""
+        """Wait until every pack handed to a writer is durable (re-raising the first write or
+        sync error, once every write has ended)."""
         try:
             while self.writes:
                 self._collect()
+            self._sync()
         except BaseException:
             self.abandon()
             raise
@@ -234,6 +270,8 @@ class PackWriter:
             if not fut.cancelled():
                 fut.exception()  # wait; the first error is already being raised
         self.writes.clear()
+        with self._lock:
+            self._unsynced.clear()  # named by no manifest: left to gc
 
 
 def aligned_from(storage: Storage) -> int | None:

@@ -21,8 +21,9 @@ from lightning_incremental.core.storage.redaction import redact
 class Storage(ABC):
     """What the engine needs from a backend. Paths are relative, '/'-separated.
 
-    A backend implements the seven abstract methods; ``get_view`` and ``listdir`` have
-    implementations in terms of them that a backend may replace with faster ones.
+    A backend implements the seven abstract methods; ``get_view``, ``listdir``, ``put_parts``
+    and ``sync`` have implementations in terms of them that a backend may replace with faster
+    ones.
     """
 
     url: str
@@ -33,12 +34,28 @@ class Storage(ABC):
         object exists, write nothing and return False."""
 
     def put_parts(
-        self, path: str, parts: Sequence[bytes | memoryview], *, overwrite: bool = False
+        self,
+        path: str,
+        parts: Sequence[bytes | memoryview],
+        *,
+        overwrite: bool = False,
+        durable: bool = True,
     ) -> bool:
         """``put`` of the concatenation of ``parts``. This default joins them (copies that
         release the GIL) and calls ``put``; a backend that can write the parts one after
-        another (a local file) should, saving that copy."""
+        another (a local file) should, saving that copy.
+
+        ``durable=False``: the new object need not survive a crash of the machine until
+        :meth:`sync` is called with its path (it is complete or absent to readers all the same);
+        an object ``overwrite`` replaces is replaced only by a durable one (a checkpoint may
+        need it). A backend whose writes are durable when they return ignores it."""
         return self.put(path, parts[0] if len(parts) == 1 else gather(parts), overwrite=overwrite)
+
+    def sync(self, paths: Sequence[str]) -> None:
+        """Make the objects at ``paths``, written with ``durable=False``, durable. This default
+        does nothing: every write of a backend that does not override ``put_parts`` is durable
+        when it returns."""
+        return None
 
     @abstractmethod
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:

@@ -72,10 +72,22 @@ class LinkedStorage(Storage):
         return target.put(path, data, overwrite=overwrite)
 
     def put_parts(
-        self, path: str, parts: Sequence[bytes | memoryview], *, overwrite: bool = False
+        self,
+        path: str,
+        parts: Sequence[bytes | memoryview],
+        *,
+        overwrite: bool = False,
+        durable: bool = True,
     ) -> bool:
         target = self.objects if _is_object(path) else self.own
-        return target.put_parts(path, parts, overwrite=overwrite)
+        return target.put_parts(path, parts, overwrite=overwrite, durable=durable)
+
+    def sync(self, paths: Sequence[str]) -> None:
+        objects = [path for path in paths if _is_object(path)]
+        if objects:
+            self.objects.sync(objects)
+        if len(objects) < len(paths):
+            self.own.sync([path for path in paths if not _is_object(path)])
 
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         if not _is_object(path):

@@ -4,14 +4,28 @@ A write goes to a temporary file in the object's directory (named :data:`TMP_PRE
 hex id), is fsynced, then linked into place — ``link`` fails if the name exists, which makes the
 create-only check atomic — or, when overwriting, renamed over the old file; then the directory
 is fsynced, so that the new name survives a crash too.
+
+**Deferred durability** (``put_parts(..., durable=False)``, how a save writes its packs): the
+file is written and linked into place without either fsync, and the kernel is told to start
+writing it back at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)`` on Linux: RocksDB's
+``bytes_per_sync``, PostgreSQL's ``checkpoint_flush_after``); :meth:`LocalStorage.sync` later
+fsyncs the files and their directories, before the manifest that names them is written. A
+save's pack writes then keep the disk's queue full instead of waiting for each 16 MiB pack in
+turn: steady saves of 4 GB on the benchmark machine were durable in 1.95-2.38 s instead of
+2.90-3.30 s (``torch.save`` + fsync: 2.4-3.2 s). A crash before the sync loses only objects
+no manifest names yet. The sync opens each file again: fsync acts on the file, not the
+descriptor, and Linux (4.16 on) reports a write-back error to a descriptor opened after it,
+unless another descriptor saw it first — nothing else opens a save's new pack.
 """
 
 from __future__ import annotations
 
 import builtins
+import ctypes
 import errno
 import mmap
 import os
+import sys
 import uuid
 from collections.abc import Sequence
 
@@ -54,15 +68,27 @@ class LocalStorage(Storage):
         return self._put(path, (data,), overwrite)
 
     def put_parts(
-        self, path: str, parts: Sequence[bytes | memoryview], *, overwrite: bool = False
+        self,
+        path: str,
+        parts: Sequence[bytes | memoryview],
+        *,
+        overwrite: bool = False,
+        durable: bool = True,
     ) -> bool:
         """Writes the parts one after another into the file: no joined copy of them. A
-        subclass that overrides ``put`` sees these writes through it, as one joined buffer."""
+        subclass that overrides ``put`` sees these writes through it, as one joined buffer
+        (durable). ``durable=False``: see the module's documentation."""
         if type(self).put is not LocalStorage.put:
             return super().put_parts(path, parts, overwrite=overwrite)
-        return self._put(path, parts, overwrite)
+        return self._put(path, parts, overwrite, durable)
 
-    def _put(self, path: str, parts: Sequence[bytes | memoryview], overwrite: bool) -> bool:
+    def _put(
+        self,
+        path: str,
+        parts: Sequence[bytes | memoryview],
+        overwrite: bool,
+        durable: bool = True,
+    ) -> bool:
         target = self._abs(path)
         directory = os.path.dirname(target)
         with translate_errors(f"writing {path} under {self.root}"):
@@ -74,8 +100,12 @@ class LocalStorage(Storage):
                 fd = os.open(tmp, _CREATE, 0o666)
                 try:
                     write_parts(fd, parts)
-                    if self.fsync:
+                    # An object replaced (overwrite) may be one a committed checkpoint needs:
+                    # only a durable copy takes its name.
+                    if self.fsync and (durable or overwrite):
                         os.fsync(fd)
+                    elif self.fsync:
+                        start_writeback(fd)
                 finally:
                     os.close(fd)
                 if overwrite:
@@ -90,9 +120,26 @@ class LocalStorage(Storage):
             except BaseException:
                 _silent_unlink(tmp)
                 raise
-            if self.fsync:
+            if self.fsync and durable:
                 fsync_dir(directory)
         return True
+
+    def sync(self, paths: Sequence[str]) -> None:
+        """fsync each file, then each of their directories once (the names)."""
+        if not self.fsync or not paths:
+            return
+        with translate_errors(f"syncing {len(paths)} objects under {self.root}"):
+            directories: dict[str, None] = {}
+            for path in paths:
+                target = self._abs(path)
+                fd = os.open(target, _SYNC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                directories[os.path.dirname(target)] = None
+            for directory in directories:
+                fsync_dir(directory)
 
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         with (
@@ -181,6 +228,33 @@ IOV_MAX = _iov_max()
 #: A new file, created only if absent, written as bytes (``O_BINARY``: no newline translation
 #: where that exists).
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+#: A file opened to be fsynced (Windows fsyncs only a file open for writing).
+_SYNC = os.O_RDWR if os.name == "nt" else os.O_RDONLY
+
+
+def _sync_file_range() -> object | None:
+    """libc's ``sync_file_range`` (Linux), or None. A ctypes call releases the GIL."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writing back the range's dirty pages
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing the file's dirty pages to the disk now, without waiting
+    for them (it may wait for room in the disk's queue). Advisory: a no-op where there is no
+    such call, and its errors are the fsync's to report."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # type: ignore[operator]
 
 
 def write_parts(fd: int, parts: Sequence[bytes | memoryview]) -> None:

@@ -1,0 +1,218 @@
+"""A save's packs are written without waiting for the disk one by one and made durable together
+before the manifest that names them (``put_parts(durable=False)`` and ``Storage.sync``).
+
+The real local backend runs; its system calls are only observed (``os.fsync``, ``os.link``,
+``os.replace``), since a machine's crash cannot be staged in a test: what must hold is the
+order in which the calls reach the kernel."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_incremental.core import CheckpointStore
+from lightning_incremental.core.errors import StorageError
+from lightning_incremental.core.format import layout as mf
+from lightning_incremental.core.storage.local import TMP_PREFIX, LocalStorage
+from tests.conftest import assert_state_equal, small_store
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads a descriptor's path from /proc"
+)
+
+
+def _state(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(6000, generator=g) for i in range(n)}
+
+
+def _fd_path(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+class Calls:
+    """The fsyncs (by path), links and renames the process makes, in order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[tuple[str, str]] = []
+        real_fsync, real_link, real_replace = os.fsync, os.link, os.replace
+
+        def fsync(fd: int) -> None:
+            self.events.append(("fsync", _fd_path(fd)))
+            real_fsync(fd)
+
+        def link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            real_link(src, dst, *args, **kwargs)
+            self.events.append(("link", os.fspath(dst)))
+
+        def replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            self.events.append(("replace", os.fspath(src)))
+            real_replace(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "link", link)
+        monkeypatch.setattr(os, "replace", replace)
+
+    def index(self, kind: str, path_end: str) -> int:
+        """The first event of ``kind`` on a path ending in ``path_end``."""
+        for i, (k, path) in enumerate(self.events):
+            if k == kind and path.endswith(path_end):
+                return i
+        raise AssertionError(f"no {kind} of {path_end}: {self.events}")
+
+    def count(self, kind: str, path_end: str) -> int:
+        return sum(1 for k, path in self.events if k == kind and path.endswith(path_end))
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_every_pack_is_durable_before_the_manifest_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pooled: bool
+) -> None:
+    """Each pack file is fsynced once, and its directory, before the manifest's name appears;
+    no pack write waits for the disk on its own (fsyncs a file while it is written). A member of
+    a shared pool writes its packs into the pool, and syncs them there."""
+    options: dict[str, Any] = {"pool": tmp_path / "pool"} if pooled else {}
+    with small_store(str(tmp_path / "store"), **options) as store:
+        store.save(_state(0), step=1).wait()
+        calls = Calls(monkeypatch)
+        store.save(_state(1), step=2).wait()
+        packs = {r.pack for r in store.manifest(2).chunks.values()}
+        written = [p for p in packs if calls.count("link", p)]
+    assert len(written) >= 3  # this save's own packs (some may be step 1's)
+    committed = calls.index("link", mf.manifest_path(2))
+    for pack in written:
+        assert calls.count("fsync", pack) == 1, pack
+        assert calls.index("fsync", pack) < committed
+        assert calls.index("fsync", os.path.dirname(pack)) < committed
+        assert calls.index("link", pack) < calls.index("fsync", pack)  # synced after written
+    tmp_syncs = [p for k, p in calls.events if k == "fsync" and f"/{mf.PACK_DIR}/" in p]
+    assert not [p for p in tmp_syncs if os.path.basename(p).startswith(TMP_PREFIX)]
+
+
+def test_an_object_replaced_is_replaced_only_by_a_durable_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pack written again over one of the same name (the old one may be a committed
+    checkpoint's) is fsynced before it takes the name, deferred or not."""
+    storage = LocalStorage(str(tmp_path))
+    path = mf.pack_path("ab" * 16)
+    assert storage.put_parts(path, [b"one"], durable=False)
+    calls = Calls(monkeypatch)
+    assert storage.put_parts(path, [b"one"], overwrite=True, durable=False)
+    renamed = calls.index("replace", "")
+    tmp = calls.events[renamed][1]
+    assert calls.index("fsync", tmp) < renamed
+    assert storage.get(path) == b"one"
+    assert not storage.put_parts(path, [b"one"], durable=False)  # create-only as ever
+    storage.sync([path])
+    assert calls.count("fsync", path) == 1
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+def test_a_failed_sync_fails_the_save_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """The disk reports the error of a write back at the sync (EIO; ENOSPC on a thin volume):
+    the save fails with an error that says so, is not committed, and the next one works."""
+    real_fsync = os.fsync
+    failing = [False]
+
+    def fsync(fd: int) -> None:
+        path = _fd_path(fd)
+        if failing[0] and path.endswith(".pack") and f"/{mf.PACK_DIR}/" in path:
+            raise OSError(code, os.strerror(code), path)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with small_store(str(tmp_path / "store")) as store:
+        store.save(_state(0), step=1).wait()
+        failing[0] = True
+        with pytest.raises(StorageError) as raised:
+            store.save(_state(1), step=2).wait()
+        said = "disk full" if code == errno.ENOSPC else "storage error while syncing"
+        assert said in str(raised.value)
+        assert "previous checkpoint is intact" in str(raised.value) or code == errno.EIO
+        assert store.steps() == [1]
+        failing[0] = False
+        store.save(_state(1), step=2).wait()
+    with CheckpointStore(str(tmp_path / "store")) as fresh:
+        assert fresh.steps() == [1, 2]
+        assert_state_equal(fresh.load(1), _state(0))
+        assert_state_equal(fresh.load(2), _state(1))
+        assert fresh.verify(2).ok
+
+
+class _SlowSync(LocalStorage):
+    """A disk that takes its time to make written files durable (the writes return at once)."""
+
+    def __init__(self, root: str, delay_s: float) -> None:
+        super().__init__(root)
+        self.delay_s = delay_s
+        self.synced = 0
+
+    def sync(self, paths: Any) -> None:
+        time.sleep(self.delay_s)
+        self.synced += len(paths)
+        super().sync(paths)
+
+
+def test_the_pacer_learns_the_writers_rate_to_durable_not_to_the_page_cache(
+    tmp_path: Path,
+) -> None:
+    """The writers' rate that paces a save counts each pack's share of the sync: a disk that
+    takes the writes at once and is slow to make them durable is slow."""
+    storage = _SlowSync(str(tmp_path / "store"), delay_s=0.5)
+    with small_store(storage, codec_effort="auto", workers=2) as store:
+        result = store.save(_state(0, n=12), step=1).wait()
+        pacer = store._committer.pacer
+        assert pacer is not None and pacer.write_bps is not None
+        assert storage.synced == result.objects_written
+        # two writers, each 0.5 s asleep in its share of the sync
+        assert pacer.write_bps <= result.bytes_written / 0.5
+        assert result.write_s >= 0.5
+
+
+def test_a_save_held_in_its_sync_is_not_committed_until_the_sync_ends(tmp_path: Path) -> None:
+    """The packs' sync holds the commit: while it waits, every pack is written and the step is
+    not visible; a sync that then fails fails the save (the fault fires at the sync, through a
+    wrapper storage as through the local one)."""
+    import threading
+
+    from lightning_incremental.core.storage import open_storage
+    from tests.faulty import FaultyStorage
+
+    class Watched(FaultyStorage):
+        syncing = threading.Event()
+
+        def sync(self, paths: Any) -> None:
+            self.syncing.set()
+            super().sync(paths)  # held by the gate
+
+    url = str(tmp_path / "store")
+    faulty = Watched(open_storage(url, None))
+    with small_store(faulty) as store:
+        store.save(_state(0), step=1).wait()
+        gate = faulty.hold("pack", op="sync")
+        faulty.syncing.clear()
+        handle = store.save(_state(1), step=2)
+        assert faulty.syncing.wait(30)  # the writes ended; the sync waits
+        time.sleep(0.2)
+        assert not os.path.exists(os.path.join(url, mf.manifest_path(2)))
+        assert not handle.done()
+        gate.set()
+        assert handle.wait().step == 2
+        faulty.clear()
+        faulty.fail("pack", op="sync", nth=2)
+        with pytest.raises(StorageError, match="injected fault"):
+            store.save(_state(2), step=3).wait()
+        assert store.steps() == [1, 2]
+        faulty.clear()
+        store.save(_state(2), step=3).wait()
+        assert_state_equal(store.load(3), _state(2))

@@ -274,7 +274,7 @@ def encode(
             nbytes=int(task.raw.size),
             coding=coding,
             unwritten=pack.unwritten,
-            ratio=paced.ratio(task.slot, delta=task.base_recipe is not None),
+            ratio=paced.estimate(task.slot, delta=task.base_recipe is not None),
         )
 
     scheduled: set[str] = set()
@@ -329,7 +329,7 @@ def encode(
     def _pace(task: _Task) -> bool:
         """Whether ``task``'s place is one that pacing may store as it is (see .pace)."""
         assert paced is not None
-        return shrinks_little(paced.ratio(task.slot, delta=task.base_recipe is not None))
+        return shrinks_little(paced.estimate(task.slot, delta=task.base_recipe is not None))
 
     def settle(fut: Future[_Payload], task: _Task) -> None:
         """Add an encoded chunk to its pack, its recipe to the tables."""

@@ -211,6 +211,8 @@ class PackWriter:
         seconds = time.perf_counter() - start
         with self._lock:
             self._unsynced.append((path, size, seconds))
+        if self.pacer is not None:
+            self.pacer.wrote_unsynced(size, seconds)
         return seconds
 
     def _sync(self) -> None:

@@ -216,3 +216,25 @@ def test_a_save_held_in_its_sync_is_not_committed_until_the_sync_ends(tmp_path: 
         faulty.clear()
         store.save(_state(2), step=3).wait()
         assert_state_equal(store.load(3), _state(2))
+
+
+def test_the_directories_a_first_save_creates_are_made_durable_once_before_its_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new store's first save creates ``packs/`` and a directory in it per pack prefix: the
+    names are made durable by one fsync of ``packs/`` (and one of the store's root), not one
+    per directory created, and before the manifest's name appears."""
+    root = str(tmp_path / "store")
+    calls = Calls(monkeypatch)
+    with small_store(root) as store:
+        store.save(_state(0), step=1).wait()
+        packs = {r.pack for r in store.manifest(1).chunks.values()}
+    created = {os.path.dirname(p) for p in packs}
+    assert len(created) >= 3
+    packs_dir = os.path.join(root, mf.PACK_DIR)
+    syncs = [i for i, (k, p) in enumerate(calls.events) if k == "fsync" and p == packs_dir]
+    assert len(syncs) == 1
+    committed = calls.index("link", mf.manifest_path(1))
+    assert syncs[0] < committed
+    root_syncs = [i for i, (k, p) in enumerate(calls.events) if k == "fsync" and p == root]
+    assert any(i < committed for i in root_syncs)  # packs/ itself, in the store's root

@@ -26,6 +26,7 @@ import errno
 import mmap
 import os
 import sys
+import threading
 import uuid
 from collections.abc import Sequence
 
@@ -48,6 +49,8 @@ class LocalStorage(Storage):
         self.url = root
         self.fsync = fsync
         self._made: set[str] = set()
+        self._new_dirs: set[str] = set()  # created, their names not made durable yet
+        self._dirs_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"LocalStorage({self.root!r})"
@@ -55,14 +58,35 @@ class LocalStorage(Storage):
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *path.split("/"))
 
-    def _makedirs(self, directory: str) -> None:
-        if directory in self._made:
-            return
-        created = not os.path.isdir(directory)
-        os.makedirs(directory, exist_ok=True)
-        if created and self.fsync:
-            fsync_dir(os.path.dirname(directory))
-        self._made.add(directory)
+    def _makedirs(self, directory: str, durable: bool = True) -> None:
+        """Create ``directory`` and any missing level above it. Each level created is made
+        durable (its parent fsynced) before a durable write returns, else at :meth:`sync`:
+        a save's first packs create up to 256 directories under ``packs/``, whose name each
+        fsync of ``packs/`` made durable one at a time (22 ms of a 50 ms save of 2,000 small
+        tensors on the benchmark machine), where one fsync at the sync does for them all."""
+        if directory not in self._made:
+            missing = []
+            level = directory
+            while level != self.root and not os.path.isdir(level):
+                missing.append(level)
+                parent = os.path.dirname(level)
+                if parent == level:
+                    break
+                level = parent
+            os.makedirs(directory, exist_ok=True)
+            if missing and self.fsync:
+                with self._dirs_lock:
+                    self._new_dirs.update(missing)
+            self._made.add(directory)
+        if durable and self._new_dirs:
+            self._sync_new_dirs()
+
+    def _sync_new_dirs(self) -> None:
+        """fsync the parent of every directory created and not made durable yet."""
+        with self._dirs_lock:
+            created, self._new_dirs = self._new_dirs, set()
+        for parent in sorted({os.path.dirname(d) for d in created}, reverse=True):
+            fsync_dir(parent)
 
     def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
         return self._put(path, (data,), overwrite)
@@ -94,7 +118,7 @@ class LocalStorage(Storage):
         with translate_errors(f"writing {path} under {self.root}"):
             if not overwrite and os.path.exists(target):
                 return False
-            self._makedirs(directory)
+            self._makedirs(directory, durable)
             tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex}")
             try:
                 fd = os.open(tmp, _CREATE, 0o666)
@@ -140,6 +164,7 @@ class LocalStorage(Storage):
                 directories[os.path.dirname(target)] = None
             for directory in directories:
                 fsync_dir(directory)
+            self._sync_new_dirs()
 
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         with (

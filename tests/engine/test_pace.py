@@ -121,7 +121,7 @@ def test_a_codec_slower_than_the_storage_stores_what_it_cannot_keep_up_with(
     # from then on its chunks are paced like the places coded before. The writers wait.
     for step, (paced, every) in enumerate(zip(results, coded, strict=True), 1):
         assert paced.effort == "paced" and every.effort == "full"
-        low = 24 if step > 2 else 12
+        low = 24 if step > 2 else 4  # the first two: chunks wait for a tensor's first
         assert low <= paced.chunks_as_is <= 44, step  # at most: all but each tensor's first
         assert paced.chunks_full + paced.chunks_delta == 48  # every chunk changed, written once
         assert paced.bytes_written > every.bytes_written

@@ -106,8 +106,14 @@ class PackWriter:
         self.unwritten = 0
         self._running: set[Future[float]] = set()
         self._lock = threading.Lock()
-        # Packs written and not synced yet: (path, bytes, seconds its write took).
+        # Packs written and not synced yet: (path, bytes, seconds its write took). Written
+        # durable=False only to a storage that can sync them: a backend of its own whose
+        # put_parts predates the argument keeps working, one that forwards it to another
+        # without forwarding sync does not leave packs unsynced.
         self._unsynced: list[tuple[str, int, float]] = []
+        self._deferred: dict[str, bool] = (
+            {"durable": False} if type(storage).sync is not Storage.sync else {}
+        )
 
     def waiting(self) -> bool:
         """Whether the writers are waiting for the encoder: a pack of this save was handed to
@@ -198,13 +204,13 @@ class PackWriter:
     def _write(self, path: str, parts: list[bytes | memoryview], size: int) -> float:
         start = time.perf_counter()
         try:
-            if not self.storage.put_parts(path, parts, durable=False):
+            if not self.storage.put_parts(path, parts, **self._deferred):
                 # Same content, same name: an earlier checkpoint's object, or one left behind by
                 # a deleted checkpoint or a crashed save. It is written again all the same: it
                 # may have rotted or been truncated, and an old object that no manifest names yet
                 # may be collected by a concurrent gc at any moment — a fresh one is protected by
                 # its grace period, like every other object this save writes.
-                self.storage.put_parts(path, parts, overwrite=True, durable=False)
+                self.storage.put_parts(path, parts, overwrite=True, **self._deferred)
         finally:
             with self._lock:
                 self.unwritten -= size

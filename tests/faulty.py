@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from lightning_incremental.core.buffers import gather
 from lightning_incremental.core.errors import StorageError
@@ -184,15 +184,7 @@ class FaultyStorage(Storage):
         fault = self._check("put", path)
         if fault is None:
             return self.inner.put(path, data, overwrite=overwrite)
-        if fault.when == "after":
-            self.inner.put(path, data, overwrite=overwrite)
-            with self._lock:
-                self.landed.append(path)
-        elif fault.when == "torn":
-            self.inner.put(path, bytes(data)[: len(data) // 2], overwrite=overwrite)
-            with self._lock:
-                self.landed.append(path)
-        raise self._error(fault, "put", path)
+        self._fail_put(fault, path, data, overwrite)
 
     def put_parts(
         self,
@@ -210,7 +202,12 @@ class FaultyStorage(Storage):
         fault = self._check("put", path)
         if fault is None:
             return self.inner.put_parts(path, parts, overwrite=overwrite, durable=durable)
-        data = parts[0] if len(parts) == 1 else gather(parts)
+        self._fail_put(fault, path, parts[0] if len(parts) == 1 else gather(parts), overwrite)
+
+    def _fail_put(
+        self, fault: Fault, path: str, data: bytes | memoryview, overwrite: bool
+    ) -> NoReturn:
+        """A put that ``fault`` fails: what lands first (``when``), then its error."""
         if fault.when == "after":
             self.inner.put(path, data, overwrite=overwrite)
         elif fault.when == "torn":

@@ -105,6 +105,12 @@ class BufferPool:
                 return flat.view(dtype).view(shape)
         return host_tensor(shape, dtype, pin=pin)
 
+    def recycles(self, nbytes: int) -> bool:
+        """Whether a slab of ``nbytes`` lent now would be memory given back (already faulted
+        in), not fresh memory."""
+        with self._lock:
+            return bool(self._free.get((nbytes, False)))
+
     def lend_slab(self, nbytes: int, sizes: list[int], *, fault: bool = True) -> torch.Tensor:
         """A flat uint8 CPU buffer of ``nbytes`` holding tensors of ``sizes`` bytes end to end
         from its start: it comes back to the pool once each of them was given back

@@ -118,6 +118,10 @@ class SlotPool(BufferPool):
                 return raw.view(dtype).view(shape)
         return self.fallback.take(shape, dtype, pin=pin)
 
+    def recycles(self, nbytes: int) -> bool:
+        fits = align(self.used) + nbytes <= self.slot.capacity  # the slot's pages: kept
+        return fits or self.fallback.recycles(nbytes)
+
     def lend_slab(self, nbytes: int, sizes: list[int], *, fault: bool = True) -> torch.Tensor:
         raw = self._carve(nbytes) if nbytes else None
         return raw if raw is not None else self.fallback.lend_slab(nbytes, sizes, fault=fault)

@@ -63,18 +63,20 @@ def huge_pages_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_thp
 def test_a_fresh_snapshot_of_many_small_tensors_lies_in_huge_pages(huge_pages_on: None) -> None:
-    """Turned on, the slabs of 4,096 tensors of 4 KiB (two of 8 MiB: the first copied on the
-    copying thread) are faulted in as huge pages (torch's allocator gives 4 KiB pages, none
-    huge where the kernel grants them only on request)."""
+    """Turned on, the slabs of 4,096 tensors of 4 KiB (of 2, 4, 8 and 2 MiB: the first three
+    copied on the copying thread) are faulted in as huge pages where at least ``HUGE_MIN``
+    (torch's allocator gives 4 KiB pages, none huge where the kernel grants them only on
+    request)."""
     state = {"m": {f"w{i}": torch.full((1024,), float(i)) for i in range(4096)}}
     snap = flatten_state(state, pool=BufferPool())
     wait_ready(snap)
-    leaf = snap.leaves[0]
+    first = 3 * BATCH_FIRST  # the first tensor of the third batch
+    leaf = snap.leaves[first]
     assert leaf is not None
     slab = leaf.slab  # type: ignore[attr-defined]
-    assert slab.numel() * slab.element_size() == BATCH_FIRST * 4096 == 8 << 20
+    assert slab.numel() * slab.element_size() == 4 * BATCH_FIRST * 4096 == 8 << 20
     assert (_huge_kb(slab) or 0) >= 2048, "the slab is not in huge pages"
-    assert torch.equal(leaf.data, state["m"]["w0"])
+    assert torch.equal(leaf.data, state["m"][f"w{first}"])
 
 
 @needs_thp

@@ -18,7 +18,13 @@ from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.errors import UnsupportedValueError
 from lightning_incremental.core.save import slabs as slabs_module
-from lightning_incremental.core.save.slabs import BATCH_FIRST, BATCH_MAX, SLAB_MAX
+from lightning_incremental.core.save.slabs import (
+    BATCH_FIRST,
+    BATCH_MAX,
+    FRESH_THREAD_MIN,
+    SLAB_MAX,
+    THREAD_FROM,
+)
 from lightning_incremental.core.save.snapshot import flatten, flatten_state, wait_ready
 from tests.engine.gc_counts import collections_started
 
@@ -33,6 +39,34 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _batches(n: int) -> list[int]:
+    """The batches ``n`` small tensors of one dtype, walked alone, are cut into."""
+    sizes, limit = [], BATCH_FIRST
+    while n >= limit:
+        sizes.append(limit)
+        n -= limit
+        limit = min(2 * limit, BATCH_MAX)
+    return sizes + ([n] if n else [])
+
+
+def _to_the_thread() -> int:
+    """Small tensors of one dtype enough that the copying thread copies their last batch
+    (whatever their memory: from :data:`THREAD_FROM` tensors cut)."""
+    total = 0
+    for size in _batches(1 << 20):
+        total += size
+        if total >= THREAD_FROM:
+            return total
+    raise AssertionError("unreachable")
+
+
+def test_the_batches_grow_in_number_linearly_with_the_tensors() -> None:
+    assert _batches(200) == [200]
+    assert _batches(2000) == [512, 1024, 464]
+    assert _batches(BATCH_FIRST + 2 * BATCH_MAX + 100) == [512, 1024, 2048, 4096, 1124]
+    assert len(_batches(100_000)) == 3 + (100_000 - 3584) // BATCH_MAX + 1
+
+
 def _many(n: int) -> dict[str, Any]:
     return {
         "model": {f"w{i}": torch.full((64,), float(i)) for i in range(n)},
@@ -43,13 +77,14 @@ def _many(n: int) -> dict[str, Any]:
 @pytest.mark.parametrize("n", [200, 2000])
 def test_tensor_operations_do_not_grow_with_the_number_of_small_tensors(n: int) -> None:
     """Copying one tensor at a time is a dispatched copy per tensor; the slabs make it one
-    ``cat`` per dtype, however many tensors there are."""
+    ``cat`` per batch of a dtype (see :func:`_batches`), however small the tensors."""
     state = _many(n)
     with _CountOps() as counted:
         flat = flatten_state(state, pool=BufferPool())
-    # per dtype: a fresh slab (empty, zero_ to fault it in), a view of it as the dtype, one cat
-    assert sum(counted.ops.values()) <= 10, counted.ops
-    assert counted.ops["cat"] == 2
+    # per batch: a slab (empty, zero_ to fault in the last), a view of it as the dtype, a cat
+    batches = len(_batches(n)) + 1  # the float32 tensors', then the bfloat16 ones in one
+    assert counted.ops["cat"] == batches
+    assert sum(counted.ops.values()) <= 5 * batches, counted.ops
     wait_ready(flat)
     assert len(flat.leaves) == 2 * n
 
@@ -267,10 +302,11 @@ def _mixed(n: int) -> dict[str, Any]:
 def test_a_large_state_is_copied_in_batches_on_another_thread_as_the_walk_goes_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Past :data:`BATCH_FIRST` tensors of a dtype, batches go to the copying thread as the
-    walk notes them (their number grows linearly, by :data:`BATCH_MAX`), and every leaf still
-    holds exactly its tensor as seen."""
-    n = BATCH_FIRST + 2 * BATCH_MAX + 100  # float32: batches of BATCH_FIRST, BATCH_MAX, rest
+    """From :data:`THREAD_FROM` tensors of a dtype, batches go to the copying thread as the
+    walk notes them (their number grows linearly, by :data:`BATCH_MAX`); the batches before
+    (small ones, here) the walk copies itself. Every leaf still holds exactly its tensor as
+    seen."""
+    n = BATCH_FIRST + 2 * BATCH_MAX + 100  # float32: 512, 1024, 2048, 4096, the rest
     state = _mixed(n)
     cats: list[tuple[str, int]] = []
     original = torch.cat
@@ -285,8 +321,10 @@ def test_a_large_state_is_copied_in_batches_on_another_thread_as_the_walk_goes_o
     monkeypatch.setattr(torch, "cat", original)
     wait_ready(flat)
     on_thread = [size for name, size in cats if name == "snapshot-slab-copy"]
-    assert on_thread == [BATCH_FIRST, BATCH_MAX, BATCH_MAX], cats
-    assert sorted(size for _, size in cats) == sorted([*on_thread, 100, n // 4])
+    cut = _batches(n)
+    assert cut[2] + cut[1] + cut[0] >= THREAD_FROM > cut[1] + cut[0]
+    assert on_thread == cut[2:4], cats
+    assert sorted(size for _, size in cats) == sorted([*cut, n // 4])
     assert not [t for t in threading.enumerate() if t.name == "snapshot-slab-copy"]
     leaves = {leaf.path: leaf for leaf in flat.leaves}
     for i, value in enumerate(state["f"].values()):
@@ -297,6 +335,65 @@ def test_a_large_state_is_copied_in_batches_on_another_thread_as_the_walk_goes_o
         assert torch.equal(leaves[f"state['b'][{i}]"].data, value), i
 
 
+def test_conjugate_and_negative_views_are_copied_into_the_slab_as_they_show() -> None:
+    """The walk reads neither bit: ``torch.cat`` writes what a view shows, so a conjugate or a
+    negative view is a small tensor like any other, beside the tensor it views (the same
+    memory seen another way: a leaf of its own)."""
+    c = torch.randn(5, dtype=torch.complex64)
+    state = {"c": c, "conj": c.conj(), "imag": c.imag, "neg": c.conj().imag}
+    _, leaves, _ = flatten(state)
+    by_key = {leaf.path: leaf for leaf in leaves}
+    assert len(by_key) == 4
+    for key, value in state.items():
+        leaf = by_key[f"state[{key!r}]"]
+        assert leaf.slab is not None, key  # type: ignore[attr-defined]
+        assert not leaf.data.is_conj() and not leaf.data.is_neg(), key
+        assert torch.equal(leaf.data, value.resolve_conj().resolve_neg()), key
+    assert torch.equal(by_key["state['neg']"].data, -c.imag)
+
+
+def _copied_on_the_thread(state: Any, pool: BufferPool) -> tuple[list[int], list[int], Any]:
+    """The sizes of the batches the copying thread and the walk copied, and the snapshot."""
+    cats: list[tuple[str, int]] = []
+    original = torch.cat
+
+    def counted(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        cats.append((threading.current_thread().name, len(tensors)))
+        return original(tensors, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(torch, "cat", counted)
+        flat = flatten_state(state, pool=pool)
+    wait_ready(flat)
+    thread = [n for name, n in cats if name == "snapshot-slab-copy"]
+    return thread, [n for name, n in cats if name != "snapshot-slab-copy"], flat
+
+
+def test_batches_of_fresh_memory_are_copied_on_the_thread_recycled_ones_by_the_walk() -> None:
+    """Below :data:`THREAD_FROM` tensors, a batch whose slab is fresh memory (a store's first
+    saves: a page fault per page, about the copy's own time) is copied on the copying thread
+    while the walk goes on; once the slabs came back, the same batches are copied by the walk
+    itself, into memory faulted in already (a thread would cost more than it hides)."""
+    n = 2000  # of 4 KiB: batches of 2 MiB, 4 MiB and the rest
+    assert _batches(n)[0] * 4096 >= FRESH_THREAD_MIN and sum(_batches(n)[:2]) < THREAD_FROM
+    state = {"w": {f"t{i}": torch.full((1024,), float(i)) for i in range(n)}}
+    pool = BufferPool()
+    thread, walk, flat = _copied_on_the_thread(state, pool)
+    assert thread == _batches(n)[:2] and walk == _batches(n)[2:]
+    leaves = flat.leaves
+    for i, value in enumerate(state["w"].values()):
+        assert torch.equal(leaves[i].data, value), i
+    pool.give_slabs(list({id(leaf.slab): leaf.slab for leaf in leaves}.values()))
+    assert all(pool.recycles(size * 4096) for size in _batches(n))
+    thread, walk, flat = _copied_on_the_thread(state, pool)
+    assert thread == [] and walk == _batches(n)
+    assert not pool.nbytes  # every slab lent again
+    for i, value in enumerate(state["w"].values()):
+        assert torch.equal(flat.leaves[i].data, value), i
+    small = {"w": [torch.ones(4) for _ in range(n)]}  # fresh, but 8 KiB a batch: no thread
+    assert _copied_on_the_thread(small, BufferPool())[0] == []
+
+
 def test_a_walk_that_fails_after_hand_offs_gives_their_slabs_back() -> None:
     """An unsupported value after thousands of tensors: the batches handed off are waited
     for and their slabs go back to the pool; no copying thread is left."""
@@ -305,7 +402,7 @@ def test_a_walk_that_fails_after_hand_offs_gives_their_slabs_back() -> None:
     with pytest.raises(UnsupportedValueError, match=r"state\['z'\]"):
         flatten_state(state, pool=pool)
     assert not pool._lent
-    assert pool.nbytes == (BATCH_FIRST + BATCH_MAX) * 16  # both batches' slabs, free
+    assert pool.nbytes == sum(_batches(BATCH_FIRST + BATCH_MAX + 5)[:3]) * 16  # cut, free
     assert not [t for t in threading.enumerate() if t.name == "snapshot-slab-copy"]
 
 
@@ -322,8 +419,8 @@ def test_a_copy_that_fails_on_the_copying_thread_fails_the_snapshot(
     monkeypatch.setattr(torch, "cat", failing)
     pool = BufferPool()
     with pytest.raises(RuntimeError, match="copying thread"):
-        flatten_state({"w": [torch.ones(4) for _ in range(BATCH_FIRST + 10)]}, pool=pool)
-    assert not pool._lent and pool.nbytes == BATCH_FIRST * 16 + 10 * 16
+        flatten_state({"w": [torch.ones(4) for _ in range(_to_the_thread() + 10)]}, pool=pool)
+    assert not pool._lent and pool.nbytes == (_to_the_thread() + 10) * 16
 
 
 def test_steady_saves_of_a_large_state_recycle_their_batch_slabs(tmp_path: Any) -> None:
@@ -338,7 +435,7 @@ def test_steady_saves_of_a_large_state_recycle_their_batch_slabs(tmp_path: Any) 
             if step == 2:
                 after_two = set(lent)
         restored = store.load(step=5)
-    assert len(lent) == 5 * 3  # three batches a save
+    assert len(lent) == 5 * len(_batches(BATCH_FIRST + BATCH_MAX + 7))  # its batches, each save
     assert set(lent) == after_two, "a steady save lent new memory"
     for key, value in state["w"].items():
         assert torch.equal(restored["w"][key], value)
@@ -401,9 +498,9 @@ def test_an_interrupt_while_the_walk_waits_for_the_copies_gives_no_slab_back_ear
     monkeypatch.setattr(slabs_module._Copier, "__init__", start)
     pool = BufferPool()
     with pytest.raises(KeyboardInterrupt):
-        flatten_state({"w": [torch.ones(4) for _ in range(BATCH_FIRST + 10)]}, pool=pool)
+        flatten_state({"w": [torch.ones(4) for _ in range(_to_the_thread() + 10)]}, pool=pool)
     assert copying["ended"], "raised while the copying thread still wrote into a lent slab"
-    assert not pool._lent and pool.nbytes == (BATCH_FIRST + 10) * 16
+    assert not pool._lent and pool.nbytes == (_to_the_thread() + 10) * 16
     assert not [t for t in threading.enumerate() if t.name == "snapshot-slab-copy"]
 
 

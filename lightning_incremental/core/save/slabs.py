@@ -19,10 +19,18 @@ before it could start the copy. The walk copies the last batch of each dtype its
 for the thread. At 20,000 tensors of 4 KiB on the benchmark machine the walk took about 28 ms
 and the copy 14 ms into a recycled slab, 30 ms into a fresh one, one after the other; overlapped,
 ``save`` blocked for 43 to 48 ms in place of 46 to 65 (the walk slows to about 35 ms beside the
-copy). Below :data:`BATCH_FIRST` small tensors of a dtype no thread starts: at 2,000 tensors,
-a thread and its hand-offs cost more than the 1 ms of copy they would hide (5.0-6.4 ms against
-4.4-6.0 ms without, alternating runs). Batches are cut by count, in walk order, so an unchanged
-layout cuts the same batches each save and the slabs come back to the pool at the same sizes.
+copy).
+
+Below :data:`THREAD_FROM` small tensors, a batch goes to the thread only if its slab is fresh
+memory (and at least :data:`FRESH_THREAD_MIN` bytes): a store's first two saves, before any
+slab came back to the pool, when faulting the pages in costs about as much as the copy. Into a
+recycled slab the walk copies the batch itself: at 2,000 tensors of 4 KiB a thread and its
+hand-offs cost more than the 1 ms of copy they would hide (5.0-6.4 ms against 4.4-6.0 ms
+without, alternating runs). Fresh, they hide part of it: the first two saves of those 2,000
+tensors blocked for 3.4-3.8 ms in place of 4.0-4.5 with the walk copying every batch (the least
+of 15 stores each, alternating runs).
+Batches are cut by count, in walk order, the same whoever copies them, so an unchanged layout
+cuts the same batches each save and the slabs come back to the pool at the same sizes.
 
 A slab comes from the snapshot pool when there is one (:meth:`.BufferPool.lend_slab`) and goes
 back to it once every leaf in it was given back, so a steady-state save reuses its memory as a
@@ -47,11 +55,15 @@ from lightning_incremental.core.format.tree import Leaf, dtype_name, key_path
 #: per-call cost is noise beside the copy, and their buffers are recycled one by one).
 SLAB_MAX = 256 << 10
 
-#: The number of small tensors of one dtype noted before they are handed to the copying thread
-#: as a batch; each hand-off doubles it (one limit for every dtype), up to :data:`BATCH_MAX`
-#: (see above): each hand-off costs switches of the GIL.
-BATCH_FIRST = 2048
+#: The number of small tensors of one dtype noted before they are cut off as a batch; each cut
+#: doubles it (one limit for every dtype), up to :data:`BATCH_MAX` (see above): each hand-off
+#: to the copying thread costs switches of the GIL.
+BATCH_FIRST = 512
 BATCH_MAX = 4096
+#: From this many small tensors noted, every batch goes to the copying thread; before, only a
+#: batch of at least :data:`FRESH_THREAD_MIN` bytes whose slab is fresh memory (see above).
+THREAD_FROM = 2048
+FRESH_THREAD_MIN = 1 << 20
 #: The limit once no copying thread could be started: every batch is then copied by the walk.
 BATCH_NEVER = 1 << 62
 
@@ -96,18 +108,29 @@ class Slabs:
         default_factory=dict
     )
     copied: list[Slab] = field(default_factory=list)
-    #: a batch of this many tensors goes to the copying thread (see :meth:`hand_off`)
+    #: a batch of this many tensors is cut off (see :meth:`hand_off`)
     limit: int = BATCH_FIRST
+    #: small tensors in the batches cut off so far
+    cut: int = 0
     copier: _Copier | None = None
 
     def hand_off(self, dtype: torch.dtype) -> None:
         """The walk noted :attr:`limit` tensors of ``dtype``: a slab is lent for them here (on
         the walk's thread: a pool is not shared between threads) and the copying thread copies
-        them into it while the walk goes on."""
+        them into it while the walk goes on — or, while fewer than :data:`THREAD_FROM` were
+        noted and the slab is recycled memory (or small), the walk copies them itself."""
         tensors, noted = self.by_dtype.pop(dtype)
+        self.cut += len(noted)
+        nbytes = sum(n[7] for n in noted)
+        recycled = self.pool is not None and self.pool.recycles(nbytes)
         data = self._lend(dtype, noted, fault=False)  # its faults are taken by the copy
         self.copied.append(Slab(dtype, data, noted))
         self.limit = min(2 * self.limit, BATCH_MAX)
+        inline = recycled or nbytes < FRESH_THREAD_MIN
+        if self.copier is None and self.cut < THREAD_FROM and inline:
+            with torch.no_grad():
+                torch.cat(tensors, out=data)
+            return
         if self.copier is None:
             try:
                 self.copier = _Copier()

@@ -176,3 +176,52 @@ def test_validate_checks_an_assembled_manifest() -> None:
 
 def test_closure_lists_a_chain_base_first() -> None:
     assert fmt.closure(B, _manifest().chunks) == [A, B]
+
+
+@pytest.mark.parametrize("cls", [fmt.ChunkRecipe, fmt.PieceEntry, fmt.TensorEntry])
+def test_records_are_made_as_the_dataclass_would_make_them(cls: type) -> None:
+    """The records' ``__init__`` fills the instance's dictionary directly (the generated one of
+    a frozen dataclass calls ``object.__setattr__`` per field): positional, keyword and default
+    arguments give the same record as a plain frozen dataclass of the same fields, frozen,
+    equal and hashed alike, and a wrong call fails the same way."""
+    import dataclasses
+
+    fields = dataclasses.fields(cls)
+    reference = dataclasses.make_dataclass(
+        cls.__name__,
+        [(f.name, f.type, dataclasses.field(default=f.default)) for f in fields],
+        frozen=True,
+    )
+    values = [f"v{i}" for i in range(len(fields))]  # a default too is given another value
+    required = [v for v, f in zip(values, fields, strict=True) if f.default is dataclasses.MISSING]
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        (tuple(values), {}),  # every field, positional
+        (tuple(required), {}),  # the defaults
+        ((), {f.name: v for f, v in zip(fields, values, strict=True)}),  # by keyword
+    ]
+    for args, kwargs in calls:
+        made, expected = cls(*args, **kwargs), reference(*args, **kwargs)
+        assert vars(made) == vars(expected)
+        assert list(vars(made)) == [f.name for f in fields]  # in field order, as repr shows
+        assert made == cls(*args, **kwargs) and hash(made) == hash(cls(*args, **kwargs))
+        assert repr(made) == repr(expected).replace(reference.__qualname__, cls.__qualname__)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            made.__setattr__(fields[0].name, "changed")
+    assert dataclasses.replace(cls(*values), **{fields[0].name: "r"}) == cls("r", *values[1:])
+    for wrong_args, wrong_kwargs in [(tuple(required[:-1]), {}), (tuple(values), {"nope": 1})]:
+        with pytest.raises(TypeError) as ours:
+            cls(*wrong_args, **wrong_kwargs)
+        with pytest.raises(TypeError) as theirs:
+            reference(*wrong_args, **wrong_kwargs)
+        assert str(ours.value).split("() ", 1)[1] == str(theirs.value).split("() ", 1)[1]
+
+
+def test_records_of_fields_it_cannot_fill_are_refused() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Listed:
+        items: list[int] = dataclasses.field(default_factory=list)
+
+    with pytest.raises(TypeError, match="Listed"):
+        fmt._plain_init(Listed)

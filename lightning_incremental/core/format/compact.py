@@ -41,7 +41,11 @@ from lightning_incremental.core.format.records import COMPACT_VERSION, Manifest
 from lightning_incremental.core.format.validation import parse
 
 COMPACT_FROM = 1024  # tensors and chunks from which a manifest is written compact
-LEVEL = 6  # zstd level of the tables: a few ms at 20,000 tensors, 10-20 % smaller than 3
+# zstd level of the tables. Measured on the tables of 20,000 tensors of a synthetic state and
+# of 8,442 of an MoE-like one (experts, attention, optimizer state): level 6 wrote 0.2 % and
+# 2.3 % fewer bytes than 3, in three times the time (15.8 ms against 5.4, 6.7 against 2.2);
+# the chunk hashes, incompressible, are most of the frame. Every save writes one.
+LEVEL = 3
 MAX_TABLES = 1 << 32  # bytes the tables may expand to: a bound on a corrupt size's claim
 ENCODING = "zstd+json+base64"
 HEADER = ("format", "version", "step", "parent", "generation", "since_base", "chunk_size")

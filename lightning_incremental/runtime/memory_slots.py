@@ -119,7 +119,9 @@ class SlotPool(BufferPool):
         return self.fallback.take(shape, dtype, pin=pin)
 
     def recycles(self, nbytes: int) -> bool:
-        fits = align(self.used) + nbytes <= self.slot.capacity  # the slot's pages: kept
+        # The slot's memory counts as recycled: only a new or resized slot's first save takes
+        # its page faults on the walk's thread (as every batch did before the rule).
+        fits = align(self.used) + nbytes <= self.slot.capacity
         return fits or self.fallback.recycles(nbytes)
 
     def lend_slab(self, nbytes: int, sizes: list[int], *, fault: bool = True) -> torch.Tensor:

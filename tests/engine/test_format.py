@@ -223,5 +223,18 @@ def test_records_of_fields_it_cannot_fill_are_refused() -> None:
     class Listed:
         items: list[int] = dataclasses.field(default_factory=list)
 
-    with pytest.raises(TypeError, match="Listed"):
-        fmt._plain_init(Listed)
+    @dataclasses.dataclass(frozen=True)
+    class Keyword:
+        a: int = dataclasses.field(kw_only=True)
+
+    for cls in (Listed, Keyword):
+        with pytest.raises(TypeError, match=cls.__name__):
+            fmt._plain_init(cls)
+
+    @fmt._plain_init
+    @dataclasses.dataclass(frozen=True)
+    class Named:  # fields named as the generated code's own locals would be
+        d: int
+        self: int = 2
+
+    assert vars(Named(1)) == {"d": 1, "self": 2} and Named(d=3, self=4).self == 4

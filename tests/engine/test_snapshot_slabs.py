@@ -75,7 +75,7 @@ def _many(n: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("n", [200, 2000])
-def test_tensor_operations_do_not_grow_with_the_number_of_small_tensors(n: int) -> None:
+def test_tensor_operations_grow_with_the_batches_not_the_tensors(n: int) -> None:
     """Copying one tensor at a time is a dispatched copy per tensor; the slabs make it one
     ``cat`` per batch of a dtype (see :func:`_batches`), however small the tensors."""
     state = _many(n)

@@ -21,7 +21,7 @@ parent's to be read, retention could no longer drop a parent whose child it keep
 corrupt manifest would break every later one. Compact manifests stay self-contained, at a few
 tens of bytes per tensor. Small manifests stay in the JSON form (versions 1 to 3), readable by
 earlier releases and by people. The compact form stays JSON too (base64 costs a third more than
-raw bytes, about 36 bytes per tensor in all), so that an earlier release reads its version and
+raw bytes, 28 to 36 bytes per tensor in all), so that an earlier release reads its version and
 says to upgrade, as for any newer format, instead of calling the checkpoint corrupt.
 """
 

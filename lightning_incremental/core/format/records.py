@@ -62,7 +62,9 @@ def _plain_init(cls: type) -> type:
     through this ``__init__`` too. For classes without ``__post_init__``, default factories or
     slots."""
     fields = dataclasses.fields(cls)
-    plain = all(f.default_factory is dataclasses.MISSING and f.init for f in fields)
+    plain = all(
+        f.default_factory is dataclasses.MISSING and f.init and not f.kw_only for f in fields
+    )
     if not plain or hasattr(cls, "__post_init__") or hasattr(cls, "__slots__"):
         raise TypeError(f"{cls.__name__}: _plain_init does not cover its fields")
     defaults: dict[str, Any] = {}
@@ -73,13 +75,18 @@ def _plain_init(cls: type) -> type:
         else:
             defaults[f"_default_{f.name}"] = f.default
             params.append(f"{f.name}=_default_{f.name}")
-    body = "".join(f"    d[{f.name!r}] = {f.name}\n" for f in fields)
-    source = f"def __init__(self, {', '.join(params)}):\n    d = self.__dict__\n{body}"
+    # the instance and its dictionary under names no field can have (dataclasses' own habit)
+    body = "".join(f"    __dataclass_dict__[{f.name!r}] = {f.name}\n" for f in fields)
+    source = (
+        f"def __init__(__dataclass_self__, {', '.join(params)}):\n"
+        f"    __dataclass_dict__ = __dataclass_self__.__dict__\n{body}"
+    )
     namespace: dict[str, Any] = {}
     exec(source, defaults, namespace)  # the names: our own classes' fields
     init = namespace["__init__"]
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
-    init.__doc__ = cls.__init__.__doc__
+    generated = cls.__init__
+    init.__qualname__, init.__module__ = generated.__qualname__, generated.__module__
+    init.__doc__, init.__annotations__ = generated.__doc__, dict(generated.__annotations__)
     cls.__init__ = init  # type: ignore[misc]
     return cls
 

@@ -60,8 +60,9 @@ SLAB_MAX = 256 << 10
 #: to the copying thread costs switches of the GIL.
 BATCH_FIRST = 512
 BATCH_MAX = 4096
-#: From this many small tensors noted, every batch goes to the copying thread; before, only a
-#: batch of at least :data:`FRESH_THREAD_MIN` bytes whose slab is fresh memory (see above).
+#: A batch that brings the small tensors cut into batches to this many goes to the copying
+#: thread, as every later one does; before, only a batch of at least :data:`FRESH_THREAD_MIN`
+#: bytes whose slab is fresh memory (see above).
 THREAD_FROM = 2048
 FRESH_THREAD_MIN = 1 << 20
 #: The limit once no copying thread could be started: every batch is then copied by the walk.
@@ -118,7 +119,8 @@ class Slabs:
         """The walk noted :attr:`limit` tensors of ``dtype``: a slab is lent for them here (on
         the walk's thread: a pool is not shared between threads) and the copying thread copies
         them into it while the walk goes on — or, while fewer than :data:`THREAD_FROM` were
-        noted and the slab is recycled memory (or small), the walk copies them itself."""
+        cut into batches (this one included) and the slab is recycled memory (or small), the
+        walk copies them itself."""
         tensors, noted = self.by_dtype.pop(dtype)
         self.cut += len(noted)
         nbytes = sum(n[7] for n in noted)

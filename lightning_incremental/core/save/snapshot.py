@@ -68,8 +68,8 @@ from lightning_incremental.core.save.slabs import NO_KEY, SLAB_MAX, Slabs, compl
 
 # Read once: the walk tests every tensor against them (a module attribute lookup each otherwise).
 _TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
-#: A tensor is quantized exactly when its dtype is one of these (a set lookup is a third of the
-#: cost of reading ``is_quantized``).
+#: A quantized tensor has one of these dtypes (a set lookup is a third of the cost of reading
+#: ``is_quantized``); a plain tensor viewed as one is refused too.
 _QUANTIZED = frozenset(
     getattr(torch, name)
     for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")

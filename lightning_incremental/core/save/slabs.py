@@ -123,9 +123,10 @@ class Slabs:
         walk copies them itself."""
         tensors, noted = self.by_dtype.pop(dtype)
         self.cut += len(noted)
-        nbytes = sum(n[7] for n in noted)
+        sizes = [n[7] for n in noted]
+        nbytes = sum(sizes)
         recycled = self.pool is not None and self.pool.recycles(nbytes)
-        data = self._lend(dtype, noted, fault=False)  # its faults are taken by the copy
+        data = self._lend(dtype, sizes, nbytes, fault=False)  # its faults: the copy's
         self.copied.append(Slab(dtype, data, noted))
         self.limit = min(2 * self.limit, BATCH_MAX)
         inline = recycled or nbytes < FRESH_THREAD_MIN
@@ -152,7 +153,8 @@ class Slabs:
             # copying thread runs: one of those threads would then wait for a core
             fault = self.copier is None
             for dtype, (tensors, noted) in self.by_dtype.items():
-                data = self._lend(dtype, noted, fault=fault)
+                sizes = [n[7] for n in noted]
+                data = self._lend(dtype, sizes, sum(sizes), fault=fault)
                 self.copied.append(Slab(dtype, data, noted))
                 with torch.no_grad():  # out= refuses inputs that require grad otherwise
                     torch.cat(tensors, out=data)
@@ -176,9 +178,9 @@ class Slabs:
             if self.pool is not None and slabs:
                 self.pool.give_slabs([slab.data for slab in slabs])
 
-    def _lend(self, dtype: torch.dtype, noted: list[Noted], *, fault: bool) -> torch.Tensor:
-        sizes = [n[7] for n in noted]
-        total = sum(sizes)
+    def _lend(
+        self, dtype: torch.dtype, sizes: list[int], total: int, *, fault: bool
+    ) -> torch.Tensor:
         if self.pool is not None:
             return self.pool.lend_slab(total, sizes, fault=fault).view(dtype)
         return (fresh_slab(total) if fault else host_empty(total)).view(dtype)

@@ -174,6 +174,7 @@ SPREAD_MODULES = frozenset(
         "test_stateful.py",
         "test_resume_matrix.py",  # one driver forks one run at a time; crashes by os._exit
         "test_pool_stateful.py",
+        "test_memory_pruning.py",  # two processes of one node; a kill, no timing
         "test_docs.py",
         "test_benchmarks.py",
         "test_cli.py",

@@ -6,10 +6,16 @@ host buffers (no server of our own).
 - :class:`Replicator`: the per-step background work of a rank — finish its part in its node's
   memory, send it to the same local rank on the next ``replicas`` nodes of the ring (and keep
   what the previous nodes send, received straight into files of the node's memory), then agree
-  (one all-reduce) whether every rank's part of the step is now held by ``replicas + 1`` nodes:
-  only then is the step *recoverable*, and older parts go (this process's become the files of
-  the next steps). A failed transfer is a warning; replication stops for the rest of the run
-  (the ranks may disagree on where the exchange broke) and recovery falls back to the store.
+  (one all-reduce) whether every rank's part of the step is now held by ``replicas + 1`` nodes
+  (fewer when the job has fewer nodes): only then is the step *recoverable*, and older parts go
+  (this process's become the files of the next steps). The agreement runs in every topology —
+  one node, ``replicas=0`` — for the ranks' parts are written at different speeds (under DDP a
+  node's first rank writes the whole state, the others their own state alone): a rank that
+  pruned on its own part's word would delete the last step every rank holds while another
+  rank's part of the newer one is still being written. A single process needs no agreement.
+  A failed transfer is a warning; replication and agreement stop for the rest of the run (the
+  ranks may disagree on where the exchange broke), no later step becomes recoverable (the
+  last one stays), and recovery falls back to the store once the tier's steps are too old.
 """
 
 from __future__ import annotations
@@ -120,6 +126,28 @@ def fetch_plan(plan: Plan, tier: MemoryTier, rank: int, group: Any) -> Part | No
     return received.get(source) if source != rank else None
 
 
+class GroupLinks:
+    """The two collectives of a memory step over the job's side group: the ring's exchange and
+    the agreement. (A seam: the tier's property test drives ranks as threads through it.)"""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def exchange(
+        self,
+        sends: Mapping[int, Part | None],
+        receives: Sequence[int],
+        into: Callable[[int, int], torch.Tensor | None] | None = None,
+    ) -> dict[int, Part | None]:
+        return exchange(sends, receives, self.group, into)
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on every rank (every rank calls it)."""
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return bool(value.item())
+
+
 @dataclass
 class _Job:
     step: int
@@ -128,7 +156,9 @@ class _Job:
 
 class Replicator:
     """One rank's memory steps: :meth:`submit` hands a snapshot over (waiting for the previous
-    step's work first); a named daemon thread writes, replicates and prunes it."""
+    step's work first); a named daemon thread writes, replicates, agrees and prunes it.
+    ``links`` (None: a single process) carries the transfers and the agreement; every rank of
+    the job submits every step, in the same order."""
 
     def __init__(
         self,
@@ -138,24 +168,29 @@ class Replicator:
         world_size: int,
         ranks_per_node: int,
         replicas: int,
-        group: Any = None,
+        links: GroupLinks | None = None,
         pool: BufferPool | None = None,
     ) -> None:
         self.tier = tier
         self.pool = pool  # where a written snapshot's buffers go back, for the next one
         self.rank = rank
-        self.group = group
+        self.links = links
         self.dsts, self.srcs = ring(rank, world_size, ranks_per_node, replicas)
-        if group is None:
+        if links is None:
             self.dsts, self.srcs = [], []
-        self.recoverable: int | None = None  # the newest step held by replicas + 1 nodes
+        self.recoverable: int | None = None  # the newest step every rank's part is held of
         self.written: int | None = None  # this rank's newest part in its node's memory
-        self.replicating = bool(self.dsts)
+        self.agreeing = links is not None  # False once a transfer failed: nothing recoverable
         self._job: _Job | None = None
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="li-memory-tier", daemon=True)
         self._thread.start()
+
+    @property
+    def replicating(self) -> bool:
+        """Whether this rank's steps are still sent to other nodes."""
+        return self.agreeing and bool(self.dsts)
 
     def submit(self, step: int, snap: Snapshot) -> None:
         """Write and replicate ``snap`` as this rank's part of ``step`` in the background."""
@@ -193,51 +228,65 @@ class Replicator:
                 self._step(job)
             except Exception as exc:  # a bug here must not stop training: say it, stop tier
                 warnings.warn(f"memory tier: step {job.step} failed: {exc!r}", stacklevel=1)
-                self.replicating = False
+                self.agreeing = False
             finally:
                 with self._cond:
                     self._job = None
                     self._cond.notify_all()
 
     def _step(self, job: _Job) -> None:
-        tier, step = self.tier, job.step
-        ok = tier.write(job.snap, self.rank, step)
-        if self.pool is not None:  # the host copy is no longer needed: the next step reuses it
-            if job.snap.slot is not None:  # copied into the part's file: keep only what it used
-                self.pool.clear()
-            self.pool.give(job.snap.buffers())
-        job.snap = Snapshot(None, [])
+        step = job.step
+        ok = self._write(job)  # never raises: every rank must reach the agreement below
         if ok:
             self.written = step
-        if self.replicating:
-            ok = self._replicate(step, ok)
-        elif self.dsts:
-            ok = False  # replication stopped: no step is recoverable any more
-        if ok:
+        # a single process: its own part is every part
+        links = self.links
+        agreed = ok if links is None else self.agreeing and self._agree(links, step, ok)
+        if agreed:
             self.recoverable = step
+        # the newest step every rank holds, and this rank's newest part: nothing else
         keep = {s for s in (self.recoverable, self.written) if s is not None}
-        tier.prune([self.rank, *self.srcs], keep)
+        self.tier.prune([self.rank, *self.srcs], keep)
 
-    def _replicate(self, step: int, ok: bool) -> bool:
-        tier = self.tier
+    def _write(self, job: _Job) -> bool:
         try:
-            part = tier.part(self.rank, step, tier.generation) if ok else None
-            sends = {dst: part for dst in self.dsts}
-            try:  # each replica straight into a file of the node's memory
-                received = exchange(sends, self.srcs, self.group, into=tier.receiver)
-                for src, got in received.items():
-                    ok = ok and got is not None and _of(got, src, step) and tier.write_part(got)
-            finally:
-                tier.unused_receivers()
-            flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.group)
-            return bool(flag.item())
+            return self.tier.write(job.snap, self.rank, job.step)
+        except Exception as exc:  # not the tier's own failures (those are warned, False): a bug
+            warnings.warn(f"memory tier: writing step {job.step} failed: {exc!r}", stacklevel=1)
+            return False
+        finally:
+            if self.pool is not None:  # the host copy is no longer needed: the next step reuses
+                if job.snap.slot is not None:  # copied into the part's file: keep what it used
+                    self.pool.clear()
+                self.pool.give(job.snap.buffers())
+            job.snap = Snapshot(None, [])
+
+    def _agree(self, links: GroupLinks, step: int, ok: bool) -> bool:
+        """Send this rank's part of ``step`` to the next nodes and keep the previous nodes'
+        (when replicating), then whether every rank's part and replicas are held."""
+        tier = self.tier
+        replicating = bool(self.dsts)
+        try:
+            if replicating:
+                part = tier.part(self.rank, step, tier.generation) if ok else None
+                sends = {dst: part for dst in self.dsts}
+                try:  # each replica straight into a file of the node's memory
+                    received = links.exchange(sends, self.srcs, into=tier.receiver)
+                    for src, got in received.items():
+                        ok = ok and got is not None and _of(got, src, step) and tier.write_part(got)
+                finally:
+                    tier.unused_receivers()
+            return links.all_true(ok)
         except Exception as exc:  # a dead peer, a timeout: the store remains
-            self.replicating = False
+            self.agreeing = False
+            what = f"agreeing on step {step} with the other ranks"
+            if replicating:
+                what = f"replicating step {step} to ranks {self.dsts}"
+
             warnings.warn(
-                f"memory tier: replicating step {step} to ranks {self.dsts} failed: {exc}. "
-                "Memory steps are no longer replicated in this run; recovery from a lost node "
-                "falls back to the persistent store.",
+                f"memory tier: {what} failed: {exc}. No later memory step becomes "
+                "recoverable in this run (the last one is kept); recovery from a lost "
+                "process or node falls back to the persistent store once it is newer.",
                 stacklevel=1,
             )
             return False

@@ -41,7 +41,12 @@ from lightning_incremental.core import ConfigError
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.runtime import collectives
 from lightning_incremental.runtime.memory_agree import Inventory, Plan, agree
-from lightning_incremental.runtime.memory_replica import Replicator, exchange, fetch_plan
+from lightning_incremental.runtime.memory_replica import (
+    GroupLinks,
+    Replicator,
+    exchange,
+    fetch_plan,
+)
 from lightning_incremental.runtime.memory_tier import MemoryPartError, MemoryTier, Part, default_dir
 
 log = logging.getLogger(__name__)
@@ -156,7 +161,7 @@ class MemorySteps:
             world_size=world_size,
             ranks_per_node=per_node,
             replicas=options.replicas,
-            group=self.group,
+            links=GroupLinks(self.group) if self.group is not None else None,
             pool=self.pool,
         )
         self.last_step: int | None = None  # the newest step this process took

@@ -178,7 +178,9 @@ class Replicator:
         self.dsts, self.srcs = ring(rank, world_size, ranks_per_node, replicas)
         if links is None:
             self.dsts, self.srcs = [], []
-        self.recoverable: int | None = None  # the newest step every rank's part is held of
+        # (step, generation): the newest step whose every part is held (as replicas + 1
+        # nodes agreed), or the step this run resumed from
+        self.recoverable: tuple[int, int] | None = None
         self.written: int | None = None  # this rank's newest part in its node's memory
         self.agreeing = links is not None  # False once a transfer failed: nothing recoverable
         self._job: _Job | None = None
@@ -242,10 +244,14 @@ class Replicator:
         # a single process: its own part is every part
         links = self.links
         agreed = ok if links is None else self.agreeing and self._agree(links, step, ok)
+        generation = self.tier.generation
         if agreed:
-            self.recoverable = step
-        # the newest step every rank holds, and this rank's newest part: nothing else
-        keep = {s for s in (self.recoverable, self.written) if s is not None}
+            self.recoverable = (step, generation)
+        # the newest step every rank holds, and this rank's newest part: nothing else (an
+        # earlier run's parts but the step this run resumed from are of no use)
+        keep = {self.recoverable} if self.recoverable is not None else set()
+        if self.written is not None:
+            keep.add((self.written, generation))
         self.tier.prune([self.rank, *self.srcs], keep)
 
     def _write(self, job: _Job) -> bool:

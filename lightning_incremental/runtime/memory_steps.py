@@ -249,6 +249,9 @@ class MemorySteps:
             if error is not None and self.rank != 0:
                 log.warning("memory step %s unusable here: %r", plan.step, error)
             return None
+        # kept until every rank holds a newer step of this run (an earlier run's part, and no
+        # step of this run is complete yet)
+        self.replicator.recoverable = (plan.step, plan.generation)
         return plan.step, checkpoint, plan.tier_used
 
     def _read(self, plan: Plan, rank: int, received: Part | None) -> Any:

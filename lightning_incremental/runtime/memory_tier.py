@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -392,11 +392,14 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ retention
 
-    def prune(self, ranks: Iterable[int], keep: set[int], *, recycle: bool = True) -> None:
-        """Delete this job's parts of ``ranks`` whose step is not in ``keep`` (and torn
-        leftovers of this process); another job's parts in the same directory stay. A part this
-        process wrote into a slot becomes its rank's spare slot instead (``recycle``; one per
-        rank), renamed out of sight before anything in it changes."""
+    def prune(
+        self, ranks: Iterable[int], keep: Collection[tuple[int, int]], *, recycle: bool = True
+    ) -> None:
+        """Delete this job's parts of ``ranks`` but those of the ``(step, generation)`` pairs
+        in ``keep`` (and torn leftovers of this process); another job's parts in the same
+        directory stay. A part this process wrote into a slot becomes its rank's spare slot
+        instead (``recycle``; one per rank), renamed out of sight before anything in it
+        changes."""
         ranks = set(ranks)
         for path in self._listing(every=True):
             match = _NAME.match(path.name)
@@ -404,8 +407,8 @@ class MemoryTier:
                 if path.name.endswith(f"-{os.getpid()}") and not self.slots.is_spare(path):
                     shutil.rmtree(path, ignore_errors=True)
                 continue
-            step, _, rank = (int(g) for g in match.groups())
-            gone = rank in ranks and step not in keep and self._ours(path)
+            step, generation, rank = (int(g) for g in match.groups())
+            gone = rank in ranks and (step, generation) not in keep and self._ours(path)
             if gone and not (recycle and self.slots.recycle(path, rank)):
                 self.slots.parts.pop(path.name, None)
                 shutil.rmtree(path, ignore_errors=True)

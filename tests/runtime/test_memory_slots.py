@@ -252,7 +252,7 @@ def test_a_replica_is_received_straight_into_a_file_of_the_nodes_memory(
         keeper.unused_receivers()
         assert writes.bytes == before  # no second copy of the received bytes
         _same(_state(step, rows), keeper.load(0, step, 1))
-        keeper.prune([0], {step})
+        keeper.prune([0], {(step, 1)})
     assert sorted(p.name[:6] for p in keeper.parts.iterdir()) == [".slot-", "s00000"]
 
 

@@ -52,8 +52,12 @@ GENERATION = 1
 QUIET_S = 20.0  # how long the ranks may take to reach a point where each waits (a hang: fails)
 
 
+class Killed(BaseException):
+    """Ends a rank's thread where it waits, as a SIGKILL ends a process: nothing more runs."""
+
+
 class World:
-    """What the ranks' threads share: one lock, the gates of the writes, the side group."""
+    """What one incarnation's ranks share: one lock, the gates of the writes, the side group."""
 
     def __init__(self, world_size: int) -> None:
         self.size = world_size
@@ -63,13 +67,15 @@ class World:
         self.queues: dict[tuple[int, int], list[Part | None]] = defaultdict(list)
         self.rounds: dict[int, dict[int, bool]] = defaultdict(dict)
         self.calls: dict[int, int] = defaultdict(int)
-        self.draining = False
+        self.draining = self.killed = False
 
     def park(self, rank: int, ready: Callable[[], bool]) -> None:
         """Wait (the lock held) until ``ready()``; a waiting rank counts as quiet."""
         self.parked[rank] = ready
         self.cond.notify_all()
-        self.cond.wait_for(ready)
+        self.cond.wait_for(lambda: ready() or self.killed)
+        if self.killed:
+            raise Killed
         self.parked[rank] = None
 
     def quiet(self, replicators: Sequence[Replicator]) -> bool:
@@ -130,7 +136,8 @@ class Links:
 
 class GatedTier(MemoryTier):
     """A rank's tier whose writes end when the machine says (done, or failed as a full tmpfs),
-    recording what was written."""
+    recording what was written: ``(generation, rank, step)`` of its own parts, ``(generation,
+    rank, step, holder)`` of the replicas it keeps."""
 
     def __init__(self, world: World, rank: int, log: dict[str, set[Any]], **kw: Any) -> None:
         super().__init__(**kw)
@@ -147,19 +154,15 @@ class GatedTier(MemoryTier):
             return False
         done = super().write(snap, rank, step)
         if done:
-            self.log["own"].add((rank, step))
+            self.log["own"].add((self.generation, rank, step))
         return done
 
     def write_part(self, part: Part) -> bool:
         done = super().write_part(part)
         if done:
-            head = _header(part)
-            self.log["replica"].add((head["rank"], head["step"], self.rank))
+            head = json.loads(part.header)
+            self.log["replica"].add((head["generation"], head["rank"], head["step"], self.rank))
         return done
-
-
-def _header(part: Part) -> dict[str, Any]:
-    return dict(json.loads(part.header))
 
 
 class MemoryPruning(RuleBasedStateMachine):
@@ -169,33 +172,41 @@ class MemoryPruning(RuleBasedStateMachine):
         replicas=st.integers(0, 2),
     )
     def start(self, nodes: int, per_node: int, replicas: int) -> None:
-        world_size = nodes * per_node
         self.nodes, self.per_node, self.replicas = nodes, per_node, replicas
+        self.size = nodes * per_node
         self.root = Path(tempfile.mkdtemp(prefix="li-memory-stateful-"))
-        self.world = World(world_size)
         self.log: dict[str, set[Any]] = {"own": set(), "replica": set()}
+        self.generation = 0
+        self.resumed: tuple[int, int] | None = None  # (generation, step) of the last resume
+        self._incarnation(0)
+
+    def _incarnation(self, step: int) -> None:
+        """Every rank's process (re)starts, one generation newer, from ``step``."""
+        self.generation += 1
+        self.world = World(self.size)
         self.tiers: list[GatedTier] = []
         self.replicators: list[Replicator] = []
         self.pools: list[BufferPool] = []
-        self.taken = [0] * world_size
-        for rank in range(world_size):
+        self.taken = [step] * self.size
+        self.first = step
+        for rank in range(self.size):
             tier = GatedTier(
                 self.world,
                 rank,
                 self.log,
-                directory=self.root / f"rank{rank}",  # its node's memory: see _inventory
+                directory=self.root / f"rank{rank}",  # its node's memory: see _inventories
                 job=JOB,
-                generation=GENERATION,
-                world_size=world_size,
+                generation=self.generation,
+                world_size=self.size,
             )
             pool = BufferPool()
-            links = Links(self.world, rank) if world_size > 1 else None
+            links = Links(self.world, rank) if self.size > 1 else None
             rep = Replicator(
                 tier,
                 rank=rank,
-                world_size=world_size,
-                ranks_per_node=per_node,
-                replicas=replicas,
+                world_size=self.size,
+                ranks_per_node=self.per_node,
+                replicas=self.replicas,
                 links=links,  # type: ignore[arg-type]
                 pool=pool,
             )
@@ -226,7 +237,7 @@ class MemoryPruning(RuleBasedStateMachine):
         """A rank's training thread takes its next step, once its previous step's background
         work ended (as MemorySteps.take waits), never more than one step ahead of the slowest
         rank (the training steps' collectives keep the ranks together)."""
-        rank = pick % self.world.size
+        rank = pick % self.size
         if not self.replicators[rank].wait(timeout=0) or self.taken[rank] > min(self.taken):
             return
         self._take(rank, self.taken[rank] + 1)
@@ -235,11 +246,34 @@ class MemoryPruning(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 5), ok=st.sampled_from([True, True, True, False]))
     def write_ends(self, pick: int, ok: bool) -> None:
         """A rank's background write of its part ends: done, or failed (a full tmpfs)."""
-        rank = pick % self.world.size
+        rank = pick % self.size
         with self.world.cond:
             self.world.gates[rank].append(ok)
             self.world.cond.notify_all()
         self._settle()
+
+    @rule()
+    def restart(self) -> None:
+        """Every process is killed where it is and the job restarts, one generation newer:
+        from the memory step every rank agrees on (as MemorySteps.resume), else from the
+        store's step 0."""
+        with self.world.cond:
+            self.world.killed = True
+            self.world.cond.notify_all()
+        for rep in self.replicators:
+            assert rep.close(timeout=QUIET_S), "a killed rank's thread did not end"
+        plan = agree(
+            self._inventories(),
+            job=JOB,
+            world_size=self.size,
+            generation=self.generation + 1,
+            newest_persistent=None,
+        )
+        self.resumed = None if plan.step is None else (plan.generation, plan.step)
+        self._incarnation(plan.step or 0)
+        if plan.step is not None:
+            for rep in self.replicators:
+                rep.recoverable = (plan.step, plan.generation)
 
     def _take(self, rank: int, step: int) -> None:
         state = {"rank": rank, "w": torch.full((64 * (rank + 1),), float(step))}
@@ -267,35 +301,45 @@ class MemoryPruning(RuleBasedStateMachine):
             held_by_node[self._node(rank)].extend(tier.inventory())
         return [
             Inventory(r, () if self._node(r) == lost else tuple(held_by_node[self._node(r)]))
-            for r in range(self.world.size)
+            for r in range(self.size)
         ]
 
-    def _restart(self, lost: int | None = None) -> int | None:
-        return agree(
+    def _found(self, lost: int | None = None) -> tuple[int, int] | None:
+        """``(generation, step)`` a restart would resume from memory (None: the store)."""
+        plan = agree(
             self._inventories(lost),
             job=JOB,
-            world_size=self.world.size,
-            generation=GENERATION + 1,
+            world_size=self.size,
+            generation=self.generation + 1,
             newest_persistent=None,
-        ).step
+        )
+        return None if plan.step is None else (plan.generation, plan.step)
 
-    def _newest(self, held: Callable[[int, int], bool]) -> int | None:
+    def _newest(self, held: Callable[[int, int, int], bool]) -> tuple[int, int] | None:
+        """``(generation, step)``: the newest step of this run all of whose parts are
+        ``held(generation, rank, step)``, else the step it resumed from if that held so."""
+        g = self.generation
         steps = [
             s
-            for s in range(1, max(self.taken) + 1)
-            if all(held(r, s) for r in range(self.world.size))
+            for s in range(self.first + 1, max(self.taken) + 1)
+            if all(held(g, r, s) for r in range(self.size))
         ]
-        return max(steps, default=None)
+        if steps:
+            return g, max(steps)
+        before = self.resumed
+        if before is not None and all(held(before[0], r, before[1]) for r in range(self.size)):
+            return before
+        return None
 
     @invariant()
     def a_restart_finds_the_newest_step_every_rank_wrote(self) -> None:
         if not hasattr(self, "world"):
             return
-        written = self._newest(lambda r, s: (r, s) in self.log["own"])
+        written = self._newest(lambda g, r, s: (g, r, s) in self.log["own"])
         if written is not None:
-            found = self._restart()
+            found = self._found()
             assert found is not None and found >= written, (
-                f"every rank wrote step {written}, but a restart finds {found}: "
+                f"every rank wrote (generation, step) {written}, but a restart finds {found}: "
                 f"{[sorted(t.name for t in tier.parts.iterdir()) for tier in self.tiers]}"
             )
 
@@ -305,32 +349,35 @@ class MemoryPruning(RuleBasedStateMachine):
             return
         copies = min(self.replicas + 1, self.nodes)
 
-        def held(rank: int, step: int) -> bool:
-            if (rank, step) not in self.log["own"]:
+        def held(g: int, rank: int, step: int) -> bool:
+            if (g, rank, step) not in self.log["own"]:
                 return False
-            nodes = {self._node(rank)} | {
-                self._node(h) for r, s, h in self.log["replica"] if (r, s) == (rank, step)
-            }
-            return len(nodes) >= copies
+            holders = {h for gen, r, s, h in self.log["replica"] if (gen, r, s) == (g, rank, step)}
+            return len({self._node(rank)} | {self._node(h) for h in holders}) >= copies
 
         replicated = self._newest(held)
         if replicated is None:
             return
         for lost in range(self.nodes):
-            found = self._restart(lost)
+            found = self._found(lost)
             assert found is not None and found >= replicated, (lost, replicated, found)
 
     @invariant()
     def memory_holds_two_steps_of_a_rank_at_rest(self) -> None:
         """The newest recoverable step and this rank's newest part; a third while a step is
-        being agreed on (the step before it may be every rank's, not yet replicated)."""
+        being agreed on (the step before it may be every rank's, not yet replicated). Counted
+        once the rank took a step of its own run (an earlier run's parts go at its first)."""
         if not hasattr(self, "world"):
             return
-        for tier, rep in zip(self.tiers, self.replicators):
-            steps: dict[int, set[int]] = defaultdict(set)
+        for rank, (tier, rep) in enumerate(zip(self.tiers, self.replicators)):
+            idle = rep.wait(timeout=0)
+            done = self.taken[rank] - self.first - (0 if idle else 1)
+            if done < 1:
+                continue
+            steps: dict[int, set[tuple[int, int]]] = defaultdict(set)
             for held in tier.inventory():
-                steps[held.rank].add(held.step)
-            most = 2 if rep.wait(timeout=0) else 3
+                steps[held.rank].add((held.generation, held.step))
+            most = 2 if idle else 3
             assert all(len(s) <= most for s in steps.values()), (tier.parts, dict(steps))
 
     @invariant()
@@ -348,6 +395,13 @@ QUICK = settings(
 
 
 @pytest.mark.filterwarnings("ignore:memory tier")  # the failed writes the machine chooses
-def test_memory_pruning_state_machine() -> None:
+def test_memory_pruning_state_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = threading.excepthook
+
+    def killed_quietly(args: Any) -> None:  # a killed rank's thread ends by Killed
+        if args.exc_type is not Killed:
+            before(args)
+
+    monkeypatch.setattr(threading, "excepthook", killed_quietly)
     MemoryPruning.TestCase.settings = QUICK
     MemoryPruning.TestCase().runTest()

@@ -120,12 +120,23 @@ def test_prune_keeps_only_the_asked_steps_of_its_ranks(tmp_path: Path) -> None:
         tier.write(snap, 1, step)
     other = _tier(tmp_path, job="other")  # another job in the same directory
     other.write(snap, 0, 2)
-    tier.prune([0], {3})
+    tier.prune([0], {(3, 1)})
     assert sorted((h.rank, h.step) for h in tier.inventory()) == [(0, 3), (1, 1), (1, 2), (1, 3)]
     assert other.inventory() == [Held(0, 2, 1, "other", 2)]
     shutil.copytree(other.parts / other.name(0, 2), tier.parts / other.name(0, 2))
     tier.prune([0], set())  # a part of another job found here is not this job's to delete
     assert [h.job for h in tier.inventory() if h.rank == 0] == ["other"]
+
+
+def test_prune_keeps_an_earlier_generations_part_only_when_asked(tmp_path: Path) -> None:
+    snap = snapshot({"w": torch.ones(3)})
+    before, now = _tier(tmp_path, generation=1), _tier(tmp_path, generation=2)
+    for step in (4, 5):
+        before.write(snap, 0, step)
+    now.write(snap, 0, 5)
+    now.write(snap, 0, 6)
+    now.prune([0], {(4, 1), (6, 2)})  # the step resumed from, and this run's newest
+    assert sorted((h.generation, h.step) for h in now.inventory()) == [(1, 4), (2, 6)]
 
 
 def test_a_part_written_again_replaces_the_old_one(tmp_path: Path) -> None:

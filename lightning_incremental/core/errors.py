@@ -58,6 +58,11 @@ class StorageError(CheckpointError, OSError):
     """The storage backend failed (I/O error, disk full, permission, network)."""
 
 
+class NotDurableError(StorageError):
+    """A write reached the storage but could not be made durable (an fsync failed): it is not
+    reported done, and a save it belongs to does not commit."""
+
+
 class FencedError(CheckpointError):
     """This writer's fencing generation was superseded: a restarted job took over the store, so
     this process must stop writing (what it commits is not visible)."""

@@ -68,6 +68,7 @@ from lightning_incremental.core import (
     FormatVersionError,
     StorageError,
 )
+from lightning_incremental.core.format.layout import loads_record
 from lightning_incremental.core.storage import TMP_PREFIX, LocalStorage, Storage, open_storage
 
 POINTER_FORMAT = "lightning-incremental-pointer"
@@ -214,8 +215,8 @@ class Pointer:
                 f"{where} is not a valid pointer file: larger than {MAX_POINTER_BYTES}"
             )
         try:
-            doc = json.loads(document(data).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
+            doc = loads_record(document(data).decode("utf-8"))
+        except ValueError as exc:
             raise PointerError(f"{where} is not a valid pointer file: {exc}") from exc
         if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
             raise PointerError(

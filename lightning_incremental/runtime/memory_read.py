@@ -4,7 +4,6 @@ and hashed in order on the way (:func:`fill_hashed`)."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ import torch
 from lightning_incremental.core.buffers import collection_paused
 from lightning_incremental.core.codecs.bytes import chunk_hasher
 from lightning_incremental.core.format.tree import torch_dtype, unflatten
+from lightning_incremental.core.format.validation import element_count
 from lightning_incremental.core.workers import usable_cores
 
 
@@ -145,7 +145,8 @@ def _read_into(fd: int, view: memoryview, at: int) -> None:
 
 
 def slots(leaves: list[dict[str, Any]]) -> list[Any]:
-    return [None] * (1 + max((int(e["slot"]) for e in leaves), default=-1))
+    """Room for the state's tensors, by slot (the entries checked by :func:`plan`)."""
+    return [None] * (1 + max((e["slot"] for e in leaves), default=-1))
 
 
 def allocate(e: dict[str, Any]) -> tuple[Any, np.ndarray]:
@@ -157,8 +158,8 @@ def allocate(e: dict[str, Any]) -> tuple[Any, np.ndarray]:
         raw = np.empty(nbytes, dtype=np.uint8)
         return raw, raw
     dtype = torch_dtype(e["dtype"])
-    if math.prod(e["shape"]) * dtype.itemsize != nbytes:  # checked before allocating
-        raise MemoryPartError(f"an index entry's size does not match its shape: {e}")
+    if element_count(e["shape"], nbytes) * dtype.itemsize != nbytes:  # before allocating
+        raise MemoryPartError(f"an index entry's size does not match its shape: {e!s:.300}")
     tensor = torch.empty(e["shape"], dtype=dtype)
     raw = tensor.reshape(-1).view(torch.uint8).numpy() if nbytes else np.empty(0, np.uint8)
     return tensor, raw
@@ -180,16 +181,24 @@ def gap(n: int) -> memoryview:
 
 
 def plan(
-    leaves: list[dict[str, Any]], size: int, where: Any
+    leaves: Any, size: int, where: Any, index_bytes: int
 ) -> tuple[list[memoryview], list[tuple[Any, dict[str, Any]]]]:
     """Fresh tensors for ``leaves``, and the buffers a part's ``size`` bytes of data fill in
     order: each tensor's bytes and the gaps between them (alignment, read to be hashed). Made
     with the garbage collector paused: at tens of thousands of tensors its collections, each
     scanning the same live objects again, took more than half of a restore.
 
+    Every entry is checked before anything is allocated, so that what is allocated is bounded
+    by the bytes that exist: its bytes lie in the data, and its slot (an index into the state's
+    skeleton, which names each slot in a few bytes of the index's ``index_bytes``) is less than
+    ``index_bytes``.
+
     Raises:
-        MemoryPartError: the index names bytes outside the data, or overlapping.
+        MemoryPartError: a malformed entry, or the index names bytes outside the data, or
+            overlapping.
     """
+    if not isinstance(leaves, list) or not all(_well_formed(e, index_bytes) for e in leaves):
+        raise MemoryPartError(f"{where} holds a malformed entry")
     buffers, made, offset = [], [], 0
     with collection_paused():
         for e in sorted(leaves, key=lambda e: int(e["offset"])):
@@ -206,6 +215,24 @@ def plan(
         if size > offset:
             buffers.append(gap(size - offset))
     return buffers, made
+
+
+def _natural(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _well_formed(e: Any, index_bytes: int) -> bool:
+    return (
+        isinstance(e, dict)
+        and _natural(e.get("slot"))
+        and e["slot"] < index_bytes
+        and _natural(e.get("offset"))
+        and _natural(e.get("nbytes"))
+        and isinstance(e.get("dtype"), str)
+        and type(e.get("numpy")) is bool
+        and isinstance(e.get("shape"), list)
+        and all(map(_natural, e["shape"]))
+    )
 
 
 def assemble(

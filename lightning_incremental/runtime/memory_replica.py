@@ -20,7 +20,6 @@ host buffers (no server of our own).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import warnings
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from lightning_incremental.core.buffers import BufferPool
+from lightning_incremental.core.format.layout import loads_record
 from lightning_incremental.runtime.memory_agree import Plan
 from lightning_incremental.runtime.memory_tier import MemoryTier, Part, Snapshot
 
@@ -300,7 +300,7 @@ class Replicator:
 
 def _of(part: Part, rank: int, step: int) -> bool:
     try:
-        head = json.loads(part.header)
+        head = loads_record(part.header)
     except ValueError:
         return False
     return isinstance(head, dict) and head.get("rank") == rank and head.get("step") == step

@@ -38,6 +38,7 @@ import torch
 
 from lightning_incremental.core.buffers import BufferPool, collection_paused
 from lightning_incremental.core.codecs.bytes import chunk_hash, chunk_hasher
+from lightning_incremental.core.format.layout import loads_record
 from lightning_incremental.core.format.tree import Leaf
 from lightning_incremental.core.save.snapshot import flatten
 from lightning_incremental.runtime.memory_read import (
@@ -327,9 +328,8 @@ class MemoryTier:
             with open(path / DATA, "rb", buffering=0) as f:  # straight into each tensor
                 if os.fstat(f.fileno()).st_size != size:
                     raise MemoryPartError(f"{path / DATA} is not {size} bytes long")
-                with collection_paused():
-                    body = json.loads(index)
-                buffers, made = plan(body["leaves"], size, path / INDEX)
+                body = _index(index, path / INDEX)
+                buffers, made = plan(body["leaves"], size, path / INDEX, len(index))
                 try:
                     digest = read_hashed(f.fileno(), buffers)
                 except EOFError as exc:
@@ -369,13 +369,13 @@ class MemoryTier:
         """
         head = self._check_header(part.header)
         _check(INDEX, part.index, head)
-        with collection_paused():
-            body = json.loads(part.index)
+        where = "a received part's index"
+        body = _index(part.index, where)
         data = _raw(part.data)
         if data.nbytes != (head["files"].get(DATA) or {}).get("size"):
             raise _changed(DATA, head)
         # copied into the tensors on several threads, hashed on the way (as a read from memory)
-        buffers, made = plan(body["leaves"], data.nbytes, "a received part's index")
+        buffers, made = plan(body["leaves"], data.nbytes, where, len(part.index))
         if copy_hashed(data, buffers) != head["files"][DATA].get("hash"):
             raise _changed(DATA, head)
         return assemble(body, made, allow_pickle=self.allow_pickle)
@@ -451,7 +451,7 @@ def _raw(data: torch.Tensor) -> np.ndarray:
 
 def _parse_header(raw: bytes) -> dict[str, Any]:
     try:
-        head = json.loads(raw)
+        head = loads_record(raw)
     except ValueError as exc:
         raise MemoryPartError(f"unreadable header: {exc}") from exc
     ints = ("generation", "world_size", "rank", "step", "layout")
@@ -463,9 +463,35 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
         or not isinstance(head.get("job"), str)
         or not all(type(head.get(k)) is int and head[k] >= 0 for k in ints)
         or not isinstance(head.get("files"), dict)
+        or not all(_file_entry(head["files"].get(name)) for name in (INDEX, DATA))
     ):
         raise MemoryPartError(f"not a memory part header of format {FORMAT}")
     return head
+
+
+def _file_entry(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and type(entry.get("size")) is int
+        and entry["size"] >= 0
+        and isinstance(entry.get("hash"), str)
+    )
+
+
+def _index(raw: bytes, where: Any) -> dict[str, Any]:
+    """A part's index (its hash checked already): the skeleton and the list of its tensors.
+
+    Raises:
+        MemoryPartError: not such an object.
+    """
+    try:
+        with collection_paused():
+            body = loads_record(raw)
+    except ValueError as exc:
+        raise MemoryPartError(f"{where} is unreadable: {exc}") from exc
+    if not isinstance(body, dict) or "skeleton" not in body or "leaves" not in body:
+        raise MemoryPartError(f"{where} is not the index of a memory part")
+    return body
 
 
 def _check(name: str, data: bytes | np.ndarray, head: dict[str, Any]) -> None:

@@ -214,3 +214,58 @@ def test_an_index_that_names_bytes_outside_the_data_is_refused(tmp_path: Path) -
         tier.load(0, 1, 1)
     with pytest.raises(MemoryPartError, match="names bytes outside its data"):
         tier.restore(tier.part(0, 1, 1))
+
+
+def _rewrite_index(part: Path, edit: object) -> None:
+    """Edit a part's index and make its header's hash of it right again."""
+    from lightning_incremental.core.codecs.bytes import chunk_hash
+
+    index = json.loads((part / mt.INDEX).read_text())
+    edit(index)  # type: ignore[operator]
+    body = json.dumps(index).encode()
+    (part / mt.INDEX).write_bytes(body)
+    head = json.loads((part / mt.HEADER).read_text())
+    head["files"][mt.INDEX] = {"size": len(body), "hash": chunk_hash(body)}
+    (part / mt.HEADER).write_text(json.dumps(head))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda index: index["leaves"][0].update(slot=1 << 50),  # a list of 2**50 slots
+        lambda index: index["leaves"][0].update(shape=[3] * 200_000, nbytes=0),
+        lambda index: index["leaves"][0].update(nbytes="16"),
+        lambda index: index.update(leaves={"0": 1}),
+        lambda index: index.pop("skeleton"),
+    ],
+    ids=["huge-slot", "many-dims", "size-not-an-int", "leaves-not-a-list", "no-skeleton"],
+)
+def test_an_index_that_claims_what_its_files_do_not_hold_is_refused(
+    tmp_path: Path, edit: object
+) -> None:
+    """Its hash matches (written so, not flipped): every entry is checked before anything is
+    allocated for it, so no claim makes the reader allocate more than the files hold, and a
+    malformed index is a MemoryPartError (the group resumes from the store), not a crash."""
+    tier = _tier(tmp_path)
+    tier.write(snapshot({"w": torch.ones(4)}), 0, 1)
+    (part,) = tier.parts.iterdir()
+    _rewrite_index(part, edit)
+    with pytest.raises(MemoryPartError):
+        tier.load(0, 1, 1)
+    with pytest.raises(MemoryPartError):
+        tier.restore(tier.part(0, 1, 1))
+
+
+def test_a_header_without_its_files_or_nested_too_deeply_is_not_a_part(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.write(snapshot({"w": torch.ones(4)}), 0, 1)
+    (part,) = tier.parts.iterdir()
+    head = json.loads((part / mt.HEADER).read_text())
+    del head["files"][mt.DATA]
+    (part / mt.HEADER).write_text(json.dumps(head))
+    with pytest.raises(MemoryPartError, match="not a memory part header"):
+        tier.load(0, 1, 1)
+    (part / mt.HEADER).write_text("[" * 100_000)
+    with pytest.raises(MemoryPartError, match="unreadable header"):
+        tier.load(0, 1, 1)
+    assert tier.inventory() == []

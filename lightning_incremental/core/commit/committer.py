@@ -40,6 +40,7 @@ from lightning_incremental.core.errors import (
     CorruptCheckpointError,
     FencedError,
     ManifestError,
+    NotDurableError,
     StepError,
     StorageError,
 )
@@ -382,6 +383,8 @@ class Committer:
         try:
             if self.storage.put(path, data):
                 return manifest
+        except NotDurableError:
+            raise  # it may lie there, but not durably: not committed (the storage removes it)
         except OSError as exc:
             if self._landed(step, path, exc) == data:
                 log.warning(

@@ -183,8 +183,8 @@ def parse(data: bytes, generation: int, where: str) -> Fence:
     if len(data) > 16 * _MAX_ACCEPTED:
         raise ManifestError(f"{where} is too large ({len(data)} bytes)")
     try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        doc = mf.loads_record(data.decode("utf-8"))
+    except ValueError as exc:
         raise ManifestError(f"{where} is not valid JSON: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("format") != mf.FORMAT:
         raise ManifestError(f"{where} is not a fence record of this library")

@@ -151,7 +151,7 @@ def newest(storage: Storage) -> Record | None:
     try:
         if len(data) > _MAX_RECORD:
             raise ValueError("too large")
-        doc = json.loads(data)
+        doc = mf.loads_record(data)
         if not isinstance(doc, dict) or doc.get("format") != mf.FORMAT:
             raise ValueError("not a lease record")
     except ValueError:

@@ -21,7 +21,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -35,6 +35,10 @@ _TENSOR = ("path", "dtype", "shape", "nbytes", "width", "device", "numpy", "para
 _TENSOR_ALL = (*_TENSOR, "requires_grad", "chunks")
 _INT, _STR, _LIST = {int}, {str}, {list}
 _WIDTHS = {1, 2, 4, 8}
+# Taken here: sizes a float64 holds exactly (the chunk bytes are summed as floats), shapes of up
+# to as many dimensions as numpy allows, so that the product of a shape is a few multiplications
+_EXACT = 1 << 53
+_DIMS = 64
 
 
 def manifest(
@@ -126,8 +130,10 @@ def _manifest(
         return None
     if (dims and min(dims) < 0) or (used and (min(used) < 0 or max(used) >= n)):
         return None
-    nbytes = tensor["nbytes"]
-    if m and min(nbytes) < 0:
+    nbytes: list[int] = cast(list, tensor["nbytes"])
+    if m and (min(nbytes) < 0 or max(nbytes) > _EXACT or max(map(len, cast(list, shapes))) > _DIMS):
+        return None  # the full way, whose products stop at the tensor's bytes
+    if dims and max(dims) > _EXACT:
         return None
     itemsizes: dict[tuple[str, int], int] = {}
     for key in set(zip(tensor["dtype"], tensor["numpy"])):

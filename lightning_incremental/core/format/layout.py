@@ -66,13 +66,28 @@ def is_pack_path(path: str) -> bool:
     return bool(_PACK.match(path))
 
 
+def loads_record(data: bytes | bytearray | str) -> Any:
+    """The JSON value of a small record read from storage (a marker, lease, fence, pin or pool
+    record). Whatever the bytes hold, the error is a ``ValueError``: JSON nested deeper than
+    the parser goes (``RecursionError``) included, which its callers then treat as any record
+    that is not JSON.
+
+    Raises:
+        ValueError: not JSON (``UnicodeDecodeError`` for bytes that are not UTF-8).
+    """
+    try:
+        return json.loads(data)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply to be a record of this library") from exc
+
+
 def marker_bytes() -> bytes:
     return json.dumps({"format": FORMAT, "layout": LAYOUT}).encode()
 
 
 def check_marker(data: bytes, where: str) -> None:
     try:
-        marker = json.loads(data)
+        marker = loads_record(data)
     except ValueError as exc:
         raise ManifestError(f"store marker {where} is not JSON: {exc}") from exc
     if not isinstance(marker, dict) or marker.get("format") != FORMAT:

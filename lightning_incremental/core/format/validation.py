@@ -7,7 +7,6 @@ and sizes, chunk kinds known to the codec registry, pieces that tile their tenso
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -226,11 +225,15 @@ def _tensor_fast(
             and type(numpy) is bool
         )
         if good:
+            most = nbytes if type(nbytes) is int else 0
             for d in shape:
                 if type(d) is not int or d < 0:
                     good = False
                     break
                 count *= d
+                if count > most:  # more elements than bytes, or a 0 later: the full check
+                    good = False
+                    break
             for digest in hashes:
                 recipe = chunks.get(digest) if type(digest) is str else None
                 if recipe is None:
@@ -348,6 +351,7 @@ def _tensor(
         if not isinstance(raw.get(key), bool):
             raise ManifestError(f"manifest {where}: tensor {index} has no boolean {key!r}")
     itemsize = _itemsize(raw.get("dtype"), raw.get("numpy"), where)
+    elements = element_count(shape, raw["nbytes"])  # -1: more than its bytes hold
     pieces = None
     if "pieces" in raw:
         if version < PIECES_VERSION or "chunks" in raw or raw.get("numpy") is not False:
@@ -355,7 +359,9 @@ def _tensor(
                 f"manifest {where}: tensor {index} has pieces, which need format version "
                 f"{PIECES_VERSION}, no chunk list of its own, and a torch dtype"
             )
-        pieces = _pieces(index, raw, chunks, itemsize, where)
+        if elements < 0:
+            raise _wrong_size(raw, where)
+        pieces = _pieces(index, raw, chunks, itemsize, elements, where)
         hashes: list[Any] = [d for p in pieces for d in p.chunks]
     else:
         hashes = raw.get("chunks")  # type: ignore[assignment]
@@ -367,11 +373,8 @@ def _tensor(
                 f"manifest {where}: tensor {index} chunks hold {total} bytes, expected "
                 f"{raw['nbytes']}"
             )
-    if math.prod(shape) * itemsize != raw["nbytes"]:
-        raise ManifestError(
-            f"manifest {where}: tensor {raw['path']} has the wrong size: shape {shape} of "
-            f"{raw['dtype']} does not hold {raw['nbytes']} bytes"
-        )
+    if elements * itemsize != raw["nbytes"]:
+        raise _wrong_size(raw, where)
     return TensorEntry(
         path=raw["path"],
         dtype=raw["dtype"],
@@ -387,6 +390,13 @@ def _tensor(
     )
 
 
+def _wrong_size(raw: dict[str, Any], where: str) -> ManifestError:
+    return ManifestError(
+        f"manifest {where}: tensor {raw['path']} has the wrong size: shape {raw['shape']!s:.200} "
+        f"of {raw['dtype']} does not hold {raw['nbytes']} bytes"
+    )
+
+
 def _chunk_bytes(
     index: int, hashes: list[Any], chunks: Mapping[str, ChunkRecipe], where: str
 ) -> int:
@@ -399,11 +409,31 @@ def _chunk_bytes(
     return total
 
 
+def element_count(shape: list[int], most: int) -> int:
+    """The number of elements of ``shape`` (non-negative ints), or -1 when that is more than
+    ``most``. Multiplied only while the product stays at most ``most``: a forged shape of many
+    or huge dimensions costs a pass over it, where its full product would grow with every
+    factor (quadratic time in the shape's length)."""
+    if 0 in shape:
+        return 0
+    count = 1
+    for d in shape:
+        count *= d
+        if count > most:
+            return -1
+    return count
+
+
 def _pieces(
-    index: int, raw: dict[str, Any], chunks: Mapping[str, ChunkRecipe], itemsize: int, where: str
+    index: int,
+    raw: dict[str, Any],
+    chunks: Mapping[str, ChunkRecipe],
+    itemsize: int,
+    elements: int,
+    where: str,
 ) -> tuple[PieceEntry, ...]:
-    """The pieces of a sharded tensor entry: well-typed, each one's chunks holding its bytes,
-    together tiling the global tensor exactly."""
+    """The pieces of a sharded tensor entry (of ``elements`` elements): well-typed, each one's
+    chunks holding its bytes, together tiling the global tensor exactly."""
     shape, listed = raw["shape"], raw["pieces"]
     if not isinstance(listed, list):
         raise ManifestError(f"manifest {where}: tensor {index} has a malformed piece list")
@@ -424,10 +454,16 @@ def _pieces(
                 f"manifest {where}: piece {number} of tensor {index} needs {len(shape)} "
                 "offsets and sizes (ints >= 0) and a chunk list"
             )
-        if _chunk_bytes(index, hashes, chunks, where) != math.prod(sizes) * itemsize:
+        held = element_count(sizes, elements)
+        if held < 0:
             raise ManifestError(
-                f"manifest {where}: piece {number} of tensor {index} ({sizes} at {offsets}) "
-                "has chunks of another size than its elements"
+                f"manifest {where}: piece {number} of tensor {index} ({sizes!s:.200}) holds "
+                f"more elements than its tensor ({elements})"
+            )
+        if _chunk_bytes(index, hashes, chunks, where) != held * itemsize:
+            raise ManifestError(
+                f"manifest {where}: piece {number} of tensor {index} ({sizes!s:.200} at "
+                f"{offsets!s:.200}) has chunks of another size than its elements"
             )
         pieces.append(PieceEntry(tuple(offsets), tuple(sizes), tuple(hashes)))
     try:

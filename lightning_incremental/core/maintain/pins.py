@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from lightning_incremental.core.errors import CorruptCheckpointError
+from lightning_incremental.core.format.layout import loads_record
 from lightning_incremental.core.storage import Storage
 
 PIN_DIR = "pins"
@@ -59,7 +60,7 @@ def parse_pin(data: bytes, where: str) -> Pin:
         CorruptCheckpointError: it is not a pin record.
     """
     try:
-        doc = json.loads(data)
+        doc = loads_record(data)
         if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
             raise ValueError("not a pin record")
         step, by, packs = doc["step"], doc["by"], doc["packs"]
@@ -68,7 +69,7 @@ def parse_pin(data: bytes, where: str) -> Pin:
         if not all(isinstance(p, str) and p.startswith("packs/") for p in packs):
             raise ValueError("an object outside packs/")
         return Pin(step, by, tuple(packs), float(doc.get("created", 0.0)))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:
         raise CorruptCheckpointError(
             f"pin {where} is unreadable ({exc}): what it protects is unknown, so nothing is "
             "deleted; restore it, or remove it once no fork needs the step"

@@ -79,7 +79,7 @@ def read_links(own: Storage) -> Links | None:
     except FileNotFoundError:
         return None
     try:
-        doc = json.loads(data)
+        doc = mf.loads_record(data)
         if not isinstance(doc, dict) or doc.get("format") != _LINKS_FORMAT:
             raise ValueError("not a links record")
         pool, sources = doc.get("pool"), doc.get("sources", [])
@@ -126,7 +126,7 @@ def join_pool(pool: Storage, member_url: str, min_age_s: float) -> None:
     path = member_path(member_url)
     record = {"url": member_url, "min_object_age_s": min_age_s}
     try:
-        known = json.loads(pool.get(path))
+        known = mf.loads_record(pool.get(path))
     except FileNotFoundError:
         pool.put(POOL_MARKER, json.dumps({"format": _POOL_FORMAT, "layout": 1}).encode())
         pool.put(path, json.dumps(record, sort_keys=True).encode())
@@ -147,7 +147,7 @@ def members(pool: Storage) -> list[dict[str, Any]]:
     found = []
     for path in pool.list(MEMBER_DIR):
         try:
-            doc = json.loads(pool.get(path))
+            doc = mf.loads_record(pool.get(path))
         except FileNotFoundError:
             continue
         except ValueError as exc:

@@ -125,8 +125,8 @@ from lightning_incremental.core.storage import (
     Storage,
     translate_errors,
 )
+from lightning_incremental.core.storage.durable import fsync_dir
 from lightning_incremental.core.storage.linked import TRASH_DIR, trash_path
-from lightning_incremental.core.storage.local import fsync_dir
 
 log = logging.getLogger("lightning_incremental")
 

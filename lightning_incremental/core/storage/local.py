@@ -16,22 +16,35 @@ turn: steady saves of 4 GB on the benchmark machine were durable in 1.95-2.38 s 
 no manifest names yet. The sync opens each file again: fsync acts on the file, not the
 descriptor, and Linux (4.16 on) reports a write-back error to a descriptor opened after it,
 unless another descriptor saw it first — nothing else opens a save's new pack.
+
+**Errors**: a failed fsync (of a file or a directory), a failed close after a write, or an I/O
+error the write-back reports is a :class:`~lightning_incremental.core.errors.NotDurableError`
+naming the file or directory: the write is not reported done (a create-only write removes the
+name it made), so a save does not commit and the previous checkpoint stays the newest. Only a
+filesystem that cannot fsync a directory at all (``EINVAL``, ``ENOTSUP``: some network and FUSE
+filesystems; every directory on Windows) is tolerated, with one warning per filesystem: its
+files are still fsynced.
 """
 
 from __future__ import annotations
 
 import builtins
-import ctypes
 import errno
 import mmap
 import os
-import sys
 import threading
 import uuid
 from collections.abc import Sequence
 
 from lightning_incremental.core.errors import StorageError
 from lightning_incremental.core.storage.base import Storage, translate_errors
+from lightning_incremental.core.storage.durable import (
+    close_written,
+    fsync_dir,
+    fsync_file,
+    make_name_durable,
+    start_writeback,
+)
 
 TMP_PREFIX = ".tmp-"
 MMAP_MIN = 1 << 20  # smaller reads are copied: a mapping costs more than it saves
@@ -137,11 +150,11 @@ class LocalStorage(Storage):
                     # An object replaced (overwrite) may be one a committed checkpoint needs:
                     # only a durable copy takes its name.
                     if self.fsync and (durable or overwrite):
-                        os.fsync(fd)
+                        fsync_file(fd, f"{path} under {self.root}")
                     elif self.fsync:
-                        start_writeback(fd)
+                        start_writeback(fd, f"{path} under {self.root}")
                 finally:
-                    os.close(fd)
+                    close_written(fd, f"{path} under {self.root}")
                 if overwrite:
                     os.replace(tmp, target)
                 else:
@@ -155,7 +168,7 @@ class LocalStorage(Storage):
                 _silent_unlink(tmp)
                 raise
             if self.fsync and durable:
-                fsync_dir(directory)
+                make_name_durable(directory, target, created=not overwrite)
         return True
 
     def sync(self, paths: Sequence[str]) -> None:
@@ -179,9 +192,9 @@ class LocalStorage(Storage):
                         "period, grace_s)",
                     ) from None
                 try:
-                    os.fsync(fd)
+                    fsync_file(fd, f"{path} under {self.root}")
                 finally:
-                    os.close(fd)
+                    close_written(fd, f"{path} under {self.root}")
                 directory = os.path.dirname(target)
                 while directory not in directories:
                     directories[directory] = None
@@ -283,31 +296,6 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
 _SYNC = os.O_RDWR if os.name == "nt" else os.O_RDONLY
 
 
-def _sync_file_range() -> object | None:
-    """libc's ``sync_file_range`` (Linux), or None. A ctypes call releases the GIL."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    call.restype = ctypes.c_int
-    return call
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writing back the range's dirty pages
-
-
-def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing the file's dirty pages to the disk now, without waiting
-    for them (it may wait for room in the disk's queue). Advisory: a no-op where there is no
-    such call, and its errors are the fsync's to report."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # type: ignore[operator]
-
-
 def write_parts(fd: int, parts: Sequence[bytes | memoryview]) -> None:
     """Write ``parts`` one after another to ``fd``, up to :data:`IOV_MAX` of them a system
     call (``writev``). A pack of 2,000 small tensors is 2,000 parts: written one call each
@@ -340,21 +328,6 @@ def _write_all(fd: int, data: memoryview) -> None:
         if not written:
             raise OSError(errno.EIO, "write wrote no byte")
         data = data[written:]
-
-
-def fsync_dir(directory: str) -> None:
-    """Make the names in ``directory`` durable; a no-op where directories cannot be fsynced
-    (the files themselves were)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems cannot fsync a directory; the data files were fsynced
-    finally:
-        os.close(fd)
 
 
 def _raise_unless_gone(exc: OSError) -> None:

@@ -18,6 +18,7 @@ from lightning_incremental.core.errors import (
     StepError,
     StepTypeError,
     StorageError,
+    StoreNotWritableError,
     UnsupportedValueError,
     WriterLeaseError,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "Storage",
     "StorageError",
     "StoreConfig",
+    "StoreNotWritableError",
     "UnsupportedValueError",
     "VerifyReport",
     "WriterLeaseError",

@@ -225,25 +225,19 @@ class CheckpointStore:
 
     def acquire_writer(self, *, claim: int | None = None) -> int:
         """Check, before a run depends on it, that this process can write the store: take the
-        writer lease (or confirm it holds it) and write and delete a small temporary object
-        where the store writes (:mod:`~lightning_incremental.core.commit.writer`). The
-        adapters call it when a run starts, before it resumes or trains. Call it on the
-        process that commits (rank 0 of a distributed store).
-
-        Args:
-            claim: claim a new fencing generation first, at least this one
-                (:meth:`claim_generation`): a restarted job then takes over from its previous
-                incarnation. None claims nothing.
-
-        Returns:
-            The generation this store writes as.
+        writer lease (or confirm it holds it), then write and delete a small temporary object
+        where the store writes (:mod:`~lightning_incremental.core.commit.writer`). The adapters
+        call it when a run starts, on the process that commits (rank 0). ``claim``: claim a
+        fencing generation of at least this first (:meth:`claim_generation`: a restarted job
+        takes over from its previous incarnation); None claims nothing. Returns the generation
+        this store writes as.
 
         Raises:
             WriterLeaseError: another process holds the lease (naming its host, pid and job,
                 and what to do); nothing was written.
             StoreNotWritableError: the store cannot be written (naming the location and the
                 storage's error); the lease is not kept.
-            FencedError: this process was fenced off.
+            FencedError: this process was fenced off. ConfigError: a bad ``claim``.
         """
         if claim is not None and (
             isinstance(claim, bool) or not isinstance(claim, int) or claim < 0

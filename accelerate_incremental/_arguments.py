@@ -9,7 +9,7 @@ import warnings
 from typing import Any
 
 from accelerate_incremental import _memory, _sharded
-from lightning_incremental.core import StepError, StepTypeError, StoreConfig
+from lightning_incremental.core import ConfigError, StepError, StepTypeError, StoreConfig
 from lightning_incremental.runtime.cadence import CadenceConfig
 from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from lightning_incremental.runtime.options import RecoveryOptions
@@ -82,6 +82,8 @@ def check_arguments(
     memory_every_n_steps: Any = None,
     memory_replicas: Any = 1,
     memory_dir: Any = None,
+    read_only: Any = False,
+    fork_from: Any = None,
     **options: Any,
 ) -> RecoveryOptions:
     """Validate :class:`IncrementalCheckpointer`'s arguments without an accelerator or a store
@@ -93,8 +95,9 @@ def check_arguments(
             ``PreemptionConfig``).
         ValueError: a bad ``every_n_steps``, ``max_consecutive_failures`` or ``replica_check``.
         ConfigError: an invalid store option, watchdog timing, ``max_overhead``,
-            ``expected_mtbf``, ``memory_every_n_steps`` or ``memory_replicas``, or ``recovery``
-            given together with one of the arguments it holds.
+            ``expected_mtbf``, ``memory_every_n_steps`` or ``memory_replicas``, ``recovery``
+            given together with one of the arguments it holds, or ``read_only`` with an
+            argument that writes.
     """
     if not isinstance(dirpath, str):
         raise TypeError(f"dirpath must be a str (a directory or URL), got {type(dirpath).__name__}")
@@ -121,8 +124,32 @@ def check_arguments(
             max_overhead=max_overhead, expected_mtbf=expected_mtbf, min_interval=every_n_steps or 1
         )
     _memory.options(memory_every_n_steps, memory_replicas, memory_dir)
+    _check_read_only(read_only, every_n_steps, memory_every_n_steps, fork_from)
     StoreConfig().replace(keep_last=keep_last, **options)
     return recovery
+
+
+def _check_read_only(read_only: Any, every_n_steps: Any, memory: Any, fork_from: Any) -> None:
+    """``read_only`` is a bool, and then with no argument that writes.
+
+    Raises:
+        TypeError: ``read_only`` is not a bool.
+        ConfigError: ``read_only`` with ``every_n_steps``, ``memory_every_n_steps`` or
+            ``fork_from``.
+    """
+    if not isinstance(read_only, bool):
+        raise TypeError(f"read_only must be True or False, got {read_only!r}")
+    writes = {
+        "every_n_steps": every_n_steps,
+        "memory_every_n_steps": memory,
+        "fork_from": fork_from,
+    }
+    given = [name for name, value in writes.items() if value is not None]
+    if read_only and given:
+        raise ConfigError(
+            f"read_only=True loads checkpoints and never saves, but {', '.join(given)} "
+            "would write: leave read_only off to save, or drop them to only load"
+        )
 
 
 def check_step(step: Any) -> None:

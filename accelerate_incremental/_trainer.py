@@ -49,7 +49,7 @@ from accelerate_incremental._trainer_loading import TrainerLoading, announce
 from accelerate_incremental._trainer_preemption import TrainerPreemption
 from lightning_incremental.core import CheckpointStore, ConfigError, SaveHandle
 from lightning_incremental.core.commit import fencing
-from lightning_incremental.runtime import collectives, memory_steps, rng
+from lightning_incremental.runtime import collectives, memory_steps, rng, writing
 from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
@@ -109,6 +109,10 @@ class TrainerCheckpointer(TrainerLoading):
 
     Raises:
         ConfigError: a bad ``materialize``, memory or store option.
+    Raises (from ``train()``, before it resumes or trains: it checks that it can write the store,
+    :mod:`lightning_incremental.runtime.writing`; ``evaluate`` and ``predict`` only read):
+        WriterLeaseError: another job writes the store (naming its host, pid and job).
+        StoreNotWritableError: the store cannot be written.
     """
 
     def __init__(
@@ -155,11 +159,9 @@ class TrainerCheckpointer(TrainerLoading):
         self.resumed_from: int | None = None
         self.resumed_tier: str | None = None
         self.generation: int | None = None
-        if fencing.should_claim(trainer.args.world_size):
-            self.generation = coordinated(
-                lambda: self.store.claim_generation(fencing.restart_count()),
-                what=f"claim a fencing generation in {self.url}",
-                is_coordinator=trainer.is_world_process_zero(),
+        if fencing.should_claim(trainer.args.world_size):  # also takes the lease, probes
+            self.generation = writing.begin_everywhere(
+                self.store, claim=True, is_coordinator=trainer.is_world_process_zero()
             )
         own_accelerator(trainer.accelerator)
         hooks: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
@@ -201,6 +203,9 @@ class TrainerCheckpointer(TrainerLoading):
             own_accelerator(self.trainer.accelerator)
             self._last_saved = None
             self.resumed_from = self.resumed_tier = None
+            writing.begin_everywhere(  # before it resumes or trains: the lease, a probe
+                self.store, claim=False, is_coordinator=self.trainer.is_world_process_zero()
+            )
             self.preemption.start()
             try:
                 if self.memory is not None:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from accelerate_incremental import (
     _compat,
     _fork,
-    _generation,
     _layout,
     _load_arguments,
     _memory,
@@ -28,12 +27,12 @@ from accelerate_incremental import (
     _source,
     _state,
     _takeover,
+    _writer,
 )
 from accelerate_incremental._arguments import check_accelerator, check_arguments, check_step
 from accelerate_incremental._loaders import Loaders
 from accelerate_incremental._preemption import PreemptionPoint
 from lightning_incremental.core import CheckpointStore, SaveHandle
-from lightning_incremental.core.commit import fencing
 from lightning_incremental.runtime import collectives, rng
 from lightning_incremental.runtime.backpressure import wait_for_room
 from lightning_incremental.runtime.cadence import Cadence
@@ -105,26 +104,29 @@ class IncrementalCheckpointer:
         fork_from: ``"SRC[@STEP]"``: while ``dirpath`` holds no checkpoint, fork that step of SRC
             (default: its newest) into it first, for :meth:`load` (see the pool guide).
         fork_weights_only: with ``fork_from``, :meth:`load` takes only its models' weights.
-        **options: further :class:`~lightning_incremental.core.StoreConfig` options
-            (``full_every``, ``allow_pickle``, ...).
+        read_only: for loading only (inference, evaluation): takes no writer lease, so it works
+            beside a live run writing ``dirpath`` and on a store it cannot write; :meth:`save`
+            raises ``ConfigError`` (no ``every_n_steps``, memory tier, ``fork_from``, preemption).
+        **options: further :class:`~lightning_incremental.core.StoreConfig` options.
 
     Under FSDP (FSDP2 or FSDP1) every process saves its own shards of the models and optimizers
     (their sharded state dicts, whatever ``state_dict_type`` the plugin has) and :meth:`load`
     fills them in place; resume with the same number of processes. When FSDP was asked for but
     Accelerate fell back to DDP (no GPUs), a ``UserWarning`` says so.
 
-    With more than one process (or under torchrun) the main process claims a new fencing
-    generation at creation: checkpoints a previous incarnation of the job writes afterwards are
-    never visible. Create it on every process.
+    Its creation is a writer's start, before anything is loaded or trained: the main process
+    takes the store's writer lease and probes the store, claiming a new fencing generation with
+    more than one process (see :mod:`~._writer`). Create it on every process.
 
     Raises:
         TypeError: ``accelerator`` is not an Accelerator, or an argument has the wrong type.
         ValueError: a DeepSpeed, Megatron-LM or XLA accelerator (not covered), an Accelerator
             that sees one process in a multi-process launch, or a bad ``every_n_steps``.
-        ConfigError: an invalid store option or URL, or ``recovery`` given together with one of
-            the arguments it holds.
-        CoordinatorError: on the other processes, the main process could not claim a fencing
-            generation (the main process raises its own error).
+        ConfigError: an invalid store option or URL, ``recovery`` given together with one of
+            the arguments it holds, ``read_only`` with an argument that writes.
+        WriterLeaseError, StoreNotWritableError: another job writes ``dirpath`` (naming its
+            host, pid and job), or it cannot be written (on every process; not ``read_only``).
+        CoordinatorError: on the other processes, another failure of the main process.
     """
 
     def __init__(
@@ -151,6 +153,7 @@ class IncrementalCheckpointer:
         memory_dir: str | None = None,
         fork_from: str | None = None,
         fork_weights_only: bool = False,
+        read_only: bool = False,
         **options: Any,
     ) -> None:
         check_accelerator(accelerator)
@@ -173,9 +176,11 @@ class IncrementalCheckpointer:
             memory_every_n_steps=memory_every_n_steps,
             memory_replicas=memory_replicas,
             memory_dir=memory_dir,
+            read_only=read_only,
+            fork_from=fork_from,
             **options,
         )
-        self.replica_check = self.recovery.replica_check
+        self.read_only, self.replica_check = read_only, self.recovery.replica_check
         if keep_last is None:
             keep_last = accelerator.project_configuration.total_limit
         self.accelerator = accelerator
@@ -201,9 +206,7 @@ class IncrementalCheckpointer:
             "IncrementalCheckpointer", str(self.store.url), self.max_consecutive_failures
         )
         self._handles: list[SaveHandle] = []  # this process's saves not collected yet
-        self.generation: int | None = None
-        if fencing.should_claim(accelerator.num_processes):
-            self.generation = _generation.claim(self.store, accelerator.is_main_process)
+        self.generation = _writer.start(self.store, accelerator, read_only=read_only)
         self.resumed_tier: str | None = None  # where load() found its step: memory, peer, store
         memory = (memory_every_n_steps, memory_replicas, memory_dir)
         self._memory = _memory.start(accelerator, self.store, self.generation, self.sharded, memory)
@@ -221,7 +224,7 @@ class IncrementalCheckpointer:
             _progress.watch_optimizers(self.accelerator, self._watchdog, self._watched, self._hooks)
             dropped = weakref.finalize(self, _progress.stop_dropped, dog)
             dropped.atexit = False  # at exit the watchdog says it finished (Watchdog.start)
-        self._preemption = PreemptionPoint(accelerator, preemption)  # handles the signals now
+        self._preemption = PreemptionPoint(accelerator, not read_only and preemption)  # signals
 
     # ------------------------------------------------------------------ saving
 
@@ -297,6 +300,7 @@ class IncrementalCheckpointer:
         weights: list[dict[str, Any]] | None = None,  # the models' state dicts, after the hooks
     ) -> SaveHandle | None:
         check_step(step)
+        _writer.refuse_save(self.read_only, self.store.url)
         started = time.monotonic()
         self._deferred = None  # a due save not taken yet: this one holds newer state
         self._preemption.saved = step
@@ -332,14 +336,10 @@ class IncrementalCheckpointer:
         return handle
 
     def _settle(self, *, block: bool, everywhere: bool = True) -> None:
-        """Collect the main process's finished saves (all of them with ``block``) and apply the
-        failure policy: warn about failed ones, or raise once ``max_consecutive_failures`` in a
-        row failed. ``everywhere`` (call it on every process): the main process decides, every
-        process warns or raises alike.
-
-        Raises:
-            CheckpointError: ``max_consecutive_failures`` saves in a row failed.
-        """
+        """Collect the main process's finished saves (all with ``block``) and apply the failure
+        policy: warn about failed ones, or raise ``CheckpointError`` once
+        ``max_consecutive_failures`` in a row failed. ``everywhere`` (on every process): the
+        main process decides, every process warns or raises alike."""
         report = None
         if self.accelerator.is_main_process or self.store.distributed:
             # The engine's back-pressure: the next save waits for these anyway (max_in_flight).

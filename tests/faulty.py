@@ -286,3 +286,107 @@ def unreadable_directories(*directories: str, errno: int = errnos.EIO) -> Iterat
         yield failed
     finally:
         os.scandir = real
+
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+@contextmanager
+def read_only_directory(directory: str | os.PathLike[str]) -> Iterator[str]:
+    """Make the local ``directory`` (and everything in it) read-only meanwhile, as truly as
+    this process allows; yields how: ``"permissions"`` (mode bits without write: a non-root
+    process gets ``EACCES``), ``"immutable"`` (running as root, where modes deny nothing:
+    ``chattr -R +i``, the kernel's ``EPERM``), else ``"patched"`` (root without the capability
+    to set that attribute: the writes ``os`` makes under the directory fail with ``EROFS``, as
+    on a read-only mount — every backend over a local filesystem hits them). Reading works in
+    every case."""
+    root = os.path.abspath(directory)
+    if os.geteuid() != 0:
+        modes = {}
+        for path in [root, *_tree(root)]:
+            modes[path] = os.stat(path).st_mode
+            os.chmod(path, modes[path] & ~0o222)
+        try:
+            yield "permissions"
+        finally:
+            for path, mode in modes.items():
+                os.chmod(path, mode)
+        return
+    if _chattr("+i", root):
+        try:
+            yield "immutable"
+        finally:
+            _chattr("-i", root)
+        return
+    with _refused_writes(root):
+        yield "patched"
+
+
+def _tree(root: str) -> list[str]:
+    found = []
+    for where, dirs, files in os.walk(root):
+        found.extend(os.path.join(where, name) for name in (*dirs, *files))
+    return found
+
+
+def _chattr(flag: str, root: str) -> bool:
+    """``chattr -R flag root``, confirmed (for ``+i``) by a write that fails."""
+    import shutil
+    import subprocess
+
+    if shutil.which("chattr") is None:
+        return False
+    done = subprocess.run(["chattr", "-R", flag, root], capture_output=True).returncode == 0
+    if not done or flag != "+i":
+        return done
+    try:
+        fd = os.open(os.path.join(root, f".probe-{os.getpid()}"), os.O_WRONLY | os.O_CREAT)
+    except PermissionError:
+        return True
+    os.close(fd)  # the attribute did not hold (a filesystem without it): undo, refuse
+    os.unlink(os.path.join(root, f".probe-{os.getpid()}"))
+    subprocess.run(["chattr", "-R", "-i", root], capture_output=True)
+    return False
+
+
+@contextmanager
+def _refused_writes(root: str) -> Iterator[None]:
+    under = root + os.sep
+
+    def inside(path: Any) -> bool:
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return False  # a file descriptor
+        full = os.path.abspath(os.fsdecode(path))
+        return full == root or full.startswith(under)
+
+    def refuse(path: Any) -> NoReturn:
+        raise OSError(errnos.EROFS, os.strerror(errnos.EROFS), os.fsdecode(path))
+
+    real = {
+        name: getattr(os, name)
+        for name in ("open", "mkdir", "replace", "rename", "link", "unlink", "remove", "rmdir")
+    }
+
+    def opener(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & _WRITE_FLAGS and inside(path):
+            refuse(path)
+        return real["open"](path, flags, *args, **kwargs)  # type: ignore[no-any-return]
+
+    def changer(name: str) -> Any:
+        def change(*paths: Any, **kwargs: Any) -> Any:
+            for path in paths[:2]:
+                if inside(path):
+                    refuse(path)
+            return real[name](*paths, **kwargs)
+
+        return change
+
+    os.open = opener  # type: ignore[assignment]
+    for name in real:
+        if name != "open":
+            setattr(os, name, changer(name))
+    try:
+        yield
+    finally:
+        for name, function in real.items():
+            setattr(os, name, function)

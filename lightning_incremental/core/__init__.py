@@ -19,6 +19,7 @@ from lightning_incremental.core.errors import (
     StepError,
     StepTypeError,
     StorageError,
+    StoreNotWritableError,
     UnsupportedValueError,
     WriterLeaseError,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "Storage",
     "StorageError",
     "StoreConfig",
+    "StoreNotWritableError",
     "UnsupportedValueError",
     "VerifyReport",
     "WriterLeaseError",

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 
 from lightning_incremental.core.chunks.delta_base import DeltaBase
-from lightning_incremental.core.commit import fencing
+from lightning_incremental.core.commit import fencing, writer
 from lightning_incremental.core.commit.committer import Committer
 from lightning_incremental.core.commit.group import Alone, GlooGroup, Group
 from lightning_incremental.core.commit.history import History, read_manifest
@@ -60,6 +60,20 @@ class Engine:
         # object must not wait for a save held up in another (the claim is what fences it).
         with self.history.lock:
             return self.generation.claim(minimum, self.fencing, self.lease, self.history)
+
+    def acquire_writer(self, claim: int | None) -> int:
+        """Claim a generation (at least ``claim``, unless None), take the writer lease and
+        probe that the store can be written (:func:`.commit.writer.acquire`); returns the
+        generation this store writes as."""
+
+        def admit() -> None:
+            if claim is not None:
+                self.claim(claim)
+            with self.lock:  # as a save admits itself
+                self.generation.admit(self.fencing, self.lease, self.history)
+
+        writer.acquire(self.lease, admit)
+        return self.generation.value
 
     def shutdown(self) -> None:
         """Stop the background threads, drop the delta base, release the lease and the group

@@ -63,6 +63,13 @@ class NotDurableError(StorageError):
     reported done, and a save it belongs to does not commit."""
 
 
+class StoreNotWritableError(StorageError):
+    """A writer's check at its start (:meth:`CheckpointStore.acquire_writer`) found that this
+    process cannot write the store: a read-only directory, a permission it lacks, a bucket
+    without write access. It names the location and the storage's error (``errno`` is that
+    error's)."""
+
+
 class FencedError(CheckpointError):
     """This writer's fencing generation was superseded: a restarted job took over the store, so
     this process must stop writing (what it commits is not visible)."""

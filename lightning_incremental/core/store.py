@@ -223,6 +223,30 @@ class CheckpointStore:
         self.wait()
         return self._engine.claim(minimum)
 
+    def acquire_writer(self, *, claim: int | None = None) -> int:
+        """Check, before a run depends on it, that this process can write the store: take the
+        writer lease (or confirm it holds it), then write and delete a small temporary object
+        where the store writes (:mod:`~lightning_incremental.core.commit.writer`). The adapters
+        call it when a run starts, on the process that commits (rank 0). ``claim``: claim a
+        fencing generation of at least this first (:meth:`claim_generation`: a restarted job
+        takes over from its previous incarnation); None claims nothing. Returns the generation
+        this store writes as.
+
+        Raises:
+            WriterLeaseError: another process holds the lease (naming its host, pid and job,
+                and what to do); nothing was written.
+            StoreNotWritableError: the store cannot be written (naming the location and the
+                storage's error); the lease is not kept.
+            FencedError: this process was fenced off. ConfigError: a bad ``claim``.
+        """
+        if claim is not None and (
+            isinstance(claim, bool) or not isinstance(claim, int) or claim < 0
+        ):
+            raise ConfigError(f"claim must be an int >= 0 or None, got {claim!r}")
+        self._check_open()
+        self.wait()
+        return self._engine.acquire_writer(claim)
+
     # ------------------------------------------------------------------ loading
 
     def load(

@@ -53,10 +53,10 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
 
     Each save writes what ``trainer.save_checkpoint`` would (weights, optimizers, schedulers,
     loops, callbacks, precision plugin, hyper-parameters, datamodule) plus every rank's random
-    state and position in its training data, through a
-    :class:`~lightning_incremental.core.CheckpointStore`: the training loop waits only for the
-    state to be copied; encoding and writing run in the background. When ``fit`` starts without a
-    ``ckpt_path`` and the store holds a committed checkpoint, training resumes from the newest one.
+    state and data position, through a :class:`~lightning_incremental.core.CheckpointStore`:
+    the training loop waits only for the state to be copied; encoding and writing run in the
+    background. When ``fit`` starts without a ``ckpt_path`` and the store holds a committed
+    checkpoint, training resumes from the newest one.
 
     A save falls where a restarted run continues exactly: one due after the last batch of an epoch
     happens at the epoch's end, one due after a batch that validation follows happens after that
@@ -113,10 +113,9 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
             and goes on, ``"stop"`` exits 89 (the group restarts from the last good
             checkpoint), ``"off"`` skips it; a diverged copy is never committed (see
             :mod:`lightning_incremental.runtime.replica_policy`).
-        recovery: all of ``watchdog``, the three timings, ``replica_check`` and
-            ``max_consecutive_failures`` as one
-            :class:`~lightning_incremental.runtime.RecoveryOptions` (then leave those at their
-            defaults).
+        recovery: ``watchdog``, the three timings, ``replica_check`` and
+            ``max_consecutive_failures`` as one :class:`~lightning_incremental.runtime.
+            RecoveryOptions` (then leave those at their defaults).
         preemption: what a preemption notice does (True: the defaults of
             :class:`~lightning_incremental.runtime.preemption.PreemptionConfig`; False: nothing).
             At SIGTERM or SIGINT (and SLURM's requeue signal), delivered any number of times, or
@@ -142,16 +141,17 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
     number of ranks (see :mod:`~.sharded`); there ``replica_check`` does not
     apply. DeepSpeed is refused.
 
-    In multi-process runs (and under torchrun) every start of ``fit`` also claims a new fencing
-    generation in the store: checkpoints a previous incarnation of the job writes afterwards — a
-    frozen or cut-off rank 0 that wakes up — are never visible (see
-    :mod:`lightning_incremental.core.commit.fencing`).
+    Every ``fit`` first checks that it can write ``dirpath``, before it resumes or trains: rank 0
+    takes the writer lease and probes the store, claiming a new fencing generation in multi-process
+    runs and under torchrun (see :mod:`lightning_incremental.runtime.writing`).
 
     Raises:
         TypeError: an argument of the wrong type.
         ConfigError: an invalid value or a conflicting combination (a ``ValueError``).
-        CoordinatorError: at ``fit``'s setup, on the other ranks, rank 0 could not open the
-            store (rank 0 raises its own error).
+        WriterLeaseError: at ``fit``'s setup, another job writes ``dirpath`` (naming its host,
+            pid and job). StoreNotWritableError: ``dirpath`` cannot be written. The other
+            ranks raise the same types (``CoordinatorError`` subclasses), or CoordinatorError
+            when rank 0 could not open the store otherwise (rank 0 raises its own error).
     """
 
     def __init__(

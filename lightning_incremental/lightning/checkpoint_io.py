@@ -38,9 +38,11 @@ ignored. Checkpoints hold data only and load without executing code; a value tha
 (e.g. an ``argparse.Namespace`` in ``hyper_parameters``) is an error naming its key, unless
 ``allow_pickle=True``.
 
-One writer per directory: two processes saving to the same directory at once conflict on
-steps (the engine refuses the second, nothing is overwritten). The plug-in saves in the
-background itself: wrapped in Lightning's ``AsyncCheckpointIO``, its calls raise ``ConfigError``.
+One writer per directory: Lightning gives a ``CheckpointIO`` no call when ``fit`` starts, so the
+first save into a directory (in each ``fit``) is the plug-in's start there: before it writes
+anything it checks that it can write the store (:meth:`.pointer_lifecycle.OpenStore.
+start_saving`); loading needs no lease. The plug-in saves in the background itself: wrapped in
+Lightning's ``AsyncCheckpointIO``, its calls raise ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -208,6 +210,7 @@ class IncrementalCheckpointIO(CheckpointIO):
 
         Raises:
             TypeError: ``storage_options`` were passed (give them to the constructor).
+            WriterLeaseError, StoreNotWritableError: at the first save into the directory.
             UnsupportedValueError: a value that needs pickle, without ``allow_pickle``.
             CheckpointError: outside of a running stage, the save failed to commit (the error's
                 own type when it is one, e.g. ``StorageError``).
@@ -228,8 +231,8 @@ class IncrementalCheckpointIO(CheckpointIO):
                 f"cannot save a checkpoint file inside the store directory {self.store_name!r} "
                 f"({target.display}); save it next to the store"
             )
-        target.makedirs()  # at once, as TorchCheckpointIO: the file itself comes later
         entry = self._store(target.store_url(self.store_name), saving=True)
+        target.makedirs()  # at once, as TorchCheckpointIO: the file itself comes later
         # Back-pressure, as the engine's (max_in_flight): the oldest saves must finish first,
         # and commit, so that their errors are raised here, before this save.
         wait_for_room(entry.saving, self.config.max_in_flight)
@@ -476,8 +479,9 @@ class IncrementalCheckpointIO(CheckpointIO):
             if entry is None:
                 entry = OpenStore(self._open_store(url, self.config), url)
                 self._stores[url] = entry
-            entry.saves = entry.saves or saving
-            return entry
+        if saving:  # its first save checks that it can write the store (the plug-in's start)
+            entry.start_saving()
+        return entry
 
     def _file(self, path: PathLike, *, resolve: bool = False) -> CheckpointFile:
         if not isinstance(path, (str, os.PathLike)):
@@ -529,12 +533,8 @@ class IncrementalCheckpointIO(CheckpointIO):
         )
 
     def _raise_failed(self) -> None:
-        """Raise the first background error; then warn about the saves that failed to commit,
-        or raise them once ``max_consecutive_failures`` in a row failed.
-
-        Raises:
-            Exception: a background error (other than a failed save).
-            CheckpointError: ``max_consecutive_failures`` saves in a row failed.
-        """
+        """Raise the first background error (``Exception``); then warn about the saves that
+        failed to commit, or raise ``CheckpointError`` once ``max_consecutive_failures`` in a
+        row failed."""
         self._background.raise_first()
         self._failures.apply()

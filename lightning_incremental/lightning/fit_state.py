@@ -31,7 +31,7 @@ from lightning_incremental.lightning.preemption import PreemptionPoint
 from lightning_incremental.lightning.resume import ResumeHook
 from lightning_incremental.lightning.save_points import BatchCounts, Declined, SaveNow, SavePoints
 from lightning_incremental.lightning.saver import Saver
-from lightning_incremental.runtime import replica_policy
+from lightning_incremental.runtime import replica_policy, writing
 from lightning_incremental.runtime.coordinate import coordinated
 from lightning_incremental.runtime.watchdog import Watchdog
 
@@ -317,11 +317,14 @@ def open_fit_store(
     """Open the store at a ``fit``'s setup and note its newest step and the fencing generation
     claimed in ``fit``; returns this rank's writing store (None on the ranks that do not save).
 
-    Rank 0 opens the store; whatever happens there, every rank learns it, so a failure never
-    leaves the other ranks waiting in a collective. Sharded over several ranks, every rank then
-    opens the store it saves its own shards through (a collective). ``open_store(distributed=)``
-    opens the store; ``claim_unless_refused``: claim a generation even on a store that holds
-    checkpoints (resume=True; a run about to refuse the store does not take it).
+    Rank 0 opens the store and starts writing it (:mod:`~lightning_incremental.runtime.
+    writing`: the writer lease, a probe, the fencing generation of a new incarnation of the
+    job), before anything is resumed or trained; whatever happens there, every rank learns it,
+    so a failure never leaves the other ranks waiting in a collective. Sharded over several
+    ranks, every rank then opens the store it saves its own shards through (a collective), and
+    rank 0 takes the lease again through it. ``open_store(distributed=)`` opens the store;
+    ``claim_unless_refused``: start writing even a store that holds checkpoints (resume=True; a
+    run about to refuse the store, resume=False on a store in use, does not take it).
     """
     distributed = fit.sharded and trainer.world_size > 1
     store: CheckpointStore | None = None
@@ -333,12 +336,8 @@ def open_fit_store(
             steps = store.steps()
             newest = steps[-1] if steps else None
             generation = None
-            # A new incarnation of the job fences off the previous ones — unless this run is
-            # about to refuse the store (resume=False on a store in use: not ours to take).
-            if fencing.should_claim(trainer.world_size) and (
-                claim_unless_refused or newest is None
-            ):  # the claim keeps what is visible
-                generation = store.claim_generation(fencing.restart_count())
+            if claim_unless_refused or newest is None:  # the claim keeps what is visible
+                generation = writing.begin(store, claim=fencing.should_claim(trainer.world_size))
         except BaseException:
             store.close()
             raise
@@ -355,6 +354,17 @@ def open_fit_store(
     )
     if distributed:
         store = open_store(distributed=True)
+        if claim_unless_refused or fit.newest is None:
+            try:
+                writing.begin_everywhere(
+                    store,
+                    claim=False,
+                    is_coordinator=trainer.is_global_zero,
+                    broadcast=trainer.strategy.broadcast,
+                )
+            except BaseException:
+                store.close()
+                raise
     return store
 
 

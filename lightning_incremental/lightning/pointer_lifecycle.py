@@ -71,6 +71,7 @@ from lightning_incremental.lightning.pointers import (
     is_int,
     looks_like_pointer,
 )
+from lightning_incremental.runtime import writing
 from lightning_incremental.runtime.failures import FailurePolicy, describe
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,20 @@ class OpenStore:
         self.saving: deque[Future[None]] = deque()  # this store's saves, oldest first
         self.inflight: set[int] = set()  # steps this process is saving, not committed yet
         self.saves = False  # this process saved to it (else: opened to read or remove only)
+
+    def start_saving(self) -> None:
+        """Before this process's first save into the store (the plug-in's start there, every
+        ``fit`` anew: ``teardown`` closes the stores): check that it can write it, taking the
+        writer lease (:mod:`lightning_incremental.runtime.writing`). Until that succeeds the
+        store counts as opened to read only.
+
+        Raises:
+            WriterLeaseError: another job writes the store (naming its host, pid and job).
+            StoreNotWritableError: the store cannot be written.
+        """
+        if not self.saves:
+            writing.begin(self.store, claim=False)
+            self.saves = True
 
     def next_step(self, pointers: Callable[[], set[tuple[str, int]]], store_name: str) -> int:
         """After every committed step and every step a pointer file names (a step deleted

@@ -18,7 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from lightning_incremental.core.errors import CheckpointError
+from lightning_incremental.core.errors import (
+    CheckpointError,
+    StoreNotWritableError,
+    WriterLeaseError,
+)
 from lightning_incremental.runtime import collectives
 
 T = TypeVar("T")
@@ -52,9 +56,24 @@ class CoordinatorFileNotFoundError(CoordinatorError, FileNotFoundError):
     that catches it keeps working on every rank)."""
 
 
+class CoordinatorWriterLeaseError(CoordinatorError, WriterLeaseError):
+    """:class:`CoordinatorError` for a coordinator's ``WriterLeaseError`` (another process
+    writes the store): also a ``WriterLeaseError``, on every rank alike."""
+
+
+class CoordinatorStoreNotWritableError(CoordinatorError, StoreNotWritableError):
+    """:class:`CoordinatorError` for a coordinator's ``StoreNotWritableError``: also one, on
+    every rank alike."""
+
+
 #: The coordinator's error type name → the type the other ranks raise, where callers are known
-#: to catch by type (a missing checkpoint file).
-_MIRRORED: dict[str, type[CoordinatorError]] = {"FileNotFoundError": CoordinatorFileNotFoundError}
+#: to catch by type (a missing checkpoint file, a store another process writes or that cannot
+#: be written).
+_MIRRORED: dict[str, type[CoordinatorError]] = {
+    "FileNotFoundError": CoordinatorFileNotFoundError,
+    "WriterLeaseError": CoordinatorWriterLeaseError,
+    "StoreNotWritableError": CoordinatorStoreNotWritableError,
+}
 
 
 def error_for(rank: int, what: str, cause: str) -> CoordinatorError:

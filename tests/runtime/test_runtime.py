@@ -13,7 +13,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from lightning_incremental.core import CheckpointError, ConfigError, StorageError
+from lightning_incremental.core import (
+    CheckpointError,
+    ConfigError,
+    StorageError,
+    StoreNotWritableError,
+    WriterLeaseError,
+)
 from lightning_incremental.core.save import at_exit
 from lightning_incremental.runtime import (
     CoordinatorError,
@@ -98,6 +104,21 @@ def test_a_missing_file_is_a_file_not_found_error_on_every_rank() -> None:
     assert type(copy) is type(received) and str(copy) == str(received)
     _, _, other = _two_ranks(lambda: 1 / 0, "load x")
     assert not isinstance(other, FileNotFoundError)
+
+
+@pytest.mark.parametrize("kind", [WriterLeaseError, StoreNotWritableError])
+def test_a_refused_writer_is_refused_alike_on_every_rank(kind: type[Exception]) -> None:
+    """A run's start as a writer (``runtime.writing``): another writer, or a store that cannot
+    be written, is an error of the same type on the other ranks, caught as such."""
+
+    def act() -> int:
+        raise kind("s3://b/run is being written by another process: host h pid 7")
+
+    _, _, received = _two_ranks(act, "start writing the checkpoint store s3://b/run")
+    assert isinstance(received, kind) and isinstance(received, CoordinatorError)
+    assert "host h pid 7" in str(received)
+    copy = pickle.loads(pickle.dumps(received))
+    assert type(copy) is type(received) and str(copy) == str(received)
 
 
 def test_a_coordinator_error_pickles() -> None:

@@ -51,6 +51,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lightning_incremental.core.commit.owner import job_requeue
 from lightning_incremental.core.commit.versions import Version, Versions
 from lightning_incremental.core.errors import (
     CheckpointError,
@@ -128,9 +129,11 @@ def check_process(what: str) -> None:
 
 
 def should_claim(world_size: int) -> bool:
-    """Whether a job's (re)start claims a generation: when it has several processes, or runs
-    under torchrun (which may restart it)."""
-    return world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+    """Whether a job's (re)start claims a generation: when it has several processes, runs
+    under torchrun (which may restart it), or is a requeued SLURM job (it takes over from its
+    earlier run, see :mod:`.lease`, which may have left its lease unreleased on another node)."""
+    requeue = job_requeue()
+    return world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ or bool(requeue and requeue[1])
 
 
 def restart_count() -> int:

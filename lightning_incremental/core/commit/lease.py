@@ -289,10 +289,11 @@ class _Held:
         )
         raise WriterLeaseError(
             f"{self.storage.url} is being written by another process: {current.describe()}. "
-            "One writer per store: stop the other writer, or save to another location. If that "
-            f"writer is gone, its lease expires {ttl:.0f}s after its last heartbeat (or delete "
-            f"{lease_path(current.sequence)} once you are sure). Reading, verify and gc with a "
-            f"grace period need no lease.{unknown}"
+            "One writer per store: wait for that writer to finish (or stop it), or save to "
+            "another location (another dirpath). If it is gone, a new writer takes the store "
+            f"over {ttl:.0f}s after its last heartbeat (on its host: once its process ended), "
+            f"or delete {lease_path(current.sequence)} once you are sure. Reading, verify and "
+            f"gc with a grace period need no lease.{unknown}"
         )
 
     # -------------------------------------------------------------- holding

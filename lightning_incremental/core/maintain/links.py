@@ -12,7 +12,7 @@ reads objects from the stores it was forked from. Either way the store records i
 ``sources`` are the locations, in order, whose ``packs/`` hold objects its manifests may name
 besides its own (or its pool's). A pool records its members in ``members/<id>.json`` (the
 member's URL and minimum object age): the pool's collection (:mod:`.pool_gc`) reads every
-member's manifests and pins from there.
+member's manifests, pins and fork base from there.
 """
 
 from __future__ import annotations
@@ -156,12 +156,14 @@ def attach(
     """The storage a store at ``own`` works through: ``own`` itself for a plain store, else a
     :class:`LinkedStorage` over its pool and sources (read from its links record; with
     ``pool`` given and no record yet, the store joins that pool now). The pool is opened with
-    ``pool_options``, each source with ``options``, unless ``by_url`` names its URL.
+    ``pool_options`` (default: ``options``), each source with ``options``, unless ``by_url``
+    names its URL.
 
     Raises:
         ConfigError: ``pool`` differs from the pool the store was created in; a store with
             checkpoints of its own asked to join a pool.
     """
+    pool_options = pool_options or options  # the pool's own, else the store's
     links = read_links(own)
     if links is None and own.exists(POOL_MARKER):
         # Its objects are other stores' checkpoints: a store's gc here would delete them all.
@@ -197,7 +199,7 @@ def attach(
         )
     objects = None
     if links.pool is not None:
-        chosen = (by_url or {}).get(links.pool, pool_options or options)
+        chosen = (by_url or {}).get(links.pool, pool_options)
         objects = open_location(links.pool, chosen, fsync)
         join_pool(objects, own.url, min_age_s)
     sources = [open_location(url, (by_url or {}).get(url, options), fsync) for url in links.sources]

@@ -6,10 +6,11 @@ one collection of a pool at a time: it holds the pool's collection lease (see th
 1. Fix the time by the pool's clock (:func:`.sweep.plan_clock`), before anything is listed.
 2. Mark: list the members, and for each every manifest file (visible, superseded by a
    compaction, or written by a fenced-off generation: all of them, since what a member still
-   shows is its own fencing's business) and every pin; read each once. A member whose location
-   cannot be listed, has no store, or holds an unreadable manifest or pin stops the collection
-   before anything is moved or purged: its live set is unknown, and a failed listing is never
-   an empty one.
+   shows is its own fencing's business), every pin, and its fork base (``fork-base.json``: a
+   fork of weights only builds its first save on it, and loads its weights from it); read each
+   once. A member whose location cannot be listed, has no store, or holds an unreadable
+   manifest, pin or fork base stops the collection before anything is moved or purged: its
+   live set is unknown, and a failed listing is never an empty one.
 3. Mark again while a pass found a manifest that vanished before it was read: it was removed
    by the member's retention after a newer commit, which names every object it still needs,
    and that newer one is read then. A manifest committed after a member was listed needs no
@@ -95,6 +96,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_incremental.core.commit.history import FORK_BASE, read_fork_base
 from lightning_incremental.core.commit.lease import Lease, lease_path, newest
 from lightning_incremental.core.errors import (
     CheckpointError,
@@ -223,7 +225,7 @@ class _Marker:
     def __init__(self, pool: Storage, options: dict[str, dict[str, Any]]) -> None:
         self.pool, self.options = pool, options
         self.live: set[str] = set()
-        self.read: dict[str, set[str]] = {}  # member URL -> manifests and pins read
+        self.read: dict[str, set[str]] = {}  # member URL -> manifests, pins, fork base read
         self.stores: dict[str, Storage] = {}
         self.min_ages: list[float] = []
 
@@ -273,6 +275,10 @@ class _Marker:
                         continue
                     self.live.update(canonical.loads(data, f"{path} of {url}").packs)
                 pins = read_pins(storage)
+                if FORK_BASE not in done:  # what a fork of weights only builds its first save on
+                    done.add(FORK_BASE)
+                    base = read_fork_base(storage)
+                    self.live.update(base.packs if base is not None else ())
             except (OSError, CorruptCheckpointError) as exc:
                 raise self._refuse(url, exc) from exc
             for pin in pins:

@@ -46,7 +46,7 @@ def _standalone(run: Run) -> Run:
 
 def register(command: Command) -> None:
     """Add the pool and fork commands through the command table's ``command`` helper."""
-    p = command("fork", _fork, "start a new store from a checkpoint of another (no copy)")
+    p = command("fork", _fork, "start a new store from a checkpoint of another (no copy in a pool)")
     p.add_argument("dst", help="the new store's location")
     p.add_argument("--pool", default=None, help="the new store's pool (default: the source's)")
     p.add_argument(
@@ -252,7 +252,10 @@ def _ls_pool(pool: Storage, args: argparse.Namespace, console: Console) -> int:
 
 
 def _links(storage: Storage) -> dict[str, Any]:
-    pins = [{"step": p.step, "fork": p.by} for p in read_pins(storage)]
+    pins = [
+        {"step": p.step, "fork": p.by, **({"via": p.via} if p.via else {})}
+        for p in read_pins(storage)
+    ]
     out: dict[str, Any] = {"pinned_by_forks": pins} if pins else {}
     if not isinstance(storage, LinkedStorage):
         return out

@@ -17,10 +17,10 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
-from lightning_incremental.core.commit.history import check_step_type
+from lightning_incremental.core.commit.history import FORK_BASE, check_step_type, read_fork_base
 from lightning_incremental.core.config import StoreConfig
 from lightning_incremental.core.engine import assemble
-from lightning_incremental.core.errors import CheckpointError, ConfigError
+from lightning_incremental.core.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.format.records import Manifest
 from lightning_incremental.core.load.loader import Selection
@@ -314,6 +314,28 @@ class CheckpointStore:
         self.loaded_step = loaded.step
         return loaded.state
 
+    def load_fork_base(
+        self, *, keys: str | Iterable[str] | None = None, map_location: MapLocation = None
+    ) -> dict[str, Any]:
+        """Restore the step a fork of weights only was made from (``fork(..., as_base=True)``),
+        its delta base: read through this store's copy of that step's manifest and from where
+        its objects lie now, so it loads whatever became of the step in the source (deleted,
+        collected, the source gone: the fork's pool or pin keeps the objects). ``keys`` and
+        ``map_location`` as in :meth:`load`.
+
+        Raises:
+            CheckpointNotFoundError: this store holds no fork base (it is no fork of weights
+                only, or the base went with its pin: ``unpin(..., force=True)``).
+            CorruptCheckpointError: an object is missing or damaged.
+        """
+        self._check_open()
+        doc = read_fork_base(self.storage)
+        if doc is None:
+            raise CheckpointNotFoundError(f"{self.url} holds no fork base ({FORK_BASE})")
+        where = f"the fork base (step {doc.step} of its source) of {self.url}"
+        selection = Selection(check_keys(keys))
+        return self._engine.loader.restore(doc, where, map_location, selection).state
+
     def manifest(self, step: int | None = None) -> Manifest:
         """The validated manifest of a committed checkpoint (default: the newest): its tensors,
         chunk recipes, statistics and audit trail (``.to_dict()``: its JSON). Read-only
@@ -408,8 +430,9 @@ class CheckpointStore:
     @staticmethod
     def fork(src_url: str, dst_url: str, step: int | None = None, **options: Any) -> int:
         """Start a store at ``dst_url`` from checkpoint ``step`` (default: the newest) of
-        ``src_url``, referencing its objects instead of copying them; returns the step. The
-        source step is pinned (its retention keeps it and its objects) until :func:`unpin`.
+        ``src_url``, referencing its objects (those in another pool than the fork's are copied
+        into its pool); returns the step. The source step is pinned (its retention keeps it and
+        its objects) until :func:`unpin`.
         ``options``: those of :func:`~lightning_incremental.core.maintain.pool.fork`."""
         return fork(src_url, dst_url, step, **options)
 

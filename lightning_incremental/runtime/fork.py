@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lightning_incremental.core import CheckpointStore, ConfigError
+from lightning_incremental.core import CheckpointNotFoundError, CheckpointStore, ConfigError
 from lightning_incremental.core.commit.history import FORK_BASE
 from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.maintain.pool import open_location, read_links
@@ -110,15 +110,29 @@ def ensure_fork(
 
 
 def forked_weights(dst: str, key: str, storage_options: dict[str, Any] | None = None) -> Any:
-    """The top-level ``key`` (the model's weights) of the step ``dst`` was forked from, read from
-    its source on the CPU: what a fork of weights only starts from.
+    """The top-level ``key`` (the model's weights) of the step ``dst`` was forked from, on the
+    CPU: what a fork of weights only starts from. Read through ``dst``'s own copy of that step's
+    manifest (its fork base), from where its objects lie now — so it loads after the source
+    deleted the step, left its pool or was removed — or, when ``dst`` holds no fork base any
+    more (``unpin --force``), from the source's step.
 
     Raises:
         ConfigError: ``dst`` records no fork.
+        CheckpointNotFoundError: no fork base, and the source no longer holds the step.
     """
     links = read_links(open_location(dst, storage_options))
     origin = links.forked_from if links is not None else None
     if not origin:
         raise ConfigError(f"{dst} records no fork: drop fork_weights_only")
-    with CheckpointStore(origin["url"], storage_options=storage_options) as store:
-        return store.load(origin["step"], keys=key, map_location="cpu")[key]
+    with CheckpointStore(dst, storage_options=storage_options) as fork:
+        if fork.storage.exists(FORK_BASE):
+            return fork.load_fork_base(keys=key, map_location="cpu")[key]
+    try:
+        with CheckpointStore(origin["url"], storage_options=storage_options) as store:
+            return store.load(origin["step"], keys=key, map_location="cpu")[key]
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{dst} holds no fork base any more (its pin was removed with force) and its source "
+            f"no longer holds step {origin['step']}: {exc}. Start the run from other weights, "
+            "or fork a step the source keeps into a new location"
+        ) from exc

@@ -5,8 +5,10 @@ under a pin the source's retention honours."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from lightning_incremental.core.format import layout as mf
 from lightning_incremental.core.maintain.pins import read_pins
 from lightning_incremental.core.maintain.pool import leave, unpin
 from lightning_incremental.core.maintain.pool_gc import PoolMemberError, collect_pool
-from lightning_incremental.core.storage import LocalStorage
+from lightning_incremental.core.storage import LocalStorage, register_scheme, unregister_scheme
 from lightning_incremental.core.storage.linked import OBJECT_DIR
 from tests.conftest import assert_state_equal
 from tests.faulty import unreadable_directories
@@ -447,3 +449,37 @@ def test_the_pool_records_a_members_largest_minimum_age(tmp_path: Path) -> None:
         CheckpointStore(tmp_path / "a", pool=pool, fsync=False, min_object_age_s=age).close()
     [record] = members(LocalStorage(str(pool)))
     assert record["min_object_age_s"] == 1200.0
+
+
+@contextlib.contextmanager
+def buckets() -> Iterator[None]:
+    """``liacl://<bucket>/...``: in-memory buckets that open only with storage options naming
+    them (``{"buckets": [...]}``)."""
+    from tests import storage_plugin
+
+    def factory(url: str, options: dict[str, Any]) -> Any:
+        space = url.partition("://")[2].partition("/")[0]
+        if space not in (options or {}).get("buckets", ()):
+            raise PermissionError(f"access denied to {space}")
+        storage = storage_plugin.open_dict_storage(url.replace("liacl", "dictmem", 1), {})
+        storage.url = url
+        return storage
+
+    register_scheme("liacl", factory)
+    try:
+        yield
+    finally:
+        unregister_scheme("liacl")
+        storage_plugin.forget("dictmem://a")
+        storage_plugin.forget("dictmem://b")
+
+
+def test_the_pool_opens_with_the_stores_storage_options_by_default() -> None:
+    """Without ``pool_storage_options`` a store opens its pool with its own options, joining it
+    or reopening."""
+    with buckets():
+        creds = {"buckets": ["a"]}
+        with CheckpointStore("liacl://a/m", pool="liacl://a/pool", storage_options=creds) as store:
+            store.save(base_state(), 1).wait()
+        with CheckpointStore("liacl://a/m", storage_options=creds) as store:
+            assert_state_equal(store.load(1), base_state())

@@ -1,24 +1,29 @@
 """A stateful property test of stores sharing an object pool, and forks, under collection and
 faults.
 
-Hypothesis drives several stores — members of one pool, plain stores, forks of either (into the
-pool or not, forks of forks, whole or of weights only: the step as the fork's delta base) —
-through random sequences of: save (after a load, so that chunks
+Hypothesis drives several stores — members of two pools, plain stores, forks of either (into
+the source's pool, the other pool, or none, forks of forks, whole or of weights only: the step
+as the fork's delta base) — through random sequences of: save (after a load, so that chunks
 are referenced, not written), a manifest write that fails before or after it landed, a pool gc
 in the middle of a save (between its objects and its manifest), member gc with any
 ``keep_last`` and no minimum age, delete, compaction, unpin, time passing (every object older
 than any minimum age), pool gc with or without a minimum age, or while a member's listing or
 the pool's trash listing fails (refused, nothing moved or purged), and a pool gc that a member
 races: between the collection's reading of an unreferenced object's age and its removal of that
-object (a move to the pool's trash), the member saves the same bytes again and commits.
+object (a move to the pool's trash), the member saves the same bytes again and commits; and a
+member of either pool deleted for good (its location removed, its record left), forks of it or
+not, before or after they saved.
 
 Invariant, after every step, for every store: each visible step was saved (or forked) and
-restores its exact bytes — no visible step of any member ever loses an object.
+restores its exact bytes — no visible step of any member ever loses an object — and a fork of
+weights only that holds no checkpoint yet loads its fork base.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +35,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lightning_incremental.core import CheckpointError, CheckpointStore, ConfigError
-from lightning_incremental.core.maintain.pool import unpin
+from lightning_incremental.core.commit.history import FORK_BASE
+from lightning_incremental.core.maintain.pool import leave, unpin
 from lightning_incremental.core.maintain.pool_gc import PoolMemberError, collect_pool
 from lightning_incremental.core.storage import LocalStorage, Storage, open_storage
 from tests.conftest import DEEP, assert_state_equal
@@ -44,7 +50,7 @@ OPTIONS: dict[str, Any] = {
     "workers": 1,
     "min_object_age_s": 0.0,
 }
-MAX_STORES = 7
+MAX_STORES = 9
 BACKBONE = torch.randn(16, 256, generator=torch.Generator().manual_seed(7))  # frozen, shared
 
 
@@ -72,6 +78,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.forks: list[tuple[str, str]] = []  # (source, fork)
         self.bases: dict[str, dict[str, Any]] = {}  # a fork of weights only -> its first state
         self.refusals = 0
+        self.made = 0  # forks made: their names
 
     @initialize(root=st.just(None))
     def start(self, root: None) -> None:
@@ -79,14 +86,14 @@ class PoolMachine(RuleBasedStateMachine):
 
         self.root = Path(tempfile.mkdtemp(prefix="li-pool-"))
         self.pool = str(self.root / "pool")
-        for name, pooled in (("m0", True), ("m1", True), ("p0", False), ("p1", False)):
+        self.pool2 = str(self.root / "pool2")
+        pools = {"m": self.pool, "n": self.pool2, "p": None}
+        for name in ("m0", "m1", "n0", "p0", "p1"):
             self.expected[name] = {}
             self.next_step[name] = 1
-            self.open(name, pool=self.pool if pooled else None).close()
+            self.open(name, pool=pools[name[0]]).close()
 
     def remove(self) -> None:
-        import shutil
-
         if hasattr(self, "root"):
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -130,7 +137,9 @@ class PoolMachine(RuleBasedStateMachine):
             elif name in self.bases:  # a fork of weights only starts from its source's step
                 state = {"model": {k: v.clone() for k, v in self.bases[name]["model"].items()}}
             else:
-                state = {"model": {"backbone": BACKBONE.clone(), "head": torch.zeros(64)}}
+                # a head of its own: what a store loses is not kept by another's equal bytes
+                head = torch.full((64,), float(sum(map(ord, name))))
+                state = {"model": {"backbone": BACKBONE.clone(), "head": head}}
             state = {"model": dict(state["model"]), "step": step}
             state["model"]["head"] = state["model"]["head"] + step
             if change == "backbone":
@@ -183,7 +192,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.expected) < MAX_STORES)
     @rule(
         data=st.data(),
-        into=st.sampled_from(["default", "pool", "plain"]),
+        into=st.sampled_from(["default", "pool", "pool2", "plain"]),
         whole=st.sampled_from([True, True, False]),
     )
     def fork(self, data: st.DataObject, into: str, whole: bool) -> None:
@@ -194,8 +203,9 @@ class PoolMachine(RuleBasedStateMachine):
             return
         src = data.draw(st.sampled_from(sources))
         step = data.draw(st.sampled_from(sorted(self.expected[src])[-2:]))  # not just 1
-        dst = f"f{len(self.expected)}"
-        pool = self.pool if into == "pool" else None
+        dst = f"f{self.made}"
+        self.made += 1
+        pool = {"pool": self.pool, "pool2": self.pool2}.get(into)
         CheckpointStore.fork(
             self.url(src), self.url(dst), step, pool=pool, min_age_s=0.0, as_base=not whole
         )
@@ -225,6 +235,29 @@ class PoolMachine(RuleBasedStateMachine):
         except ConfigError:
             return  # the fork still needs its source: refused
         self.forks.remove((src, dst))
+
+    @rule(data=st.data())
+    def drop_member(self, data: st.DataObject) -> None:
+        """A member of a pool (a fork or not) is deleted for good: its location removed, its
+        record then removed from its pool, and the pool collected. Its forks keep what they
+        need: in its pool by their own manifests and fork bases, in another pool by the copy
+        they made, in a plain store by their own pins."""
+        pooled = {}
+        for name in sorted(self.expected):
+            found = self.root / name / "links.json"
+            pool = json.loads(found.read_bytes())["pool"] if found.exists() else None
+            if pool is not None:
+                pooled[name] = pool
+        if not pooled:
+            return
+        name = data.draw(st.sampled_from(sorted(pooled)))
+        shutil.rmtree(self.root / name)
+        leave(pooled[name], self.url(name))
+        for _ in range(2):  # then its pool collected: what it alone named moved, then purged
+            collect_pool(pooled[name], min_age_s=0.0)
+        del self.expected[name]
+        self.bases.pop(name, None)
+        self.forks = [(src, dst) for src, dst in self.forks if src != name]
 
     @rule()
     def age(self) -> None:
@@ -279,7 +312,8 @@ class PoolMachine(RuleBasedStateMachine):
     )
     def pool_gc(self, how: str) -> None:
         if how in ("no_age", "min_age"):
-            collect_pool(self.pool, min_age_s=0.0 if how == "no_age" else 900.0)
+            for pool in (self.pool, self.pool2):
+                collect_pool(pool, min_age_s=0.0 if how == "no_age" else 900.0)
             return
         before = self.pool_objects()
         target = {
@@ -314,6 +348,9 @@ class PoolMachine(RuleBasedStateMachine):
                     assert not missing, f"{name} step {step} lost {missing}"
                 if visible:
                     assert_state_equal(store.load(visible[-1]), steps[visible[-1]])
+                elif name in self.bases and (self.root / name / FORK_BASE).exists():
+                    base = store.load_fork_base(keys="model")["model"]
+                    assert_state_equal(base, self.bases[name]["model"])
                 self.forget(name, visible)
 
     def teardown(self) -> None:

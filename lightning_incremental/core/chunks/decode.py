@@ -21,6 +21,7 @@ from lightning_incremental.core.codecs.bytes import chunk_hasher
 from lightning_incremental.core.errors import CorruptCheckpointError
 from lightning_incremental.core.format.records import ChunkRecipe, Manifest, closure
 from lightning_incremental.core.storage import Storage
+from lightning_incremental.core.storage.linked import where_read
 
 COALESCE_GAP = 1 << 20
 MAX_READ = 4 << 20
@@ -66,7 +67,7 @@ class ObjectReader:
             data = self.storage.get_view(path, start, end)
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(
-                f"checkpoint {self.where}: object {path} is missing from the store"
+                f"checkpoint {self.where}: object {path} is missing from {where_read(self.storage)}"
             ) from exc
         if len(data) != end - start:
             raise CorruptCheckpointError(

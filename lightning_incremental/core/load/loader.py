@@ -184,8 +184,14 @@ class Loader:
             CorruptCheckpointError: a bad manifest or object. PickleNotAllowedError: pickles
                 without ``allow_pickle``. ConfigError: see ``CheckpointStore.load``.
         """
-        doc = self.history.read(step)
-        where = f"step {step} of {self.storage.url}"
+        return self.restore(
+            self.history.read(step), f"step {step} of {self.storage.url}", map_location, selection
+        )
+
+    def restore(
+        self, doc: Manifest, where: str, map_location: MapLocation, selection: Selection
+    ) -> Loaded:
+        """Restore what manifest ``doc`` (described as ``where``) names; see :meth:`load_step`."""
         skeleton, wanted = prune(doc.tree, selection.keys, where)
         if doc.pickled and not self.config.allow_pickle:
             raise PickleNotAllowedError(

@@ -8,6 +8,13 @@ fork's copy of that manifest names exactly these). Retention (``gc``, ``delete``
 pinned step and treats the pinned objects as live whatever happens to the step's manifest; the
 pool's collection marks them too. A pin is removed only by :func:`~.pool.unpin`.
 
+A fork also pins each store its source reads objects from (a fork of a fork reads from its
+grandparent): such a pin records ``via``, the source's URL, and its step is the source's, so it
+keeps objects only, no step of the store it lies in. The fork then holds its own references
+wherever its objects lie, whatever becomes of its source (removed, or its own pin there
+removed once the source was gone). A version without ``via`` takes the step as pinned: it
+keeps more, never less.
+
 A pin that cannot be read stops retention (nothing is deleted): what it protects is unknown.
 """
 
@@ -32,15 +39,18 @@ class Pin:
     by: str  # the URL of the fork that references the step's objects
     packs: tuple[str, ...]
     created: float
+    via: str | None = None  # a pin of objects a fork reads through its source at this URL
 
     def to_bytes(self) -> bytes:
-        doc = {
+        doc: dict[str, object] = {
             "format": _FORMAT,
             "step": self.step,
             "by": self.by,
             "created": self.created,
             "packs": list(self.packs),
         }
+        if self.via is not None:
+            doc["via"] = self.via
         return json.dumps(doc, sort_keys=True).encode()
 
 
@@ -49,8 +59,8 @@ def pin_path(by: str) -> str:
     return f"{PIN_DIR}/{hashlib.sha256(by.encode()).hexdigest()[:32]}.json"
 
 
-def new_pin(step: int, by: str, packs: list[str]) -> Pin:
-    return Pin(step, by, tuple(sorted(packs)), time.time())
+def new_pin(step: int, by: str, packs: list[str], via: str | None = None) -> Pin:
+    return Pin(step, by, tuple(sorted(packs)), time.time(), via)
 
 
 def parse_pin(data: bytes, where: str) -> Pin:
@@ -68,7 +78,10 @@ def parse_pin(data: bytes, where: str) -> Pin:
             raise ValueError("malformed fields")
         if not all(isinstance(p, str) and p.startswith("packs/") for p in packs):
             raise ValueError("an object outside packs/")
-        return Pin(step, by, tuple(packs), float(doc.get("created", 0.0)))
+        via = doc.get("via")
+        if via is not None and not isinstance(via, str):
+            raise ValueError("via is not a URL")
+        return Pin(step, by, tuple(packs), float(doc.get("created", 0.0)), via)
     except (ValueError, KeyError, TypeError, OverflowError) as exc:
         raise CorruptCheckpointError(
             f"pin {where} is unreadable ({exc}): what it protects is unknown, so nothing is "

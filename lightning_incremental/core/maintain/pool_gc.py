@@ -6,10 +6,11 @@ one collection of a pool at a time: it holds the pool's collection lease (see th
 1. Fix the time by the pool's clock (:func:`.sweep.plan_clock`), before anything is listed.
 2. Mark: list the members, and for each every manifest file (visible, superseded by a
    compaction, or written by a fenced-off generation: all of them, since what a member still
-   shows is its own fencing's business) and every pin; read each once. A member whose location
-   cannot be listed, has no store, or holds an unreadable manifest or pin stops the collection
-   before anything is moved or purged: its live set is unknown, and a failed listing is never
-   an empty one.
+   shows is its own fencing's business), every pin, and its fork base (``fork-base.json``: a
+   fork of weights only builds its first save on it, and loads its weights from it); read each
+   once. A member whose location cannot be listed, has no store, or holds an unreadable
+   manifest, pin or fork base stops the collection before anything is moved or purged: its
+   live set is unknown, and a failed listing is never an empty one.
 3. Mark again while a pass found a manifest that vanished before it was read: it was removed
    by the member's retention after a newer commit, which names every object it still needs,
    and that newer one is read then. A manifest committed after a member was listed needs no
@@ -95,6 +96,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_incremental.core.commit.history import FORK_BASE, read_fork_base
 from lightning_incremental.core.commit.lease import Lease, lease_path, newest
 from lightning_incremental.core.errors import (
     CheckpointError,
@@ -112,26 +114,19 @@ from lightning_incremental.core.maintain.pool import (
     members,
     open_location,
 )
+from lightning_incremental.core.maintain.pool_trash import MOVED as MOVED  # re-exported
+from lightning_incremental.core.maintain.pool_trash import Trash as _Trash
 from lightning_incremental.core.maintain.sweep import (
     GUARD_EVERY,
     GUARD_EVERY_S,
-    STALE_TMP_S,
     plan_clock,
     sweep,
 )
-from lightning_incremental.core.storage import (
-    TMP_PREFIX,
-    LocalStorage,
-    Storage,
-    translate_errors,
-)
-from lightning_incremental.core.storage.durable import fsync_dir
-from lightning_incremental.core.storage.linked import TRASH_DIR, trash_path
+from lightning_incremental.core.storage import Storage
 
 log = logging.getLogger("lightning_incremental")
 
 MAX_PASSES = 8  # mark passes before giving up on manifests that vanish faster than they are read
-MOVED = ".moved"  # beside a trash entry: its modification time is when the entry entered it
 # The pool's collection lease: a collection whose heartbeat is older than this (its process
 # froze or is cut off) may be taken over by another; the holder renews it 4 times as often.
 POOL_LEASE_TTL_S = 60.0
@@ -230,7 +225,7 @@ class _Marker:
     def __init__(self, pool: Storage, options: dict[str, dict[str, Any]]) -> None:
         self.pool, self.options = pool, options
         self.live: set[str] = set()
-        self.read: dict[str, set[str]] = {}  # member URL -> manifests and pins read
+        self.read: dict[str, set[str]] = {}  # member URL -> manifests, pins, fork base read
         self.stores: dict[str, Storage] = {}
         self.min_ages: list[float] = []
 
@@ -280,6 +275,10 @@ class _Marker:
                         continue
                     self.live.update(canonical.loads(data, f"{path} of {url}").packs)
                 pins = read_pins(storage)
+                if FORK_BASE not in done:  # what a fork of weights only builds its first save on
+                    done.add(FORK_BASE)
+                    base = read_fork_base(storage)
+                    self.live.update(base.packs if base is not None else ())
             except (OSError, CorruptCheckpointError) as exc:
                 raise self._refuse(url, exc) from exc
             for pin in pins:
@@ -288,113 +287,6 @@ class _Marker:
                     done.add(key)
                     self.live.update(pin.packs)
         return vanished
-
-
-class _Trash:
-    """The pool's trash: moves into it, and the tidying of what one listing of it found."""
-
-    def __init__(self, pool: Storage) -> None:
-        self.pool = pool
-        self.entries: set[str] = set()  # data object paths (``packs/...``) held in the trash
-        self.marked: set[str] = set()  # ... whose marker was listed
-        self.temporary: list[str] = []
-
-    def list(self) -> None:
-        """One listing of the trash; raises (an OSError) before anything is done when it
-        fails: a failed listing is never an empty one."""
-        cut = len(TRASH_DIR) + 1
-        for name in self.pool.list(TRASH_DIR):
-            if name.rsplit("/", 1)[-1].startswith(TMP_PREFIX):
-                self.temporary.append(name)
-            elif name.endswith(MOVED) and mf.is_pack_path(name[cut : -len(MOVED)]):
-                self.marked.add(name[cut : -len(MOVED)])
-            elif mf.is_pack_path(name[cut:]):
-                self.entries.add(name[cut:])
-
-    def move(self, path: str) -> None:
-        """Move data object ``path`` from ``packs/`` to the trash (over an entry there), then
-        write its marker. FileNotFoundError when ``path`` is gone."""
-        pool, entry = self.pool, trash_path(path)
-        if isinstance(pool, LocalStorage):  # a rename: atomic, whatever writes path meanwhile
-            source = os.path.join(pool.root, *path.split("/"))
-            target = os.path.join(pool.root, *entry.split("/"))
-            with translate_errors(f"moving {path} to the trash of {pool.root}"):
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                os.replace(source, target)
-            if pool.fsync:
-                fsync_dir(os.path.dirname(target))
-                fsync_dir(os.path.dirname(source))
-        else:  # no rename: the copy holds the same bytes as anything the delete removes
-            pool.put(entry, pool.get(path), overwrite=True)
-            pool.delete(path)
-        pool.put(entry + MOVED, b"", overwrite=True)
-
-    def tidy(
-        self,
-        live: set[str],
-        planned_at: float,
-        min_age_s: float,
-        dry_run: bool,
-        guard: Callable[[], None],
-    ) -> tuple[list[str], list[str], int]:
-        """Restore the listed entries that ``live`` names, purge those that entered the trash
-        at least ``min_age_s`` before ``planned_at`` (see the module docstring); returns the
-        objects restored, purged, and the bytes purged (or that would be, with ``dry_run``).
-        ``guard`` runs before each change: it raises once this collection lost the lease."""
-        pool = self.pool
-        restored: list[str] = []
-        purged: list[str] = []
-        freed = undated = 0
-        for path in sorted(self.entries):
-            entry = trash_path(path)
-            try:
-                if path not in self.marked and pool.exists(path):
-                    continue  # a move stopped before its delete: packs/ holds the object
-                if path in live:
-                    if not dry_run:
-                        guard()
-                        if not pool.exists(path):
-                            pool.put(path, pool.get(entry))  # create-only
-                        pool.delete(entry)
-                        pool.delete(entry + MOVED)
-                    restored.append(path)
-                    continue
-                if path not in self.marked:  # it left packs/ before now: it entered by now
-                    if not dry_run:
-                        pool.put(entry + MOVED, b"")
-                    continue
-                if min_age_s > 0:
-                    entered = pool.mtime(entry + MOVED)
-                    if entered is None:
-                        undated += 1
-                        continue
-                    if planned_at - entered < min_age_s:
-                        continue
-                size = pool.size(entry)
-                if not dry_run:
-                    guard()  # just before: the marker read above is still this entry's
-                    pool.delete(entry)
-                    pool.delete(entry + MOVED)
-            except FileNotFoundError:
-                continue  # another collection's doing
-            purged.append(path)
-            freed += size
-        if not dry_run:
-            guard()
-            for path in sorted(self.marked - self.entries):  # a purge or restore stopped
-                pool.delete(trash_path(path) + MOVED)
-            for name in self.temporary:  # of copies into the trash that were interrupted
-                mtime = pool.mtime(name)
-                if mtime is not None and planned_at - mtime >= max(min_age_s, STALE_TMP_S):
-                    pool.delete(name)
-        if undated:
-            log.warning(
-                "%s gives no modification times: %d trash entries were kept, the time they "
-                "entered the trash unknown",
-                pool.url,
-                undated,
-            )
-        return restored, purged, freed
 
 
 def collect_pool(

@@ -320,7 +320,7 @@ class Collector:
             guard=self.guard,
             forget=self.fencing.forget,
             repin=lambda: set().union(*(p.packs for p in read_pins(self.storage))),
-            pinned_steps=[p.step for p in pins],
+            pinned_steps=[p.step for p in pins if p.via is None],  # via: objects only
         )
 
     def intact(self, step: int, doc: Manifest, thorough: bool) -> bool:

@@ -64,7 +64,8 @@ class LinkedStorage(Storage):
     def __repr__(self) -> str:
         return f"LinkedStorage({self.own!r}, objects={self.objects.url!r})"
 
-    def _readers(self) -> tuple[Storage, ...]:
+    def readers(self) -> tuple[Storage, ...]:
+        """The locations data objects are read from, in order: ``objects``, then ``sources``."""
         return (self.objects, *self.sources)
 
     def put(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> bool:
@@ -102,7 +103,7 @@ class LinkedStorage(Storage):
     def exists(self, path: str) -> bool:
         if not _is_object(path):
             return self.own.exists(path)
-        readers = self._readers()
+        readers = self.readers()
         return any(reader.exists(path) for reader in readers) or any(
             reader.exists(trash_path(path)) for reader in readers
         )
@@ -131,7 +132,7 @@ class LinkedStorage(Storage):
         does, then on the locations again (an object restored from the trash meanwhile);
         FileNotFoundError when none does."""
         missing: FileNotFoundError | None = None
-        readers = self._readers()
+        readers = self.readers()
         for attempt in (path, trash_path(path), path):
             for reader in readers:
                 try:
@@ -150,10 +151,23 @@ class LinkedStorage(Storage):
     def where(self, path: str) -> str | None:
         """The URL of the first location holding data object ``path`` (``URL/trash`` for a
         location's trash); None when none does."""
-        for reader in (self.own, *self._readers()):
+        for reader in (self.own, *self.readers()):
             if reader.exists(path):
                 return reader.url
-        for reader in self._readers():
+        for reader in self.readers():
             if reader.exists(trash_path(path)):
                 return f"{reader.url}/{TRASH_DIR}"
         return None
+
+
+def where_read(storage: Storage) -> str:
+    """Where a read of a data object through ``storage`` looked, for a message saying it is
+    missing."""
+    if not isinstance(storage, LinkedStorage):
+        return "the store"
+    urls = ", ".join(dict.fromkeys(reader.url for reader in storage.readers()))
+    return (
+        f"every location {storage.url} reads objects from ({urls}, and their trash): a store "
+        "a fork reads from must be kept while the fork names its objects (its pin says so), "
+        "and a pool's objects are removed by its collection alone"
+    )

@@ -19,8 +19,8 @@ Accelerate: it is imported when a checkpointer is created for an accelerator).
 from __future__ import annotations
 
 from accelerate_incremental._flag import ENV_CONFIG, ENV_DIR, enable
-from accelerate_incremental._trainer_enable import enable_trainer
 from accelerate_incremental.checkpointer import IncrementalCheckpointer
+from accelerate_incremental.trainer import enable_trainer
 from lightning_incremental._version import __version__
 
 __all__ = [

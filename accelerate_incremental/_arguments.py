@@ -10,10 +10,10 @@ from typing import Any
 
 from accelerate_incremental import _memory, _sharded
 from lightning_incremental.core import ConfigError, StepError, StepTypeError, StoreConfig
-from lightning_incremental.runtime.cadence import CadenceConfig
-from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
-from lightning_incremental.runtime.options import RecoveryOptions
-from lightning_incremental.runtime.preemption import PreemptionConfig
+from lightning_incremental.runtime.policy.cadence import CadenceConfig
+from lightning_incremental.runtime.policy.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
+from lightning_incremental.runtime.policy.preemption import PreemptionConfig
+from lightning_incremental.runtime.session.options import RecoveryOptions
 
 # Accelerate's distributed types whose state the engine behind them owns and writes in its own
 # files (FSDP is covered: see _sharded).

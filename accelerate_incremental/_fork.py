@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 
 from accelerate_incremental import _compat
 from lightning_incremental.core import ConfigError
-from lightning_incremental.runtime.coordinate import coordinated
-from lightning_incremental.runtime.fork import check_source, ensure_fork, forked_weights
+from lightning_incremental.runtime.cluster.coordinate import coordinated
+from lightning_incremental.runtime.session.fork import check_source, ensure_fork, forked_weights
 
 
 class WeightsFrom(NamedTuple):

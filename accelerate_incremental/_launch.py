@@ -36,7 +36,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from accelerate_incremental import _compat, _takeover, _trainer, _trainer_enable
+from accelerate_incremental import _compat, _takeover
 from accelerate_incremental._arguments import check_arguments
 from accelerate_incremental._flag import (
     ENV_CONFIG,
@@ -47,6 +47,8 @@ from accelerate_incremental._flag import (
     settings,
 )
 from accelerate_incremental.checkpointer import IncrementalCheckpointer
+from accelerate_incremental.trainer import checkpointer as _trainer
+from accelerate_incremental.trainer import enable as _trainer_enable
 from lightning_incremental.core import ConfigError
 from lightning_incremental.core.codecs.optimizer_state import POLICIES
 
@@ -150,7 +152,7 @@ def attach(accelerator: Any, config: dict[str, Any]) -> IncrementalCheckpointer 
     """Enable ``accelerator`` once it holds a prepared model; afterwards, follow what later
     ``prepare`` calls add. Returns its checkpointer (None while no model is prepared, and for
     a Trainer's accelerator: the Trainer saves, loads and skips batches its own way, see
-    :mod:`accelerate_incremental._trainer`)."""
+    :mod:`accelerate_incremental.trainer.checkpointer`)."""
     if _trainer.owned_by_trainer(accelerator):
         return None
     existing: IncrementalCheckpointer | None = _takeover.installed(accelerator)

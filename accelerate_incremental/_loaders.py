@@ -11,8 +11,8 @@ from typing import Any
 
 from accelerate_incremental import _compat, _resize, _tracking
 from accelerate_incremental._position import LoaderPosition
-from lightning_incremental.runtime import rng
-from lightning_incremental.runtime.watchdog import Watchdog
+from lightning_incremental.runtime.cluster.watchdog import Watchdog
+from lightning_incremental.runtime.state import rng
 
 
 class Loaders:

@@ -4,7 +4,7 @@ each process puts its part of the checkpoint — what a persistent save of that 
 with its own random state and DataLoader positions — into node-local memory and, in the
 background, onto ``memory_replicas`` other nodes; :meth:`load` resumes from the newest step every
 process agrees on when it is at least the store's newest, else from the store (the
-framework-free part: :mod:`lightning_incremental.runtime.memory_steps`).
+framework-free part: :mod:`lightning_incremental.runtime.memory.steps`).
 
 A step whose batch ends an epoch of a tracked DataLoader is not taken (its epoch's end work
 comes after it; the previous memory step stays). FSDP keeps the persistent store only.
@@ -18,9 +18,9 @@ import warnings
 from typing import Any
 
 from accelerate_incremental import _state
-from lightning_incremental.runtime import memory_steps
-from lightning_incremental.runtime.coordinate import coordinated
-from lightning_incremental.runtime.memory_steps import MemoryOptions
+from lightning_incremental.runtime.cluster.coordinate import coordinated
+from lightning_incremental.runtime.memory import steps as memory_steps
+from lightning_incremental.runtime.memory.steps import MemoryOptions
 
 log = logging.getLogger("accelerate_incremental")
 

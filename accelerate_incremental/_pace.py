@@ -1,7 +1,7 @@
 """The adaptive interval of :meth:`IncrementalCheckpointer.maybe_save
 <accelerate_incremental.IncrementalCheckpointer.maybe_save>`: ``max_overhead`` (the fraction of
 training time checkpointing may cost) and/or ``expected_mtbf`` (Young/Daly's interval), measured
-as training sees a save (:mod:`lightning_incremental.runtime.cadence`).
+as training sees a save (:mod:`lightning_incremental.runtime.policy.cadence`).
 
 Each ``maybe_save(step)`` call ends a step: its time since the previous call is a measurement,
 with whether a save of the main process was still in flight. The main process decides whether a
@@ -16,14 +16,14 @@ import time
 from typing import Any
 
 from lightning_incremental.core import SaveHandle
-from lightning_incremental.runtime import collectives
-from lightning_incremental.runtime.cadence import Cadence, CadenceConfig
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.policy.cadence import Cadence, CadenceConfig
 
 log = logging.getLogger("accelerate_incremental")
 
 
 class Pace:
-    """:class:`~lightning_incremental.runtime.cadence.Cadence` over ``maybe_save`` calls."""
+    """:class:`~lightning_incremental.runtime.policy.cadence.Cadence` over ``maybe_save`` calls."""
 
     def __init__(self, config: CadenceConfig, *, is_main: bool, processes: int) -> None:
         self.cadence = Cadence(config)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from lightning_incremental.runtime import data_position as position
+from lightning_incremental.runtime.state import data_position as position
 
 _FOLLOW = ("base_dataloader", "batch_sampler", "sampler", "dataset")
 _MAX_DEPTH = 5

@@ -1,4 +1,4 @@
-"""The checkpointer's preemption path, over :mod:`lightning_incremental.runtime.preemption`.
+"""The checkpointer's preemption path, over :mod:`lightning_incremental.runtime.policy.preemption`.
 
 A SIGTERM or SIGINT (SLURM's requeue signal under SLURM), delivered any number of times, or
 :meth:`~accelerate_incremental.IncrementalCheckpointer.request_preemption`, only records a
@@ -29,8 +29,8 @@ from typing import Any
 
 from accelerate_incremental import _takeover
 from lightning_incremental.core import SaveHandle
-from lightning_incremental.runtime import collectives
-from lightning_incremental.runtime.preemption import Preemption, PreemptionConfig
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.policy.preemption import Preemption, PreemptionConfig
 
 log = logging.getLogger("lightning_incremental")
 

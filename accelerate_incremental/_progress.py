@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from accelerate_incremental import _compat
-from lightning_incremental.runtime.watchdog import Watchdog
+from lightning_incremental.runtime.cluster.watchdog import Watchdog
 
 
 def watch_optimizers(

@@ -1,5 +1,5 @@
 """Resuming an Accelerate run on another number of processes: the rest of the interrupted epoch,
-each sample once (see :mod:`lightning_incremental.runtime.data_order` for why it can be).
+each sample once (see :mod:`lightning_incremental.runtime.state.data_order` for why it can be).
 
 A prepared DataLoader (``DataLoaderShard``) hands its processes whole batches of one base
 ``BatchSampler`` in turn (``BatchSamplerShard``: batch ``i`` to process ``i mod W``; one process:
@@ -30,7 +30,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from lightning_incremental.runtime import data_order as order_of
+from lightning_incremental.runtime.state import data_order as order_of
 
 WHO = "accelerate_incremental"
 

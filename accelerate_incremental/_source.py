@@ -8,7 +8,7 @@ from typing import Any
 
 from accelerate_incremental import _memory
 from lightning_incremental.core import CheckpointNotFoundError
-from lightning_incremental.runtime.coordinate import coordinated
+from lightning_incremental.runtime.cluster.coordinate import coordinated
 
 
 def newest(

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from accelerate_incremental import _compat, _sharded
-from lightning_incremental.runtime import rank_buffers, replica_policy, rng
+from lightning_incremental.runtime.policy import replica_policy
+from lightning_incremental.runtime.state import rank_buffers, rng
 
 FORMAT = "accelerate_incremental/1"
 
@@ -150,7 +151,7 @@ def check_replicas(
 ) -> replica_policy.Verdict:
     """Compare the processes' weights and optimizer state (every process at once; ``collect``
     with ``block=True`` finishes the main process's saves first); see
-    :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
+    :func:`~lightning_incremental.runtime.policy.replica_policy.check_before_save`."""
     if sharded:  # every process holds other shards, by design
         return replica_policy.Verdict(None)
     return replica_policy.check_before_save(

@@ -1,5 +1,6 @@
 """What an :class:`~accelerate_incremental.IncrementalCheckpointer` does at its creation, its
-start as the writer of its store (:mod:`lightning_incremental.runtime.writing`): the main process
+start as the writer of its store (:mod:`lightning_incremental.runtime.cluster.writing`): the main
+process
 takes the writer lease and probes the store, before anything is loaded or trained, claiming a
 new fencing generation first with more than one process (or under torchrun, or in a requeued
 SLURM job): checkpoints a previous incarnation of the job writes afterwards are never visible."""
@@ -10,7 +11,7 @@ from typing import Any
 
 from lightning_incremental.core import ConfigError
 from lightning_incremental.core.commit import fencing
-from lightning_incremental.runtime import writing
+from lightning_incremental.runtime.cluster import writing
 
 
 def start(store: Any, accelerator: Any, *, read_only: bool) -> int | None:

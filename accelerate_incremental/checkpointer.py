@@ -33,17 +33,17 @@ from accelerate_incremental._arguments import check_accelerator, check_arguments
 from accelerate_incremental._loaders import Loaders
 from accelerate_incremental._preemption import PreemptionPoint
 from lightning_incremental.core import CheckpointStore, SaveHandle
-from lightning_incremental.runtime import collectives, rng
-from lightning_incremental.runtime.backpressure import wait_for_room
-from lightning_incremental.runtime.cadence import Cadence
-from lightning_incremental.runtime.failures import (
+from lightning_incremental.runtime import PreemptionConfig, RecoveryOptions
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.cluster.watchdog import Watchdog
+from lightning_incremental.runtime.policy.backpressure import wait_for_room
+from lightning_incremental.runtime.policy.cadence import Cadence
+from lightning_incremental.runtime.policy.failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     FailurePolicy,
     share_report,
 )
-from lightning_incremental.runtime.options import RecoveryOptions
-from lightning_incremental.runtime.preemption import PreemptionConfig
-from lightning_incremental.runtime.watchdog import Watchdog
+from lightning_incremental.runtime.state import rng
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -77,7 +77,7 @@ class IncrementalCheckpointer:
             weights and optimizer state (one hash per tensor): ``"warn"`` (default), ``"repair"``
             (broadcast the reference copy, record it in the audit trail), ``"stop"`` (exit code
             89 on every process) or ``"off"``; see
-            :mod:`lightning_incremental.runtime.replica_policy`.
+            :mod:`lightning_incremental.runtime.policy.replica_policy`.
         heartbeat_interval, heartbeat_timeout, progress_timeout: the watchdog's timings in
             seconds (see :class:`~lightning_incremental.runtime.WatchdogConfig`); progress is a
             prepared optimizer step, a batch from :meth:`iterate` (or from a plain loop over a

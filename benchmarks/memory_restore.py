@@ -40,7 +40,7 @@ _COMMON = """
 import json, os, shutil, sys, time
 from pathlib import Path
 import torch
-from lightning_incremental.runtime.memory_steps import MemoryOptions, MemorySteps
+from lightning_incremental.runtime.memory.steps import MemoryOptions, MemorySteps
 torch.set_num_threads(1)
 
 def state(mb, seed):

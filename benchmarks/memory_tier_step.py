@@ -27,7 +27,7 @@ import json, shutil, tempfile, time
 from pathlib import Path
 import torch
 from benchmarks.model import FULL, TinyLM
-from lightning_incremental.runtime.memory_steps import MemoryOptions, MemorySteps
+from lightning_incremental.runtime.memory.steps import MemoryOptions, MemorySteps
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = TinyLM(FULL)

@@ -28,7 +28,7 @@ import torch
 from benchmarks.codec_profile import best_of
 from benchmarks.model import FULL, QUICK
 from benchmarks.scenarios import SCENARIOS, Params
-from lightning_incremental.runtime import replicas
+from lightning_incremental.runtime.state import replicas
 
 
 def _measure(rank: int, world: int, port: int, quick: bool, repeats: int, out: str) -> None:

@@ -32,7 +32,7 @@ from lightning_incremental.core.maintain.pool import (
 from lightning_incremental.core.maintain.pool_gc import collect_pool
 from lightning_incremental.core.storage import Storage
 from lightning_incremental.core.storage.linked import TRASH_DIR, LinkedStorage
-from lightning_incremental.runtime.fork import split_step
+from lightning_incremental.runtime.session.fork import split_step
 
 Run = Callable[[Any, argparse.Namespace, Console], int]
 Command = Callable[[str, Run, str], argparse.ArgumentParser]

@@ -23,7 +23,7 @@ def _signal_handlers_put_back() -> Iterator[None]:
     """A test's preemption installs end with it: an adapter a test never closes (an Accelerator,
     a Trainer) leaves its handlers installed, and later tests of this process would find them —
     their watcher threads, their handlers chained under new installs."""
-    from lightning_incremental.runtime import preemption
+    from lightning_incremental.runtime.policy import preemption
 
     before = {signum: signal.getsignal(signum) for signum in _HANDLED}
     yield

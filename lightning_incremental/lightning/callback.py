@@ -36,10 +36,10 @@ from lightning_incremental.lightning.resume import KEY, ResumeHook, ResumeSource
 from lightning_incremental.lightning.save_points import SaveNow, SavePoints
 from lightning_incremental.lightning.saver import Saver
 from lightning_incremental.lightning.schedule import Schedule
-from lightning_incremental.runtime.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
-from lightning_incremental.runtime.options import RecoveryOptions
-from lightning_incremental.runtime.preemption import PreemptionConfig
-from lightning_incremental.runtime.watchdog import WatchdogConfig
+from lightning_incremental.runtime.cluster.watchdog import WatchdogConfig
+from lightning_incremental.runtime.policy.failures import DEFAULT_MAX_CONSECUTIVE_FAILURES
+from lightning_incremental.runtime.policy.preemption import PreemptionConfig
+from lightning_incremental.runtime.session.options import RecoveryOptions
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
             the store and the error) and training goes on from the previous committed
             checkpoint. This many failed saves in a row raise ``CheckpointError`` on every rank
             instead; a committed save resets the count. 1: stop at the first failure.
-        watchdog: run the heartbeat watchdog (:mod:`lightning_incremental.runtime.watchdog`): a
+        watchdog: the heartbeat watchdog (:mod:`lightning_incremental.runtime.cluster.watchdog`): a
             rank that dies, hangs or loses the job's TCPStore ends every process with a distinct
             exit code (86 dead peer, 87 hung peer, 88 isolated), so ``torchrun --max-restarts``
             restarts the group. Default None: on in multi-process runs.
@@ -112,12 +112,12 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
             if rank 0's copy is the odd one out), ``"repair"`` broadcasts the majority's copy
             and goes on, ``"stop"`` exits 89 (the group restarts from the last good
             checkpoint), ``"off"`` skips it; a diverged copy is never committed (see
-            :mod:`lightning_incremental.runtime.replica_policy`).
+            :mod:`lightning_incremental.runtime.policy.replica_policy`).
         recovery: ``watchdog``, the three timings, ``replica_check`` and
             ``max_consecutive_failures`` as one :class:`~lightning_incremental.runtime.
             RecoveryOptions` (then leave those at their defaults).
         preemption: what a preemption notice does (True: the defaults of
-            :class:`~lightning_incremental.runtime.preemption.PreemptionConfig`; False: nothing).
+            :class:`~lightning_incremental.runtime.PreemptionConfig`; False: nothing).
             At SIGTERM or SIGINT (and SLURM's requeue signal), delivered any number of times, or
             :meth:`request_preemption`, every rank agrees at the next training batch's end,
             saves that step, waits for the commit and exits with code 143: a preemption costs
@@ -143,7 +143,7 @@ class IncrementalCheckpoint(Views, Copies, Checkpoint):
 
     Every ``fit`` first checks that it can write ``dirpath``, before it resumes or trains: rank 0
     takes the writer lease and probes the store, claiming a new fencing generation in multi-process
-    runs and under torchrun (see :mod:`lightning_incremental.runtime.writing`).
+    runs and under torchrun (see :mod:`lightning_incremental.runtime.cluster.writing`).
 
     Raises:
         TypeError: an argument of the wrong type.

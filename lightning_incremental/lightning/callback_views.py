@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from lightning_incremental.core import SaveResult
-from lightning_incremental.runtime.cadence import Cadence
+from lightning_incremental.runtime.policy.cadence import Cadence
 
 if TYPE_CHECKING:
     from lightning_incremental.lightning.fit_state import FitState

@@ -91,10 +91,10 @@ from lightning_incremental.lightning.pointers import (
 )
 from lightning_incremental.lightning.removal import close_unsaved, remove_step, take_pointer
 from lightning_incremental.lightning.trainer import marks_of
-from lightning_incremental.runtime import collectives
-from lightning_incremental.runtime.backpressure import wait_for_room
-from lightning_incremental.runtime.coordinate import Outcome, coordinated
-from lightning_incremental.runtime.failures import (
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.cluster.coordinate import Outcome, coordinated
+from lightning_incremental.runtime.policy.backpressure import wait_for_room
+from lightning_incremental.runtime.policy.failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     FailurePolicy,
     check_max_consecutive_failures,

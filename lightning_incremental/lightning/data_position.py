@@ -32,8 +32,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning import resize
-from lightning_incremental.runtime import data_position as position
-from lightning_incremental.runtime import rng
+from lightning_incremental.runtime.state import data_position as position
+from lightning_incremental.runtime.state import rng
 
 _FOLLOW = ("sampler", "batch_sampler", "_sampler", "dataset")
 _MAX_DEPTH = 4

@@ -31,9 +31,10 @@ from lightning_incremental.lightning.preemption import PreemptionPoint
 from lightning_incremental.lightning.resume import ResumeHook
 from lightning_incremental.lightning.save_points import BatchCounts, Declined, SaveNow, SavePoints
 from lightning_incremental.lightning.saver import Saver
-from lightning_incremental.runtime import replica_policy, writing
-from lightning_incremental.runtime.coordinate import coordinated
-from lightning_incremental.runtime.watchdog import Watchdog
+from lightning_incremental.runtime.cluster import writing
+from lightning_incremental.runtime.cluster.coordinate import coordinated
+from lightning_incremental.runtime.cluster.watchdog import Watchdog
+from lightning_incremental.runtime.policy import replica_policy
 
 log = logging.getLogger("lightning_incremental.lightning.callback")
 
@@ -149,7 +150,7 @@ class FitState:
 
     def check_replicas(self, trainer: pl.Trainer, replica_check: str) -> replica_policy.Verdict:
         """Compare the replicas' weights and optimizer state (every rank at once); see
-        :func:`~lightning_incremental.runtime.replica_policy.check_before_save`."""
+        :func:`~lightning_incremental.runtime.policy.replica_policy.check_before_save`."""
         if trainer.world_size == 1 or self.sharded:  # shards differ by design
             return replica_policy.Verdict(None)
         saver = self.saver

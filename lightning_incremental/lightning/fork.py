@@ -1,5 +1,6 @@
 """``IncrementalCheckpoint(fork_from="SRC[@STEP]")``: global rank 0 forks the source's step into
-the run's store at setup, before any rank opens it (:func:`~lightning_incremental.runtime.fork.
+the run's store at setup, before any rank opens it
+(:func:`~lightning_incremental.runtime.session.fork.
 ensure_fork`); every rank learns the outcome, and the resume that follows loads the forked step.
 
 With ``fork_weights_only=True`` the step becomes the store's delta base instead of a step of it:
@@ -16,8 +17,8 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_incremental.core import ConfigError
-from lightning_incremental.runtime.coordinate import coordinated
-from lightning_incremental.runtime.fork import (
+from lightning_incremental.runtime.cluster.coordinate import coordinated
+from lightning_incremental.runtime.session.fork import (
     check_source,
     ensure_fork,
     forked_weights,

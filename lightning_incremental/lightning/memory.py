@@ -1,16 +1,16 @@
 """The memory tier under :class:`~.callback.IncrementalCheckpoint`: every
 ``memory_every_n_train_steps`` optimizer steps each rank puts its part of the checkpoint — what a
 persistent save of that step would hold — into node-local memory and, in the background, onto
-``memory_replicas`` other nodes (:mod:`lightning_incremental.runtime.memory_replica`); a
+``memory_replicas`` other nodes (:mod:`lightning_incremental.runtime.memory.replica`); a
 restarted job resumes from the newest step every rank agrees on
-(:mod:`lightning_incremental.runtime.memory_agree`), else from the persistent store. The
-framework-free part is :mod:`lightning_incremental.runtime.memory_steps`; this module builds
+(:mod:`lightning_incremental.runtime.memory.agree`), else from the persistent store. The
+framework-free part is :mod:`lightning_incremental.runtime.memory.steps`; this module builds
 Lightning's checkpoint of a step and puts a restored one back.
 
 A memory step is taken after a training batch, where a persistent save of the same step
 would be; a step whose batch ends an epoch or is followed by validation is not taken (the
 previous memory step stays). Under ``ModelParallelStrategy`` (FSDP2, tensor parallel) each rank
-keeps its own shards (:mod:`lightning_incremental.runtime.memory_shards`); a resume on another
+keeps its own shards (:mod:`lightning_incremental.runtime.memory.shards`); a resume on another
 mesh falls back to the store, which reshards. ``FSDPStrategy`` (FSDP1) keeps the persistent
 store only.
 """
@@ -29,8 +29,9 @@ from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning import memory_model_checkpoints, resume
 from lightning_incremental.lightning import sharded as _sharded
 from lightning_incremental.lightning.resume import FORMAT, KEY
-from lightning_incremental.runtime import memory_shards, memory_steps
-from lightning_incremental.runtime.memory_steps import MemoryOptions, job_of
+from lightning_incremental.runtime.memory import shards as memory_shards
+from lightning_incremental.runtime.memory import steps as memory_steps
+from lightning_incremental.runtime.memory.steps import MemoryOptions, job_of
 
 __all__ = ["MemoryOptions", "MemorySteps", "job_of", "start"]
 

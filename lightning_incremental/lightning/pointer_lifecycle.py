@@ -71,8 +71,8 @@ from lightning_incremental.lightning.pointers import (
     is_int,
     looks_like_pointer,
 )
-from lightning_incremental.runtime import writing
-from lightning_incremental.runtime.failures import FailurePolicy, describe
+from lightning_incremental.runtime.cluster import writing
+from lightning_incremental.runtime.policy.failures import FailurePolicy, describe
 
 log = logging.getLogger(__name__)
 # The plug-in's own logger: what it reports of a save keeps that logger's name.
@@ -94,7 +94,7 @@ class OpenStore:
     def start_saving(self) -> None:
         """Before this process's first save into the store (the plug-in's start there, every
         ``fit`` anew: ``teardown`` closes the stores): check that it can write it, taking the
-        writer lease (:mod:`lightning_incremental.runtime.writing`). Until that succeeds the
+        writer lease (:mod:`lightning_incremental.runtime.cluster.writing`). Until that succeeds the
         store counts as opened to read only.
 
         Raises:

@@ -1,4 +1,5 @@
-"""The callback's preemption path (the mechanism: :mod:`lightning_incremental.runtime.preemption`).
+"""The callback's preemption path (the mechanism:
+:mod:`lightning_incremental.runtime.policy.preemption`).
 
 At a training batch's end (or a validation run's: :meth:`PreemptionPoint.hold_during_validation`)
 when any rank was asked to stop — a preemption signal (ours, or
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 
 from lightning_incremental.lightning import compat as _compat
-from lightning_incremental.runtime.preemption import Preemption, PreemptionConfig
+from lightning_incremental.runtime.policy.preemption import Preemption, PreemptionConfig
 
 log = logging.getLogger(__name__)
 

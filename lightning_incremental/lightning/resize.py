@@ -2,13 +2,13 @@
 sample once, and one account of what is and is not as an uninterrupted run.
 
 At every epoch's start :func:`describe` records what the epoch's order of samples is a function of
-(see :mod:`lightning_incremental.runtime.data_order`): Lightning's ``DistributedSampler`` under
-DDP, a ``SequentialSampler`` in one process. A resume on another world size (or of an epoch that a
-resize already cut anew) computes the rest of that order and gives this rank its share through
-:class:`RestOfEpoch`, for the interrupted epoch only; Lightning's batch counters and the epoch's
-length are set so that the epoch ends when the shares do. An order that cannot be computed again
-(a ``RandomSampler`` in one process, a custom sampler, an ``IterableDataset``) is not remapped:
-the account says what Lightning does instead and how to avoid it.
+(see :mod:`lightning_incremental.runtime.state.data_order`): Lightning's ``DistributedSampler``
+under DDP, a ``SequentialSampler`` in one process. A resume on another world size (or of an epoch
+that a resize already cut anew) computes the rest of that order and gives this rank its share
+through :class:`RestOfEpoch`, for the interrupted epoch only; Lightning's batch counters and the
+epoch's length are set so that the epoch ends when the shares do. An order that cannot be computed
+again (a ``RandomSampler`` in one process, a custom sampler, an ``IterableDataset``) is not
+remapped: the account says what Lightning does instead and how to avoid it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.utils.data import (
 )
 
 from lightning_incremental.lightning import compat as _compat
-from lightning_incremental.runtime import data_order as order_of
+from lightning_incremental.runtime.state import data_order as order_of
 
 UNMAPPED = "unmapped"
 
@@ -194,7 +194,8 @@ def rescale_max_steps(trainer: pl.Trainer, old_world: int) -> str | None:
 
 
 def account(**parts: Any) -> str:
-    """The account of a resize (see :func:`~lightning_incremental.runtime.data_order.account`)."""
+    """The account of a resize (see
+    :func:`~lightning_incremental.runtime.state.data_order.account`)."""
     return order_of.account(
         who="IncrementalCheckpoint", unit="rank", splitter="a DistributedSampler", **parts
     )

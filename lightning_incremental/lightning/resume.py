@@ -42,9 +42,9 @@ from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning import data_position as dp
 from lightning_incremental.lightning import resize
 from lightning_incremental.lightning import sharded as _sharded
-from lightning_incremental.runtime import rank_buffers
-from lightning_incremental.runtime import rng as _rng
-from lightning_incremental.runtime.coordinate import coordinated, describe
+from lightning_incremental.runtime.cluster.coordinate import coordinated, describe
+from lightning_incremental.runtime.state import rank_buffers
+from lightning_incremental.runtime.state import rng as _rng
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Protocol
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_incremental.lightning.schedule import Schedule
-from lightning_incremental.runtime.cadence import Cadence
+from lightning_incremental.runtime.policy.cadence import Cadence
 
 VALIDATION = "validation"  # after the validation that follows this batch
 EPOCH_END = "epoch_end"  # at this epoch's end

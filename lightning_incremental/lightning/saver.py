@@ -6,7 +6,7 @@ position are gathered, the trainer's own checkpoint dump runs everywhere), hands
 snapshot — and later collects the results: figures to the trainer's loggers, errors kept until
 the next save or the end of training, where every rank warns about them alike, or raises them
 once ``max_consecutive_failures`` saves in a row failed
-(:mod:`lightning_incremental.runtime.failures`).
+(:mod:`lightning_incremental.runtime.policy.failures`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from lightning_incremental.core import CheckpointError, CheckpointStore, SaveHan
 from lightning_incremental.lightning import compat as _compat
 from lightning_incremental.lightning import sharded as _sharded
 from lightning_incremental.lightning.resume import FORMAT, KEY
-from lightning_incremental.runtime import collectives
-from lightning_incremental.runtime.coordinate import Outcome
-from lightning_incremental.runtime.failures import (
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.cluster.coordinate import Outcome
+from lightning_incremental.runtime.policy.failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     FailurePolicy,
     Report,

@@ -1,5 +1,5 @@
 """When a checkpoint is due: ModelCheckpoint's three schedules, or an interval adapted to what
-checkpointing may cost (:mod:`lightning_incremental.runtime.cadence`), validated on
+checkpointing may cost (:mod:`lightning_incremental.runtime.policy.cadence`), validated on
 construction."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 from lightning_incremental.core import ConfigError
-from lightning_incremental.runtime.cadence import Cadence, CadenceConfig
+from lightning_incremental.runtime.policy.cadence import Cadence, CadenceConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,7 +19,7 @@ class Schedule:
     is active (as with ModelCheckpoint).
 
     ``max_overhead`` / ``expected_mtbf``: a step interval adapted to the measured cost of a save
-    (see :mod:`~lightning_incremental.runtime.cadence`), with ``every_n_train_steps`` as its
+    (see :mod:`~lightning_incremental.runtime.policy.cadence`), with ``every_n_train_steps`` as its
     shortest interval; it replaces the epoch and time schedules (which fix their own interval).
 
     Raises:

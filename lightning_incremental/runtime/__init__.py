@@ -1,35 +1,31 @@
-"""The distributed runtime both adapters share: framework-free, over ``torch.distributed``.
+"""The distributed runtime every adapter shares: framework-free, over ``torch.distributed``.
 
 Imports torch, numpy and :mod:`lightning_incremental.core` only, never Lightning or Accelerate.
+Its folders follow the concerns:
 
-- :mod:`~lightning_incremental.runtime.collectives`: is a process group up, rank, world size,
-  gather, broadcast, barrier;
-- :mod:`~lightning_incremental.runtime.coordinate`: the coordinator acts, every rank learns the
-  outcome (:func:`coordinated`, :class:`CoordinatorError`);
-- :mod:`~lightning_incremental.runtime.options`: :class:`RecoveryOptions`, what the adapters do
-  about dead peers, diverged replicas and failed saves;
-- :mod:`~lightning_incremental.runtime.watchdog`: heartbeats, dead/hung/isolated ranks, judged
-  by :mod:`~lightning_incremental.runtime.judgement` over store calls that
-  :mod:`~lightning_incremental.runtime.bounded` bounds by a deadline;
-- :mod:`~lightning_incremental.runtime.replicas`: replica fingerprints, comparison, repair;
-  :mod:`~lightning_incremental.runtime.replica_policy`: warn, repair or stop before a save;
-- :mod:`~lightning_incremental.runtime.failures`: the ``max_consecutive_failures`` policy;
-- :mod:`~lightning_incremental.runtime.backpressure`: waiting for room among pending saves;
-- :mod:`~lightning_incremental.runtime.rng` and :mod:`~lightning_incremental.runtime.data_position`:
-  each rank's random state and what its data order depends on.
+- :mod:`~lightning_incremental.runtime.session`: one run's lifecycle, its options and fork;
+- :mod:`~lightning_incremental.runtime.cluster`: the job's processes as one — collectives, the
+  coordinator, the heartbeat watchdog, the writer's start;
+- :mod:`~lightning_incremental.runtime.policy`: decisions — cadence, failed saves,
+  back-pressure, diverged replicas, preemption;
+- :mod:`~lightning_incremental.runtime.state`: a rank's own state — random state, buffers, data
+  position, replica fingerprints;
+- :mod:`~lightning_incremental.runtime.memory`: the memory tier.
 """
 
-from lightning_incremental.runtime.coordinate import CoordinatorError, Outcome, coordinated
-from lightning_incremental.runtime.failures import FailurePolicy
-from lightning_incremental.runtime.options import RecoveryOptions
-from lightning_incremental.runtime.replicas import ReplicaDivergedError, ReplicaReport
-from lightning_incremental.runtime.watchdog import Failure, Watchdog, WatchdogConfig
+from lightning_incremental.runtime.cluster.coordinate import CoordinatorError, Outcome, coordinated
+from lightning_incremental.runtime.cluster.watchdog import Failure, Watchdog, WatchdogConfig
+from lightning_incremental.runtime.policy.failures import FailurePolicy
+from lightning_incremental.runtime.policy.preemption import PreemptionConfig
+from lightning_incremental.runtime.session.options import RecoveryOptions
+from lightning_incremental.runtime.state.replicas import ReplicaDivergedError, ReplicaReport
 
 __all__ = [
     "CoordinatorError",
     "Failure",
     "FailurePolicy",
     "Outcome",
+    "PreemptionConfig",
     "RecoveryOptions",
     "ReplicaDivergedError",
     "ReplicaReport",

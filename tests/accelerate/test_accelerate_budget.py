@@ -16,7 +16,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate_incremental import IncrementalCheckpointer, _pace
 from accelerate_incremental import checkpointer as checkpointer_module
 from lightning_incremental.core import ConfigError
-from lightning_incremental.runtime.cadence import WARMUP
+from lightning_incremental.runtime.policy.cadence import WARMUP
 from tests.accelerate.test_accelerate import make_run
 from tests.fake_clock import Clock
 

@@ -17,7 +17,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate_incremental import IncrementalCheckpointer, enable
 from accelerate_incremental._flag import ENV_CONFIG
 from lightning_incremental.core import ConfigError
-from lightning_incremental.runtime.memory_tier import ENV
+from lightning_incremental.runtime.memory.tier import ENV
 from tests.accelerate.test_accelerate import make_run, same, weights
 
 TOTAL = 16  # steps; an epoch is 6 batches, the store saves every 4

@@ -16,8 +16,8 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 
 from accelerate_incremental import IncrementalCheckpointer, enable
-from lightning_incremental.runtime import collectives
-from lightning_incremental.runtime.preemption import EXIT_PREEMPTED, PreemptionConfig
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.policy.preemption import EXIT_PREEMPTED, PreemptionConfig
 from tests.accelerate.test_accelerate import make_run
 
 

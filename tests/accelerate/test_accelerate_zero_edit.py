@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accelerate_incremental
-from accelerate_incremental import _hf_compat, _launch, _tracking
+from accelerate_incremental import _launch, _tracking
+from accelerate_incremental.trainer import hf_compat as _hf_compat
 from lightning_incremental.core import CheckpointStore
 from tests.accelerate_results import assert_identical
 from tests.multiprocess.test_accelerate_launch import _free_port, _why

@@ -23,7 +23,7 @@ from lightning_incremental.core import (
 from lightning_incremental.core.commit import fencing, owner
 from lightning_incremental.core.commit.writer import PROBE_NAME
 from lightning_incremental.core.storage import open_storage
-from lightning_incremental.runtime import writing
+from lightning_incremental.runtime.cluster import writing
 from tests.conftest import assert_state_equal, dead_pid
 from tests.engine.test_lease import launched, plant, records
 from tests.faulty import FaultyStorage, read_only_directory

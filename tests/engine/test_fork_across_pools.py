@@ -26,7 +26,7 @@ from lightning_incremental.core.maintain.pins import read_pins
 from lightning_incremental.core.maintain.pool import fork, leave, unpin
 from lightning_incremental.core.maintain.pool_gc import collect_pool
 from lightning_incremental.core.storage import LocalStorage, register_scheme, unregister_scheme
-from lightning_incremental.runtime.fork import forked_weights
+from lightning_incremental.runtime.session.fork import forked_weights
 from tests.conftest import assert_state_equal
 from tests.engine.test_pool import OPTIONS, base_state, buckets, packs, train
 from tests.faulty import FaultyStorage

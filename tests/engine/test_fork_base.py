@@ -14,7 +14,7 @@ import torch
 from lightning_incremental.core import CheckpointStore, ConfigError
 from lightning_incremental.core.commit.history import FORK_BASE
 from lightning_incremental.core.maintain.pool import unpin
-from lightning_incremental.runtime.fork import ensure_fork
+from lightning_incremental.runtime.session.fork import ensure_fork
 from tests.conftest import assert_state_equal
 from tests.engine.test_pool import OPTIONS, base_state, packs, train
 

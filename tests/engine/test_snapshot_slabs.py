@@ -507,7 +507,7 @@ def test_an_interrupt_while_the_walk_waits_for_the_copies_gives_no_slab_back_ear
 def test_a_failed_walk_gives_the_memory_tiers_fallback_slabs_back(tmp_path: Any) -> None:
     """With a memory tier's slot too small for the batches, the slabs come from its fallback
     pool, and a failed walk gives them back there (not to the slot, which never lent them)."""
-    from lightning_incremental.runtime.memory_slots import Slot, SlotPool
+    from lightning_incremental.runtime.memory.slots import Slot, SlotPool
 
     fallback = BufferPool()
     pool = SlotPool(Slot(tmp_path / "slot", 1024), fallback)

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(autouse=True)
 def _close_trainer_checkpointers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    from accelerate_incremental import _trainer
+    from accelerate_incremental.trainer import checkpointer as _trainer
 
     made: list[weakref.ref[Any]] = []  # weak: a test may check that a dropped Trainer goes
     original = _trainer.TrainerCheckpointer.__init__

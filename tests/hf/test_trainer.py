@@ -13,8 +13,10 @@ pytest.importorskip("transformers")
 
 import torch
 
-from accelerate_incremental import _hf_compat, _launch, _trainer_enable, enable_trainer
-from accelerate_incremental._trainer_markers import NAME
+from accelerate_incremental import _launch, enable_trainer
+from accelerate_incremental.trainer import enable as _trainer_enable
+from accelerate_incremental.trainer import hf_compat as _hf_compat
+from accelerate_incremental.trainer.markers import NAME
 from lightning_incremental.core import CheckpointStore
 from tests.hf.trainers import tiny_trainer, weights
 
@@ -156,7 +158,7 @@ def test_a_signal_during_train_saves_that_step_and_exits_143(tmp_path: Path) -> 
 
     from transformers import TrainerCallback
 
-    from lightning_incremental.runtime.preemption import EXIT_PREEMPTED
+    from lightning_incremental.runtime.policy.preemption import EXIT_PREEMPTED
 
     class Signal(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]

@@ -19,8 +19,10 @@ pytest.importorskip("safetensors")
 
 import torch
 
-from accelerate_incremental import _flag, _hf_compat, _trainer_enable, enable_trainer
-from accelerate_incremental._trainer_markers import NAME
+from accelerate_incremental import _flag, enable_trainer
+from accelerate_incremental.trainer import enable as _trainer_enable
+from accelerate_incremental.trainer import hf_compat as _hf_compat
+from accelerate_incremental.trainer.markers import NAME
 from lightning_incremental import cli
 from lightning_incremental.core import CheckpointStore, ConfigError
 from tests.hf.trainers import tiny_trainer, weights

@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from accelerate_incremental import _flag, _trainer_enable, enable_trainer
+from accelerate_incremental import _flag, enable_trainer
+from accelerate_incremental.trainer import enable as _trainer_enable
 from lightning_incremental.core import CheckpointStore, ConfigError
 from tests.hf.test_trainer import _equal
 from tests.hf.trainers import tiny_trainer, weights

@@ -24,8 +24,8 @@ pytest.importorskip("transformers")
 import torch
 
 from lightning_incremental.core import CheckpointStore
-from lightning_incremental.runtime.memory_steps import job_of
-from lightning_incremental.runtime.memory_tier import MemoryTier
+from lightning_incremental.runtime.memory.steps import job_of
+from lightning_incremental.runtime.memory.tier import MemoryTier
 from tests import deliveries
 from tests.multiprocess.test_accelerate_launch import _free_port, _why
 

@@ -16,10 +16,11 @@ pytest.importorskip("transformers")
 
 import torch
 
-from accelerate_incremental import _trainer_enable, enable_trainer
+from accelerate_incremental import enable_trainer
+from accelerate_incremental.trainer import enable as _trainer_enable
 from lightning_incremental.core import CheckpointStore
-from lightning_incremental.runtime.memory_steps import job_of
-from lightning_incremental.runtime.memory_tier import MemoryTier
+from lightning_incremental.runtime.memory.steps import job_of
+from lightning_incremental.runtime.memory.tier import MemoryTier
 from tests.hf.trainers import tiny_trainer, weights
 
 STEPS, SAVE = 12, 5  # 8 batches an epoch (32 samples of 4): step 8 ends the first epoch
@@ -306,7 +307,7 @@ def test_a_memory_tier_that_cannot_start_leaves_no_signal_handler(
 ) -> None:
     import signal
 
-    from accelerate_incremental import _trainer_memory
+    from accelerate_incremental.trainer import memory as _trainer_memory
 
     before = signal.getsignal(signal.SIGTERM)
     trainer = tiny_trainer(tmp_path / "out")
@@ -326,7 +327,7 @@ def test_a_release_whose_hook_changed_keeps_the_store_only(
 ) -> None:
     """The method a memory step follows is checked like the other hooks: one whose parameters
     changed turns the memory tier off with a warning naming it, not training."""
-    from accelerate_incremental import _hf_compat
+    from accelerate_incremental.trainer import hf_compat as _hf_compat
 
     changed = {"_maybe_log_save_evaluate": ("tr_loss", "renamed")}
     monkeypatch.setattr(_hf_compat, "MEMORY_HOOKED", changed)
@@ -342,7 +343,7 @@ def test_the_resume_folders_of_processes_that_are_gone_are_swept(tmp_path: Path)
     only those."""
     import os
 
-    from accelerate_incremental._trainer_memory import RESUME_PREFIX, sweep_resume_folders
+    from accelerate_incremental.trainer.memory import RESUME_PREFIX, sweep_resume_folders
     from tests.conftest import dead_pid
 
     dead = dead_pid()  # reused by another process meanwhile: the folder stays

@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the packages importable
 
 import accelerate_incremental
 from accelerate_incremental import IncrementalCheckpointer
-from lightning_incremental.runtime import replicas
+from lightning_incremental.runtime.state import replicas
 
 EPOCHS = 3
 EVERY = 3

@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from accelerate_incremental import IncrementalCheckpointer
-from lightning_incremental.runtime.memory_tier import ENV
+from lightning_incremental.runtime.memory.tier import ENV
 from tests.jobs import two_nodes
 from tests.jobs.torchrun_job import Events
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script: make the packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_incremental.runtime.memory_steps import MemoryOptions, MemorySteps
-from lightning_incremental.runtime.memory_tier import MemoryTier
+from lightning_incremental.runtime.memory.steps import MemoryOptions, MemorySteps
+from lightning_incremental.runtime.memory.tier import MemoryTier
 
 RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 HELD_STEP = 3

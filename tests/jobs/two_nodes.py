@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from lightning_incremental.runtime.memory_tier import ENV
+from lightning_incremental.runtime.memory.tier import ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 

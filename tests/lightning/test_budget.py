@@ -17,7 +17,7 @@ import torch
 from lightning_incremental.core import CheckpointStore, ConfigError
 from lightning_incremental.lightning import callback as callback_module
 from lightning_incremental.lightning.saver import Saver
-from lightning_incremental.runtime.cadence import WARMUP
+from lightning_incremental.runtime.policy.cadence import WARMUP
 from tests.fake_clock import Clock
 from tests.jobs.lightning_job import fit, weights
 

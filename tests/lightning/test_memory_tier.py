@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_incremental.core import CheckpointStore, ConfigError
-from lightning_incremental.runtime.memory_tier import ENV
+from lightning_incremental.runtime.memory.tier import ENV
 from tests.jobs.lightning_job import Interrupted, fit
 from tests.lightning.test_callback import assert_bit_identical, final_state
 

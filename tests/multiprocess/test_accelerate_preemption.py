@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from lightning_incremental.core import CheckpointStore
-from lightning_incremental.runtime.preemption import EXIT_PREEMPTED
+from lightning_incremental.runtime.policy.preemption import EXIT_PREEMPTED
 from tests import deliveries
 from tests.accelerate_results import assert_identical
 

@@ -26,7 +26,11 @@ import torch
 from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.commit import fencing
 from lightning_incremental.core.format import layout as mf
-from lightning_incremental.runtime.watchdog import EXIT_ISOLATED, EXIT_PEER_DEAD, EXIT_PEER_HUNG
+from lightning_incremental.runtime.cluster.watchdog import (
+    EXIT_ISOLATED,
+    EXIT_PEER_DEAD,
+    EXIT_PEER_HUNG,
+)
 from tests.forwarder import Forwarder
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from lightning_incremental.core import ConfigError
-from lightning_incremental.runtime.cadence import WARMUP, Cadence, CadenceConfig
+from lightning_incremental.runtime.policy.cadence import WARMUP, Cadence, CadenceConfig
 
 
 def simulate(

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
-from lightning_incremental.runtime.data_order import (
+from lightning_incremental.runtime.state.data_order import (
     PERMUTATION,
     SEQUENTIAL,
     EpochOrder,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_incremental.core import CheckpointStore, ConfigError
-from lightning_incremental.runtime.fork import check_source, ensure_fork, split_step
+from lightning_incremental.runtime.session.fork import check_source, ensure_fork, split_step
 
 
 def test_an_interrupted_fork_is_refused_with_the_way_out(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_incremental.runtime.memory_agree import MEMORY, PEER, STORE, Inventory, agree
-from lightning_incremental.runtime.memory_tier import Held
+from lightning_incremental.runtime.memory.agree import MEMORY, PEER, STORE, Inventory, agree
+from lightning_incremental.runtime.memory.tier import Held
 
 JOB = "job"
 
@@ -133,7 +133,7 @@ def test_every_rank_computes_the_same_plan_whatever_the_order(
 
 
 def test_the_ring_sends_to_the_same_local_rank_on_the_next_nodes() -> None:
-    from lightning_incremental.runtime.memory_replica import ring
+    from lightning_incremental.runtime.memory.replica import ring
 
     # 3 nodes of 2 ranks: rank 1 (node 0) sends to rank 3 (node 1), keeps rank 5's (node 2)
     assert ring(1, 6, 2, 1) == ([3], [5])
@@ -147,7 +147,7 @@ def test_the_ring_sends_to_the_same_local_rank_on_the_next_nodes() -> None:
 
 
 def test_one_copy_a_node_only_where_every_rank_agrees_on_the_nodes() -> None:
-    from lightning_incremental.runtime.memory_steps import SHARDS, WHOLE, layout
+    from lightning_incremental.runtime.memory.steps import SHARDS, WHOLE, layout
 
     four = [(2, True)] * 4
     assert layout(four, replicated=True, sharded=False) == 2

@@ -1,4 +1,4 @@
-"""The memory tier's sharded parts (:mod:`lightning_incremental.runtime.memory_shards`): each
+"""The memory tier's sharded parts (:mod:`lightning_incremental.runtime.memory.shards`): each
 DTensor becomes its local shard with a note of its layout; a resume checks every live DTensor
 against the notes (another layout, a missing shard or a stray note is refused) and fills the
 live shards. On a one-rank gloo mesh in this process; the two-rank resume is
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_incremental.runtime import memory_shards
+from lightning_incremental.runtime.memory import shards as memory_shards
 
 
 @pytest.fixture(scope="module")

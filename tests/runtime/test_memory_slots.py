@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_incremental.runtime import memory_tier
-from lightning_incremental.runtime.memory_steps import MemoryOptions, MemorySteps
-from lightning_incremental.runtime.memory_tier import DATA, MemoryPartError
+from lightning_incremental.runtime.memory import tier as memory_tier
+from lightning_incremental.runtime.memory.steps import MemoryOptions, MemorySteps
+from lightning_incremental.runtime.memory.tier import DATA, MemoryPartError
 from tests.conftest import dead_pid
 
 
@@ -181,7 +181,7 @@ def test_no_room_for_a_slot_falls_back_to_buffers_with_a_warning(
         def full(fd: int, offset: int, length: int) -> None:
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr("lightning_incremental.runtime.memory_slots.os.posix_fallocate", full)
+        monkeypatch.setattr("lightning_incremental.runtime.memory.slots.os.posix_fallocate", full)
         steps.take(2, _state(2))  # training goes on
         steps.wait()
         _same(_state(2), steps.tier.load(0, 2, steps.tier.generation))
@@ -266,7 +266,7 @@ def test_a_parallel_read_or_copy_fills_the_buffers_and_hashes_the_bytes_in_order
     import numpy as np
 
     from lightning_incremental.core.codecs.bytes import chunk_hash
-    from lightning_incremental.runtime import memory_read
+    from lightning_incremental.runtime.memory import read as memory_read
 
     monkeypatch.setattr(memory_read, "READ_CHUNK", 1 << 16)  # many chunks, unaligned ends
     rng = np.random.default_rng(readers)

@@ -42,9 +42,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from lightning_incremental.core.buffers import BufferPool
-from lightning_incremental.runtime.memory_agree import Inventory, agree
-from lightning_incremental.runtime.memory_replica import Replicator
-from lightning_incremental.runtime.memory_tier import MemoryTier, Part, Snapshot
+from lightning_incremental.runtime.memory.agree import Inventory, agree
+from lightning_incremental.runtime.memory.replica import Replicator
+from lightning_incremental.runtime.memory.tier import MemoryTier, Part, Snapshot
 from tests.conftest import DEEP
 
 JOB = "memory-stateful"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_incremental.runtime import memory_tier as mt
-from lightning_incremental.runtime.memory_tier import Held, MemoryPartError, MemoryTier, snapshot
+from lightning_incremental.runtime.memory import tier as mt
+from lightning_incremental.runtime.memory.tier import Held, MemoryPartError, MemoryTier, snapshot
 
 
 def _state() -> dict:

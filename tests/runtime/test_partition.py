@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from lightning_incremental.runtime import bounded
-from lightning_incremental.runtime.watchdog import (
+from lightning_incremental.runtime.cluster import bounded
+from lightning_incremental.runtime.cluster.watchdog import (
     EXIT_ISOLATED,
     EXIT_PEER_DEAD,
     Failure,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from lightning_incremental.core.errors import ConfigError
-from lightning_incremental.runtime import preemption as pre
+from lightning_incremental.runtime.policy import preemption as pre
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
@@ -160,7 +160,7 @@ def test_the_handler_takes_no_lock_and_starts_no_thread(tmp_path: Path) -> None:
     boundary at once (a handler that waited would hang until the timeout)."""
     code = (
         "import os, signal, threading\n"
-        "from lightning_incremental.runtime import preemption as pre\n"
+        "from lightning_incremental.runtime.policy import preemption as pre\n"
         "p = pre.Preemption(pre.PreemptionConfig(signals=('SIGUSR2',))).install()\n"
         "threads = threading.active_count()\n"
         "with p._lock:\n"
@@ -246,7 +246,7 @@ def test_an_install_never_undone_does_not_end_the_process_under_a_newer_one() ->
     its countdown would end the process with 128 + signum in the middle of that checkpoint."""
     code = (
         "import os, signal, threading, time\n"
-        "from lightning_incremental.runtime import preemption as pre\n"
+        "from lightning_incremental.runtime.policy import preemption as pre\n"
         "seen = []\n"
         "signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))\n"
         "config = pre.PreemptionConfig(signals=('SIGUSR2',), grace_s=0.3)\n"
@@ -267,7 +267,7 @@ def test_a_delivery_before_a_newer_install_is_never_swallowed(tmp_path: Path) ->
     installed: the newer one takes it over, timed at its delivery, and its grace runs."""
     code = (
         "import os, signal, time\n"
-        "from lightning_incremental.runtime import preemption as pre\n"
+        "from lightning_incremental.runtime.policy import preemption as pre\n"
         "config = pre.PreemptionConfig(signals=('SIGUSR2',), grace_s=0.5)\n"
         "old = pre.Preemption(config).install()\n"
         "os.kill(os.getpid(), signal.SIGUSR2)\n"
@@ -408,7 +408,7 @@ def test_a_signal_no_boundary_follows_still_ends_the_process(tmp_path: Path) -> 
     128 + SIGTERM once the grace has passed."""
     code = (
         "import os, signal, time\n"
-        "from lightning_incremental.runtime import preemption as pre\n"
+        "from lightning_incremental.runtime.policy import preemption as pre\n"
         "p = pre.Preemption(pre.PreemptionConfig(grace_s=0.5)).install()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "time.sleep(30)\n"

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_incremental.runtime.replicas import (
+from lightning_incremental.runtime.state.replicas import (
     EXIT_REPLICA_DIVERGED,
     ReplicaDivergedError,
     ReplicaReport,
@@ -416,7 +416,7 @@ def test_two_gloo_ranks_detect_and_repair_a_bit_flip(tmp_path: Path) -> None:
 
 
 def test_when_every_rank_is_odd_somewhere_each_value_comes_from_its_majority() -> None:
-    from lightning_incremental.runtime.replicas import source_of
+    from lightning_incremental.runtime.state.replicas import source_of
 
     good = {"a": "x", "b": "y", "c": "z"}
     ranks = [dict(good, a="bad0"), dict(good, b="bad1"), dict(good, c="bad2")]

@@ -26,13 +26,12 @@ from lightning_incremental.runtime import (
     Outcome,
     RecoveryOptions,
     WatchdogConfig,
-    collectives,
     coordinated,
-    data_position,
-    rng,
 )
-from lightning_incremental.runtime.backpressure import wait_for_room
-from lightning_incremental.runtime.coordinate import Message
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.cluster.coordinate import Message
+from lightning_incremental.runtime.policy.backpressure import wait_for_room
+from lightning_incremental.runtime.state import data_position, rng
 
 # ---------------------------------------------------------------- the coordinator's outcome
 

@@ -12,7 +12,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from lightning_incremental.core import ConfigError
-from lightning_incremental.runtime.watchdog import (
+from lightning_incremental.runtime.cluster.watchdog import (
     EXIT_PEER_DEAD,
     Failure,
     PeerTracker,
@@ -179,7 +179,7 @@ def test_an_unreachable_store_isolates_this_rank() -> None:
 def test_default_action_ends_the_process_with_the_documented_code(tcp_store) -> None:
     code = (
         "import time\n"
-        "from lightning_incremental.runtime.watchdog import Watchdog, WatchdogConfig, "
+        "from lightning_incremental.runtime.cluster.watchdog import Watchdog, WatchdogConfig, "
         "tcp_store_connector\n"
         "c = WatchdogConfig(heartbeat_interval=0.05, heartbeat_timeout=0.3, progress_timeout=1)\n"
         f"d = Watchdog(tcp_store_connector('127.0.0.1', {tcp_store.port}), 0, 2, c).start()\n"
@@ -244,7 +244,7 @@ def test_a_failing_rank_does_not_say_it_stopped(tcp_store) -> None:
 
 
 def test_the_job_store_is_found_from_the_environment(monkeypatch) -> None:
-    from lightning_incremental.runtime.watchdog import job_store_address
+    from lightning_incremental.runtime.cluster.watchdog import job_store_address
 
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
     monkeypatch.setenv("MASTER_PORT", "29511")

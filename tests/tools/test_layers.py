@@ -8,7 +8,9 @@ Layers, lowest first (a module may import its own layer's modules and any lower 
   base modules (errors, results, buffers, workers) < ``storage`` | ``codecs`` < ``config`` <
   ``format`` (what is on disk) < ``chunks`` (one chunk's life) < ``commit`` (who may commit) <
   ``save`` | ``load`` < ``maintain`` < the store (``engine``, ``store``, the package);
-- ``lightning_incremental.runtime`` (framework-free recovery);
+- ``lightning_incremental.runtime`` (framework-free, every adapter's), in its folders' order:
+  ``cluster`` (the job's processes as one) < ``state`` (a rank's own state) < ``policy`` |
+  ``memory`` < ``session`` (one run's lifecycle) < the package;
 - the command (``lightning_incremental.cli``), the Lightning adapter
   (``lightning_incremental.lightning``) and the Accelerate adapter (``accelerate_incremental``),
   none of which imports another;
@@ -31,7 +33,7 @@ CORE = "lightning_incremental.core"
 
 # (layer, sibling group): a module may import a module of a lower layer, or of the same layer
 # and the same group.
-LAYERS: dict[str, tuple[int, str]] = {
+LAYERS: dict[str, tuple[float, str]] = {
     f"{CORE}.errors": (0, "base"),
     f"{CORE}.results": (0, "base"),
     f"{CORE}.buffers": (0, "base"),
@@ -48,7 +50,12 @@ LAYERS: dict[str, tuple[int, str]] = {
     f"{CORE}.engine": (8, "store"),
     f"{CORE}.store": (8, "store"),
     CORE: (8, "store"),
-    "lightning_incremental.runtime": (9, "runtime"),
+    "lightning_incremental.runtime.cluster": (9.0, "cluster"),
+    "lightning_incremental.runtime.state": (9.1, "state"),
+    "lightning_incremental.runtime.policy": (9.2, "policy"),
+    "lightning_incremental.runtime.memory": (9.2, "memory"),
+    "lightning_incremental.runtime.session": (9.3, "session"),
+    "lightning_incremental.runtime": (9.4, "runtime"),
     "lightning_incremental.cli": (10, "cli"),
     "lightning_incremental.cli_pool": (10, "cli"),
     "lightning_incremental.lightning": (10, "lightning"),
@@ -115,7 +122,7 @@ def _imports(module: str, path: Path) -> Iterator[tuple[str, int, bool]]:
                 yield target, node.lineno, id(node) not in typing_only
 
 
-def _layer(module: str) -> tuple[int, str]:
+def _layer(module: str) -> tuple[float, str]:
     """The layer of the longest prefix of ``module`` that has one."""
     parts = module.split(".")
     for end in range(len(parts), 0, -1):

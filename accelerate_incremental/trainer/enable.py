@@ -7,8 +7,8 @@ checkpoints go. ``on_save`` runs after the full ``checkpoint-N`` folder was writ
 are already spent), and the Trainer restores a checkpoint before any callback event of
 ``train()`` (the weights even before ``on_train_begin``). :func:`enable_trainer` hooks the
 Trainer's own save and load points on that one instance instead (see
-:mod:`accelerate_incremental._hf_compat`), and returns the
-:class:`~accelerate_incremental._trainer.TrainerCheckpointer` (``.wait()``, ``.store``).
+:mod:`accelerate_incremental.trainer.hf_compat`), and returns the
+:class:`~accelerate_incremental.trainer.checkpointer.TrainerCheckpointer` (``.wait()``, ``.store``).
 
 What cannot be covered is said at start-up, naming the reason and what the user gets instead:
 :func:`enable_trainer` raises ``ValueError`` (it was asked for explicitly); under the launch flag
@@ -22,9 +22,10 @@ import warnings
 import weakref
 from typing import Any
 
-from accelerate_incremental import _hf_compat, _trainer
 from accelerate_incremental._flag import settings
-from accelerate_incremental._trainer import TrainerCheckpointer
+from accelerate_incremental.trainer import checkpointer as _trainer
+from accelerate_incremental.trainer import hf_compat as _hf_compat
+from accelerate_incremental.trainer.checkpointer import TrainerCheckpointer
 
 log = logging.getLogger("lightning_incremental")
 # Each enabled Trainer's checkpointer, by a weak reference: a checkpointer refers to its Trainer,

@@ -3,7 +3,7 @@
 The Trainer keeps its loop, its cadence (``save_strategy``, ``save_steps``), its data skipping on
 resume and its ``checkpoint-N`` folders; only what those folders would hold changes. At each of
 the Trainer's saves (``Trainer._save_checkpoint``, hooked through
-:mod:`accelerate_incremental._hf_compat`):
+:mod:`accelerate_incremental.trainer.hf_compat`):
 
 1. The Trainer runs its own ``_save_checkpoint`` with its four writers replaced: the folder gets
    a marker (:mod:`~._trainer_markers`) instead of the weights, optimizer, scheduler, scaler and
@@ -39,24 +39,26 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from accelerate_incremental import _fork, _hf_compat
-from accelerate_incremental import _trainer_files as files
-from accelerate_incremental import _trainer_markers as markers
-from accelerate_incremental import _trainer_memory as memory_tier
+from accelerate_incremental import _fork
 from accelerate_incremental._memory import options as memory_options
-from accelerate_incremental._trainer_loading import ABSENT as _ABSENT
-from accelerate_incremental._trainer_loading import TrainerLoading, announce
-from accelerate_incremental._trainer_preemption import TrainerPreemption
+from accelerate_incremental.trainer import files, markers
+from accelerate_incremental.trainer import hf_compat as _hf_compat
+from accelerate_incremental.trainer import memory as memory_tier
+from accelerate_incremental.trainer.loading import ABSENT as _ABSENT
+from accelerate_incremental.trainer.loading import TrainerLoading, announce
+from accelerate_incremental.trainer.preemption import TrainerPreemption
 from lightning_incremental.core import CheckpointStore, ConfigError, SaveHandle
 from lightning_incremental.core.commit import fencing
-from lightning_incremental.runtime import collectives, memory_steps, rng, writing
-from lightning_incremental.runtime.coordinate import coordinated
-from lightning_incremental.runtime.failures import (
+from lightning_incremental.runtime.cluster import collectives, writing
+from lightning_incremental.runtime.cluster.coordinate import coordinated
+from lightning_incremental.runtime.memory import steps as memory_steps
+from lightning_incremental.runtime.policy.failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     FailurePolicy,
     share_report,
 )
-from lightning_incremental.runtime.preemption import PreemptionConfig
+from lightning_incremental.runtime.policy.preemption import PreemptionConfig
+from lightning_incremental.runtime.state import rng
 
 log = logging.getLogger("lightning_incremental")
 FORMAT = memory_tier.FORMAT
@@ -84,7 +86,7 @@ class TrainerCheckpointer(TrainerLoading):
         auto_resume: ``train()`` without ``resume_from_checkpoint`` resumes from the newest
             committed checkpoint of the store (``resume_from_checkpoint=False``: start afresh).
         preemption: what a preemption notice does while ``train()`` runs (True: the
-            defaults of :class:`~lightning_incremental.runtime.preemption.PreemptionConfig`;
+            defaults of :class:`~lightning_incremental.runtime.policy.preemption.PreemptionConfig`;
             False: nothing): at SIGTERM (SIGINT, SLURM's requeue signal), every process saves
             the step all reach next and exits 143 once it committed (:mod:`~._trainer_preemption`).
         materialize: ``"last"``, ``"best"`` or True (both): when ``train()`` ends, those
@@ -110,7 +112,7 @@ class TrainerCheckpointer(TrainerLoading):
     Raises:
         ConfigError: a bad ``materialize``, memory or store option.
     Raises (from ``train()``, before it resumes or trains: it checks that it can write the store,
-    :mod:`lightning_incremental.runtime.writing`; ``evaluate`` and ``predict`` only read):
+    :mod:`lightning_incremental.runtime.cluster.writing`; ``evaluate`` and ``predict`` only read):
         WriterLeaseError: another job writes the store (naming its host, pid and job).
         StoreNotWritableError: the store cannot be written.
     """

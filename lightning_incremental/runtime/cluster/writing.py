@@ -6,10 +6,10 @@ store (:meth:`~lightning_incremental.core.CheckpointStore.acquire_writer`), clai
 fencing generation first where the job claims one (:func:`~lightning_incremental.core.commit.
 fencing.should_claim`: several processes, torchrun, a requeued SLURM job), so that a restarted
 job takes over from its previous incarnation. Every rank learns the outcome
-(:func:`~lightning_incremental.runtime.coordinate.coordinated`): the generation, or the same
+(:func:`~lightning_incremental.runtime.cluster.coordinate.coordinated`): the generation, or the same
 error — the coordinator's own, a ``WriterLeaseError`` or ``StoreNotWritableError`` on the
-others too (:class:`~lightning_incremental.runtime.coordinate.CoordinatorError` subclasses) —
-so no rank trains on, or waits in a collective, for a run that cannot save.
+others too (:class:`~lightning_incremental.runtime.cluster.coordinate.CoordinatorError` subclasses)
+— so no rank trains on, or waits in a collective, for a run that cannot save.
 
 A run that only reads (Lightning's ``validate``/``test``/``predict``, loading a checkpoint)
 makes no such check: reading needs no lease.
@@ -21,7 +21,7 @@ from typing import Any
 
 from lightning_incremental.core import CheckpointStore
 from lightning_incremental.core.commit import fencing
-from lightning_incremental.runtime.coordinate import Broadcast, coordinated
+from lightning_incremental.runtime.cluster.coordinate import Broadcast, coordinated
 
 
 def begin(store: CheckpointStore, *, claim: bool) -> int | None:
@@ -51,7 +51,7 @@ def begin_everywhere(
 
     Raises:
         WriterLeaseError, StoreNotWritableError: on the coordinator; on the other ranks their
-            :class:`~lightning_incremental.runtime.coordinate.CoordinatorError` twins.
+            :class:`~lightning_incremental.runtime.cluster.coordinate.CoordinatorError` twins.
         CoordinatorError: on the other ranks, any other failure of the coordinator.
     """
     url = what if what is not None else (store.url if store is not None else "the store")

@@ -2,7 +2,7 @@
 
 Each rank runs two named daemon threads over the job's ``torch.distributed`` TCPStore (under
 torchrun it is hosted by the elastic agent and survives worker deaths). Every call they make
-into the store is bounded by a deadline (:mod:`~lightning_incremental.runtime.bounded`): a
+into the store is bounded by a deadline (:mod:`~lightning_incremental.runtime.cluster.bounded`): a
 TCPStore client blocks for as long as a silently cut link lasts, whatever its timeout.
 
 - the *heartbeat* publishes ``{"seq", "step", "progress", "time"}`` under ``<prefix>/<rank>``
@@ -50,8 +50,8 @@ from datetime import timedelta
 
 from lightning_incremental.core.commit.fencing import fence_process
 from lightning_incremental.core.errors import ConfigError
-from lightning_incremental.runtime.bounded import BoundedStore, KeyValueStore, Stopped
-from lightning_incremental.runtime.judgement import (
+from lightning_incremental.runtime.cluster.bounded import BoundedStore, KeyValueStore, Stopped
+from lightning_incremental.runtime.cluster.judgement import (
     COORDINATOR,
     EXIT_ISOLATED,
     EXIT_PEER_DEAD,
@@ -98,7 +98,7 @@ class Watchdog:
 
     Args:
         connect: returns a new client of the job's store (called once per lane: see
-            :mod:`~lightning_incremental.runtime.bounded`), e.g.
+            :mod:`~lightning_incremental.runtime.cluster.bounded`), e.g.
             ``lambda: TCPStore(host, port, is_master=False, timeout=...)``.
         rank, world_size: this process's rank and the group's size.
         config: timings.

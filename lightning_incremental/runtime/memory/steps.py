@@ -39,15 +39,15 @@ import torch
 
 from lightning_incremental.core import ConfigError
 from lightning_incremental.core.buffers import BufferPool
-from lightning_incremental.runtime import collectives
-from lightning_incremental.runtime.memory_agree import Inventory, Plan, agree
-from lightning_incremental.runtime.memory_replica import (
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.memory.agree import Inventory, Plan, agree
+from lightning_incremental.runtime.memory.replica import (
     GroupLinks,
     Replicator,
     exchange,
     fetch_plan,
 )
-from lightning_incremental.runtime.memory_tier import MemoryPartError, MemoryTier, Part, default_dir
+from lightning_incremental.runtime.memory.tier import MemoryPartError, MemoryTier, Part, default_dir
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ parallelism): per-rank values such as RNG states, sampler positions or FSDP/DTen
 legitimately differ between ranks and would be reported.
 
 What a caller does with a divergence is policy (warn, repair, or stop: see
-:mod:`lightning_incremental.runtime.replica_policy`). ``EXIT_REPLICA_DIVERGED`` (89) is the
+:mod:`lightning_incremental.runtime.policy.replica_policy`). ``EXIT_REPLICA_DIVERGED`` (89) is the
 distinct process exit code for the ``stop`` action, so that a supervisor can tell "a replica
 diverged" from a crash or an ordinary failure and, e.g., restart from the last verified
 checkpoint instead of retrying blindly.
@@ -38,7 +38,7 @@ import torch
 import xxhash
 
 from lightning_incremental.core.errors import CheckpointError
-from lightning_incremental.runtime import collectives
+from lightning_incremental.runtime.cluster import collectives
 
 log = logging.getLogger("lightning_incremental")
 

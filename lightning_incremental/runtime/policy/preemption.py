@@ -55,8 +55,12 @@ from types import FrameType
 from typing import Any
 
 from lightning_incremental.core.errors import ConfigError
-from lightning_incremental.runtime.preemption_notice import AWS_NOTICE, GCP_NOTICE, MetadataPoller
-from lightning_incremental.runtime.preemption_os import _Watcher, requeue_slurm_job
+from lightning_incremental.runtime.policy.preemption_notice import (
+    AWS_NOTICE,
+    GCP_NOTICE,
+    MetadataPoller,
+)
+from lightning_incremental.runtime.policy.preemption_os import _Watcher, requeue_slurm_job
 
 log = logging.getLogger("lightning_incremental")
 

@@ -41,14 +41,14 @@ from lightning_incremental.core.codecs.bytes import chunk_hash, chunk_hasher
 from lightning_incremental.core.format.layout import loads_record
 from lightning_incremental.core.format.tree import Leaf
 from lightning_incremental.core.save.snapshot import flatten
-from lightning_incremental.runtime.memory_read import (
+from lightning_incremental.runtime.memory.read import (
     MemoryPartError,
     assemble,
     copy_hashed,
     plan,
     read_hashed,
 )
-from lightning_incremental.runtime.memory_slots import (
+from lightning_incremental.runtime.memory.slots import (
     Slot,
     SlotPool,
     Slots,

@@ -1,9 +1,9 @@
 """The adapters' replica policy: what to do when data-parallel replicas diverged.
 
 Before each save the adapters compare the replicas' weights and optimizer state
-(:mod:`lightning_incremental.runtime.replicas`) and act as their ``replica_check`` argument says:
-``"warn"``, ``"repair"`` (broadcast the majority's copy), ``"stop"`` (every rank exits with
-:data:`~lightning_incremental.runtime.replicas.EXIT_REPLICA_DIVERGED`) or ``"off"``.
+(:mod:`lightning_incremental.runtime.state.replicas`) and act as their ``replica_check`` argument
+says: ``"warn"``, ``"repair"`` (broadcast the majority's copy), ``"stop"`` (every rank exits with
+:data:`~lightning_incremental.runtime.state.replicas.EXIT_REPLICA_DIVERGED`) or ``"off"``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_incremental.core.errors import ConfigError
-from lightning_incremental.runtime import collectives
-from lightning_incremental.runtime.replicas import (
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.state.replicas import (
     EXIT_REPLICA_DIVERGED,
     ReplicaDivergedError,
     ReplicaReport,

@@ -13,12 +13,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_incremental.core.errors import ConfigError
-from lightning_incremental.runtime.failures import (
+from lightning_incremental.runtime.cluster.watchdog import Watchdog, WatchdogConfig, watch_job
+from lightning_incremental.runtime.policy.failures import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     check_max_consecutive_failures,
 )
-from lightning_incremental.runtime.replica_policy import check_action
-from lightning_incremental.runtime.watchdog import Watchdog, WatchdogConfig, watch_job
+from lightning_incremental.runtime.policy.replica_policy import check_action
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,14 +26,15 @@ class RecoveryOptions:
     """What to do about dead peers, diverged replicas and failed saves.
 
     Attributes:
-        watchdog: run the heartbeat watchdog (:mod:`lightning_incremental.runtime.watchdog`);
+        watchdog: run the heartbeat watchdog
+            (:mod:`lightning_incremental.runtime.cluster.watchdog`);
             None: only when there is more than one process.
         heartbeat_interval, heartbeat_timeout, progress_timeout: the watchdog's windows in
-            seconds (see :class:`~lightning_incremental.runtime.watchdog.WatchdogConfig`).
+            seconds (see :class:`~lightning_incremental.runtime.cluster.watchdog.WatchdogConfig`).
         replica_check: ``"warn"``, ``"repair"``, ``"stop"`` or ``"off"``
-            (:mod:`lightning_incremental.runtime.replica_policy`).
+            (:mod:`lightning_incremental.runtime.policy.replica_policy`).
         max_consecutive_failures: failed saves in a row that stop training
-            (:mod:`lightning_incremental.runtime.failures`).
+            (:mod:`lightning_incremental.runtime.policy.failures`).
 
     Raises:
         TypeError: ``watchdog`` is not a bool or None, ``max_consecutive_failures`` not an int,

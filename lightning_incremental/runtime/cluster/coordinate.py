@@ -23,12 +23,12 @@ from lightning_incremental.core.errors import (
     StoreNotWritableError,
     WriterLeaseError,
 )
-from lightning_incremental.runtime import collectives
+from lightning_incremental.runtime.cluster import collectives
 
 T = TypeVar("T")
 
 #: ``broadcast(value, src)``: the value of rank ``src`` on every rank (a collective), as
-#: :func:`lightning_incremental.runtime.collectives.broadcast` or a Lightning strategy's.
+#: :func:`lightning_incremental.runtime.cluster.collectives.broadcast` or a Lightning strategy's.
 Broadcast = Callable[[Any, int], Any]
 
 #: What travels from the coordinator: the action's value (None after an error), the error's text.

@@ -1,4 +1,4 @@
-"""The resume side of :class:`~accelerate_incremental._trainer.TrainerCheckpointer`: the
+"""The resume side of :class:`~accelerate_incremental.trainer.checkpointer.TrainerCheckpointer`: the
 Trainer's load points (``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
 ``_load_scaler``, ``_load_rng_state``, ``_load_best_model``), each restoring from the store when
 the folder is a marker, from the memory tier when it is the folder of a memory resume
@@ -12,9 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from accelerate_incremental import _compat
-from accelerate_incremental import _trainer_markers as markers
-from accelerate_incremental import _trainer_memory as memory_tier
-from lightning_incremental.runtime import collectives, rng
+from accelerate_incremental.trainer import markers
+from accelerate_incremental.trainer import memory as memory_tier
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.state import rng
 
 ABSENT = (
     "its save never committed (the run stopped first), or the step was deleted since "

@@ -3,7 +3,7 @@ with ``memory_every_n_steps``): every so many optimizer steps each process puts 
 checkpoint — what the store's checkpoint of that step would hold — into node-local memory and,
 in the background, onto ``memory_replicas`` other nodes; ``train()`` resumes from the newest step
 every process agrees on when it is at least the store's newest (the framework-free part:
-:mod:`lightning_incremental.runtime.memory_steps`).
+:mod:`lightning_incremental.runtime.memory.steps`).
 
 Where a step is taken: right after ``Trainer._maybe_log_save_evaluate`` of that step returns,
 the point where the Trainer's own checkpoint of the step is written (inside that call), so the
@@ -24,7 +24,7 @@ process's random state from the memory part instead of the store. The folder is 
 ``train()`` ends.
 
 Under DDP only each node's first process takes the weights and optimizer (one copy a node, as
-:mod:`~lightning_incremental.runtime.memory_steps` explains); every process takes its random
+:mod:`~lightning_incremental.runtime.memory.steps` explains); every process takes its random
 state. The Trainer's checkpoints keep no per-process buffers (``ddp_broadcast_buffers=False`` is
 warned about at a resume either way).
 """
@@ -42,10 +42,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from accelerate_incremental import _hf_compat
+from accelerate_incremental.trainer import hf_compat as _hf_compat
 from lightning_incremental.core.commit.owner import process_exists
-from lightning_incremental.runtime import rng
-from lightning_incremental.runtime.memory_steps import MemoryOptions, MemorySteps
+from lightning_incremental.runtime.memory.steps import MemoryOptions, MemorySteps
+from lightning_incremental.runtime.state import rng
 
 log = logging.getLogger("lightning_incremental")
 FORMAT = "accelerate_incremental.trainer/1"  # the Trainer's checkpoints, in the store and memory

@@ -1,7 +1,7 @@
 """What a data loader's order of batches depends on: the ``torch.Generator`` objects it draws from.
 
 A shuffled epoch's order is a function of the random state when its iterator starts: the global
-torch state (:mod:`lightning_incremental.runtime.rng`) and every generator a loader, its
+torch state (:mod:`lightning_incremental.runtime.state.rng`) and every generator a loader, its
 samplers or its dataset hold (``DataLoader(generator=...)``, ``RandomSampler(generator=...)``,
 Accelerate's ``synchronized_generator``). Both adapters record them at each epoch's start and put
 them back on resume; this module finds them and moves their states, by attribute path (the keys

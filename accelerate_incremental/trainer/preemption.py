@@ -20,9 +20,9 @@ import logging
 import os
 from typing import Any
 
-from accelerate_incremental import _hf_compat
-from lightning_incremental.runtime import collectives
-from lightning_incremental.runtime.preemption import Preemption, PreemptionConfig
+from accelerate_incremental.trainer import hf_compat as _hf_compat
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.policy.preemption import Preemption, PreemptionConfig
 
 log = logging.getLogger("lightning_incremental")
 

@@ -1,6 +1,6 @@
 """A cloud provider's preemption notice, polled: :class:`MetadataPoller` turns it into a
-:meth:`~lightning_incremental.runtime.preemption.Preemption.request` (the same request a signal
-makes)."""
+:meth:`~lightning_incremental.runtime.policy.preemption.Preemption.request` (the same request a
+signal makes)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from lightning_incremental.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lightning_incremental.runtime.preemption import Preemption
+    from lightning_incremental.runtime.policy.preemption import Preemption
 
 log = logging.getLogger("lightning_incremental")
 

@@ -31,8 +31,8 @@ import torch
 
 from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.format.layout import loads_record
-from lightning_incremental.runtime.memory_agree import Plan
-from lightning_incremental.runtime.memory_tier import MemoryTier, Part, Snapshot
+from lightning_incremental.runtime.memory.agree import Plan
+from lightning_incremental.runtime.memory.tier import MemoryTier, Part, Snapshot
 
 log = logging.getLogger(__name__)
 

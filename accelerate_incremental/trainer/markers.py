@@ -7,7 +7,7 @@ the step whose weights, optimizer, scheduler, scaler and random states it holds.
 the record is a checkpoint the Trainer wrote itself, loaded the Trainer's way.
 
 The record is written when the save starts, before its commit: the store, not the record, says
-whether the checkpoint exists (see :mod:`accelerate_incremental._trainer`).
+whether the checkpoint exists (see :mod:`accelerate_incremental.trainer.checkpointer`).
 """
 
 from __future__ import annotations

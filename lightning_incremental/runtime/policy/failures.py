@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from lightning_incremental.core.errors import CheckpointError, ConfigError, FencedError
-from lightning_incremental.runtime import collectives
-from lightning_incremental.runtime.coordinate import describe
+from lightning_incremental.runtime.cluster import collectives
+from lightning_incremental.runtime.cluster.coordinate import describe
 
 log = logging.getLogger(__name__)
 

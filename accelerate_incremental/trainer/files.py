@@ -20,8 +20,8 @@ import contextlib
 import os
 from typing import Any
 
-from accelerate_incremental import _hf_compat
-from accelerate_incremental import _trainer_markers as markers
+from accelerate_incremental.trainer import hf_compat as _hf_compat
+from accelerate_incremental.trainer import markers
 from lightning_incremental.core import CheckpointStore, ConfigError
 
 README = "README.md"

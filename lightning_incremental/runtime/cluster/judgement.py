@@ -1,7 +1,7 @@
 """The watchdog's judgement, without threads: timings, findings and their exit codes, the
 coordinator's view of every rank (:class:`PeerTracker`), and one rank's monitor step over calls
-bounded by a deadline (:class:`Monitor`). :mod:`~lightning_incremental.runtime.watchdog` runs
-it on threads; tests run it directly, for one rank or a thousand."""
+bounded by a deadline (:class:`Monitor`). :mod:`~lightning_incremental.runtime.cluster.watchdog`
+runs it on threads; tests run it directly, for one rank or a thousand."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_incremental.core.errors import ConfigError
-from lightning_incremental.runtime.bounded import KeyValueStore, Stopped
+from lightning_incremental.runtime.cluster.bounded import KeyValueStore, Stopped
 
 log = logging.getLogger("lightning_incremental")
 

@@ -1,7 +1,7 @@
 """``IncrementalCheckpoint(fork_from="SRC[@STEP]")``: global rank 0 forks the source's step into
 the run's store at setup, before any rank opens it
-(:func:`~lightning_incremental.runtime.session.fork.
-ensure_fork`); every rank learns the outcome, and the resume that follows loads the forked step.
+(:func:`~lightning_incremental.runtime.session.fork.ensure_fork`); every rank learns the outcome,
+and the resume that follows loads the forked step.
 
 With ``fork_weights_only=True`` the step becomes the store's delta base instead of a step of it:
 while the store holds no checkpoint of its own, every rank loads the step's model weights

@@ -9,6 +9,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+
+# torch's C++ side logs a warning each time a TCPStore client finds its server gone ("recvValue
+# failed ... Connection was likely closed"): every test whose processes or process groups end
+# makes some, written straight to the terminal past pytest's capture, and none says anything
+# wrong. Errors still print. Set before torch is imported (it reads the level once); the
+# processes the tests start inherit it.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 import torch
 
 from lightning_incremental.core import CheckpointStore
@@ -184,12 +192,36 @@ SPREAD_MODULES = frozenset(
 )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--phase",
+        choices=("beside", "alone"),
+        default=None,
+        help="of the selected tests, run only those that may run beside others (the quick ones "
+        "and the slow ones marked spread: on every core) or only those that run one at a time "
+        "(slow, not spread); scripts/test.sh runs both phases",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The fault-injection suite's S3 variants repeat, over HTTP, what the S3 suite already
     covers with faults at the HTTP level: they run in the full suite, not the quick subset.
-    Slow tests of :data:`SPREAD_MODULES` are also marked ``spread``."""
+    Slow tests of :data:`SPREAD_MODULES` are also marked ``spread``. ``--phase`` keeps one
+    phase's tests."""
     for item in items:
         if item.nodeid.startswith("tests/engine/test_faults.py") and "[s3" in item.nodeid:
             item.add_marker(pytest.mark.slow)
         if item.path.name in SPREAD_MODULES and item.get_closest_marker("slow") is not None:
             item.add_marker(pytest.mark.spread)
+    phase = config.getoption("--phase")
+    if phase is None:
+        return
+    kept, dropped = [], []
+    for item in items:
+        alone = item.get_closest_marker("slow") is not None and (
+            item.get_closest_marker("spread") is None
+        )
+        (kept if alone == (phase == "alone") else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import analysis, machine, plot, report
-from benchmarks.model import (
+from benchmarks import plot, report
+from benchmarks.harness import analysis, machine
+from benchmarks.harness.model import (
     FULL,
     FULL_EMBEDDING,
     QUICK,
@@ -21,9 +22,9 @@ from benchmarks.model import (
     EmbeddingConfig,
     ModelConfig,
 )
-from benchmarks.runner import RunSettings, run_scenario
-from benchmarks.scenarios import SCENARIOS, Params
-from benchmarks.systems import SYSTEMS
+from benchmarks.harness.runner import RunSettings, run_scenario
+from benchmarks.harness.scenarios import SCENARIOS, Params
+from benchmarks.harness.systems import SYSTEMS
 
 MODES: dict[str, tuple[ModelConfig, EmbeddingConfig, int, int]] = {
     # mode: (transformer, sparse_embedding model, checkpoints, interval)

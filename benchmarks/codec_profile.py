@@ -22,10 +22,10 @@ import torch
 import xxhash
 import zstandard
 
-from benchmarks.analysis import category
-from benchmarks.model import FULL, FULL_EMBEDDING, QUICK, QUICK_EMBEDDING
-from benchmarks.scenarios import SCENARIOS, Params
-from benchmarks.state import clone, tensors
+from benchmarks.harness.analysis import category
+from benchmarks.harness.model import FULL, FULL_EMBEDDING, QUICK, QUICK_EMBEDDING
+from benchmarks.harness.scenarios import SCENARIOS, Params
+from benchmarks.harness.state import clone, tensors
 from lightning_incremental.core import codecs as codec
 
 CHUNK = 4 << 20  # the engine's default chunk size

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.machine import parallel_scaling
+from benchmarks.harness.machine import parallel_scaling
 from lightning_incremental.core import CheckpointStore
 
 RESULTS = Path(__file__).parent / "results"

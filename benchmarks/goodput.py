@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import goodput_jobs as jobs
-from benchmarks.job_process import run_job
+from benchmarks.harness.job_process import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 REGIMES = ("all", "free")
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         jobs.job_main(args.job)
         return
     from benchmarks import goodput_report as report
-    from benchmarks.machine import describe
+    from benchmarks.harness.machine import describe
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

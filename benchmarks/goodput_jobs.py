@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.model import FULL, QUICK, ModelConfig, RandomTokens, TinyLM
+from benchmarks.harness.model import FULL, QUICK, ModelConfig, RandomTokens, TinyLM
 
 LIGHTNING_SYSTEMS = (
     "none",
@@ -87,14 +87,15 @@ def _fsync_tree(path: Path) -> None:
 
 class DcpAsync:
     """``torch.distributed.checkpoint.async_save`` of a state every ``every`` steps, without a
-    process group (as ``benchmarks/systems.py``): one directory per save, ``FileSystemWriter``
-    (files fsynced), directories fsynced once the future is done. The previous save's future is
-    waited for before the next save starts; ``wait`` waits for the last."""
+    process group (as ``benchmarks/harness/systems.py``): one directory per save,
+    ``FileSystemWriter`` (files fsynced), directories fsynced once the future is done. The
+    previous save's future is waited for before the next save starts; ``wait`` waits for the
+    last."""
 
     def __init__(self, root: Path, every: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        import benchmarks.systems  # noqa: F401 - silences DCP's single-process warning
+        import benchmarks.harness.systems  # noqa: F401 - silences DCP's single-process warning
 
         self.dcp, self.root, self.every = dcp, root, every
         self.future: Any = None

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.model import FULL, QUICK, RandomTokens, TinyLM, train_step
-from benchmarks.state import tensor_bytes
+from benchmarks.harness.model import FULL, QUICK, RandomTokens, TinyLM, train_step
+from benchmarks.harness.state import tensor_bytes
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

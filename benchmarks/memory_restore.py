@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     ) as scratch:
         own = own_memory(mb, repeats, Path(scratch))
         peer = from_peer(mb, repeats, Path(scratch))
-    from benchmarks.machine import describe
+    from benchmarks.harness.machine import describe
 
     doc = {"machine": describe(), "loadavg": os.getloadavg(), "mb": mb, "own": own, "peer": peer}
     out = Path(args.out)

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.job_process import run_job as in_process
+from benchmarks.harness.job_process import run_job as in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("none", "store50", "memory")
@@ -112,7 +112,7 @@ def _lightning(spec: dict[str, Any], root: Path, memdir: Path) -> float:
     import lightning.pytorch as L
 
     from benchmarks.goodput_jobs import lightning_lm, token_data
-    from benchmarks.model import FULL, QUICK
+    from benchmarks.harness.model import FULL, QUICK
     from lightning_incremental import IncrementalCheckpoint
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -165,7 +165,7 @@ def _accelerate(spec: dict[str, Any], root: Path, memdir: Path) -> float:
 
     from accelerate_incremental import IncrementalCheckpointer
     from benchmarks.goodput_jobs import lm_loss, token_data
-    from benchmarks.model import FULL, QUICK, TinyLM
+    from benchmarks.harness.model import FULL, QUICK, TinyLM
 
     cfg = QUICK if spec["quick"] else FULL
     warmup, total = spec["warmup"], spec["warmup"] + spec["steps"]
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         spec = json.loads(args.job)
         Path(spec["result"]).write_text(json.dumps(run_job(spec)))
         return
-    from benchmarks.machine import describe
+    from benchmarks.harness.machine import describe
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,10 @@ _JOB = """
 import json, shutil, tempfile, time
 from pathlib import Path
 import torch
-from benchmarks.model import FULL, TinyLM
+try:
+    from benchmarks.harness.model import FULL, TinyLM
+except ModuleNotFoundError:  # a checkout from before benchmarks/harness/
+    from benchmarks.model import FULL, TinyLM
 from lightning_incremental.runtime.memory_steps import MemoryOptions, MemorySteps
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.rounds):
         for name, root in roots.items():
             runs[name].append(run(root))
-    from benchmarks.machine import describe
+    from benchmarks.harness.machine import describe
 
     best = {
         name: {key: min(r[key] for r in rs) for key in ("take_cpu_s", "step_cpu_s")}

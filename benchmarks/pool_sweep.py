@@ -1,9 +1,10 @@
 """A sweep of 4 LoRA fine-tunes of one frozen base, stored four ways, side by side.
 
 Each run is its own process, started one after the other (as a sweep's jobs are): it builds
-the benchmark's :class:`~benchmarks.model.TinyLM` from the same seed (the shared base), adds
-LoRA adapters (:mod:`benchmarks.lora`) with a seed of its own, trains them with AdamW at its
-own learning rate and checkpoints ``{"model", "optimizer"}`` every step. The checkpoints go to:
+the benchmark's :class:`~benchmarks.harness.model.TinyLM` from the same seed (the shared base),
+adds LoRA adapters (:mod:`benchmarks.harness.lora`) with a seed of its own, trains them with
+AdamW at its own learning rate and checkpoints ``{"model", "optimizer"}`` every step. The
+checkpoints go to:
 
 - ``torch``: ``torch.save`` files;
 - ``separate``: one ``CheckpointStore`` per run;
@@ -30,8 +31,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.lora import add_lora
-from benchmarks.model import FULL, QUICK, ModelConfig, RandomTokens, TinyLM, train_step
+from benchmarks.harness.lora import add_lora
+from benchmarks.harness.model import FULL, QUICK, ModelConfig, RandomTokens, TinyLM, train_step
 from lightning_incremental.core import CheckpointStore
 
 MODES = ("torch", "separate", "pool", "fork")

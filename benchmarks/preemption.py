@@ -34,7 +34,7 @@ def _job(args: argparse.Namespace) -> None:
     import lightning.pytorch as L
     import torch
 
-    from benchmarks.model import FULL, QUICK, RandomTokens, TinyLM
+    from benchmarks.harness.model import FULL, QUICK, RandomTokens, TinyLM
     from lightning_incremental import IncrementalCheckpoint
 
     logging.basicConfig(format="%(created).3f %(message)s", level=logging.INFO, force=True)
@@ -156,7 +156,7 @@ def main() -> None:
         ]
     finally:
         moto.terminate()
-    from benchmarks.machine import describe
+    from benchmarks.harness.machine import describe
 
     result = {
         "state": "QUICK" if args.quick else "FULL (209 MB)",

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="li-bench-recovery-") as scratch:
         for memory_every in (1, 0):
             rows += run(memory_every, Path(scratch))
-    from benchmarks.machine import describe
+    from benchmarks.harness.machine import describe
 
     doc = {"machine": describe(), "loadavg": os.getloadavg(), "rows": rows}
     out = Path(args.out)

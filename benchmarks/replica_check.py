@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.codec_profile import best_of
-from benchmarks.model import FULL, QUICK
-from benchmarks.scenarios import SCENARIOS, Params
+from benchmarks.harness.model import FULL, QUICK
+from benchmarks.harness.scenarios import SCENARIOS, Params
 from lightning_incremental.runtime import replicas
 
 

@@ -358,7 +358,7 @@ NOTES = [
     "- *peak extra*: the process's resident-set high-water mark during the save (until durable, "
     "background threads included) or the restore (the restored state included), minus the "
     "resident set before it; the kernel's `VmHWM`, reset through `/proc/self/clear_refs` after a "
-    "`gc.collect()` and `malloc_trim(0)` (benchmarks/memory.py: resident pages only, "
+    "`gc.collect()` and `malloc_trim(0)` (benchmarks/harness/memory.py: resident pages only, "
     "page-granular). In brackets as a multiple of the state size. No ratio to torch.save: it "
     "streams every tensor straight into the file and its extra memory is ~0, so any ratio to it "
     "is unbounded.",

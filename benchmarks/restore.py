@@ -14,7 +14,7 @@ own), best of ``--repeats``, with the files warm in the page cache and cold (evi
   for the checkpoint at the end of a chain of 1, 4 and 8 checkpoints (base plus deltas).
 
 Peak extra memory is the resident-set high-water mark above the resident set before the load
-(``benchmarks.memory``), as a multiple of the state's tensor bytes. Ratios are against
+(``benchmarks.harness.memory``), as a multiple of the state's tensor bytes. Ratios are against
 ``torch.load`` on the same cache state; GB/s is the state's tensor bytes over the time. The
 clock starts after the memory figure's set-up, which runs a full garbage collection (see
 ``child``).
@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.machine import parallel_scaling
-from benchmarks.memory import peak_extra_rss
-from benchmarks.model import FULL, QUICK
-from benchmarks.scenarios import SCENARIOS, Params
-from benchmarks.state import tensor_bytes
+from benchmarks.harness.machine import parallel_scaling
+from benchmarks.harness.memory import peak_extra_rss
+from benchmarks.harness.model import FULL, QUICK
+from benchmarks.harness.scenarios import SCENARIOS, Params
+from benchmarks.harness.state import tensor_bytes
 from lightning_incremental.core.format.records import Manifest
 
 

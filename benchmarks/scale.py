@@ -19,7 +19,7 @@ Three sweeps, each figure of ours a ratio to its baseline measured in the same r
   of five against ``torch.load`` (with what the chain's end is made of, see
   :func:`chain_makeup`); the peak extra host memory of the first save (snapshot
   buffers allocated) and of the fourth (recycled), as a multiple of the state
-  (``benchmarks.memory``: ``VmHWM``), beside ``torch.save``'s.
+  (``benchmarks.harness.memory``: ``VmHWM``), beside ``torch.save``'s.
 * **Many ranks, simulated**: the records of ``benchmarks.scale_ranks.run(ranks=...)`` (commit
   time against ranks), skipped with a note where that module is absent.
 
@@ -51,9 +51,9 @@ from typing import Any
 import torch
 
 from benchmarks.durable import torch_save
-from benchmarks.machine import describe, parallel_scaling
-from benchmarks.memory import peak_extra_rss
-from benchmarks.state import tensor_bytes
+from benchmarks.harness.machine import describe, parallel_scaling
+from benchmarks.harness.memory import peak_extra_rss
+from benchmarks.harness.state import tensor_bytes
 
 RESULTS = Path(__file__).parent / "results"
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "scale.md"

@@ -9,7 +9,7 @@ until durable before the next one starts; then each restores its newest checkpoi
 fresh model of the same layout (``--restores`` times, alternating). A 1-rank launch then restores
 both checkpoints resharded 2 → 1. Per system and checkpoint: the caller's stall, the time until
 durable, the bytes each rank wrote and its peak extra host memory
-(``benchmarks.memory.peak_extra_rss``); per restore its time and peak extra memory. Results:
+(``benchmarks.harness.memory.peak_extra_rss``); per restore its time and peak extra memory. Results:
 ``OUT/sharded.json`` and ``OUT/sharded.md``.
 """
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.memory import peak_extra_rss
+from benchmarks.harness.memory import peak_extra_rss
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -41,8 +41,8 @@ def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
     for when in ("start", "end"):
         assert doc["machine"][f"parallel_scaling_at_{when}"] > 0
     records = doc["records"]
-    from benchmarks.scenarios import SCENARIOS
-    from benchmarks.systems import SYSTEMS
+    from benchmarks.harness.scenarios import SCENARIOS
+    from benchmarks.harness.systems import SYSTEMS
 
     ran = {(r["scenario"], r["system"]) for r in records}
     assert ran == {(scenario, system) for scenario in SCENARIOS for system in SYSTEMS}, (
@@ -71,7 +71,8 @@ def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
 
 
 def test_parallel_scaling_is_measured_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    from benchmarks import machine, report
+    from benchmarks import report
+    from benchmarks.harness import machine
 
     value = machine.parallel_scaling(work=200_000, processes=2)
     assert value is not None and 0 < value < 10
@@ -115,7 +116,7 @@ def test_restore_benchmark_runs_every_system(tmp_path: Path) -> None:
 _PEAK_RSS = """
 import gc
 import numpy as np
-from benchmarks.memory import peak_extra_rss
+from benchmarks.harness.memory import peak_extra_rss
 
 held = np.ones(64 << 20, dtype=np.uint8)  # resident before the block: not extra
 with peak_extra_rss() as peak:
@@ -136,7 +137,7 @@ print(peak.extra_bytes)
 
 
 def test_peak_rss_counts_memory_freed_before_the_block_ends() -> None:
-    """The benchmarks' memory figure (``benchmarks.memory``): the high-water mark of the
+    """The benchmarks' memory figure (``benchmarks.harness.memory``): the high-water mark of the
     block, so memory allocated, touched and freed inside it counts; memory held before it does
     not, and garbage of earlier work freed inside it does not hide the block's peak. In a
     fresh interpreter: another test's threads or garbage, freed during the block, would lower
@@ -148,7 +149,7 @@ def test_peak_rss_counts_memory_freed_before_the_block_ends() -> None:
 
 
 def test_analysis_compares_the_codecs_per_tensor_kind() -> None:
-    from benchmarks import analysis
+    from benchmarks.harness import analysis
 
     g = torch.Generator().manual_seed(0)
 

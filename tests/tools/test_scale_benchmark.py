@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from benchmarks import scale, scale_report
-from benchmarks.state import tensor_bytes
+from benchmarks.harness.state import tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "guides" / "scale.md"

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.lora import add_lora
-from benchmarks.model import (
+from benchmarks.harness.lora import add_lora
+from benchmarks.harness.model import (
     FULL_EMBEDDING,
     BagClassifier,
     EmbeddingConfig,

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.state import tensors
+from benchmarks.harness.state import tensors
 from lightning_incremental.core import codecs as codec
 from lightning_incremental.core.chunks.hints import HINT_TTL
 

@@ -123,5 +123,5 @@ def describe() -> dict[str, Any]:
         "lightning": _version("lightning"),
         "accelerate": _version("accelerate"),
         "lightning_incremental": li_version,
-        "git_commit": _git_commit(Path(__file__).resolve().parent.parent),
+        "git_commit": _git_commit(Path(__file__).resolve().parents[2]),
     }

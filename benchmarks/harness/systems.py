@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from benchmarks.scenarios import Workload
-from benchmarks.state import map_tensors
+from benchmarks.harness.scenarios import Workload
+from benchmarks.harness.state import map_tensors
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""LoRA-style adapters on a frozen :class:`~benchmarks.model.TinyLM`.
+"""LoRA-style adapters on a frozen :class:`~benchmarks.harness.model.TinyLM`.
 
 Each adapted weight ``W`` (attention in/out projections, both MLP linears) becomes
 ``W + B @ A`` through ``torch.nn.utils.parametrize``: ``W`` is frozen and kept in the state dict
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from benchmarks.model import TinyLM
+from benchmarks.harness.model import TinyLM
 
 
 class LowRankDelta(nn.Module):

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from benchmarks import analysis
-from benchmarks.memory import peak_extra_rss
-from benchmarks.scenarios import Params, Scenario, Workload
-from benchmarks.state import clone, first_difference, tensor_bytes
-from benchmarks.systems import SYSTEMS, System
+from benchmarks.harness import analysis
+from benchmarks.harness.memory import peak_extra_rss
+from benchmarks.harness.scenarios import Params, Scenario, Workload
+from benchmarks.harness.state import clone, first_difference, tensor_bytes
+from benchmarks.harness.systems import SYSTEMS, System
 
 
 @dataclass

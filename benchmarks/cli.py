@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import plot, report
-from benchmarks.harness import analysis, machine
+from benchmarks.harness import machine
 from benchmarks.harness.model import (
     FULL,
     FULL_EMBEDDING,
@@ -25,6 +24,9 @@ from benchmarks.harness.model import (
 from benchmarks.harness.runner import RunSettings, run_scenario
 from benchmarks.harness.scenarios import SCENARIOS, Params
 from benchmarks.harness.systems import SYSTEMS
+from benchmarks.reports import analysis
+from benchmarks.reports import side_by_side as report
+from benchmarks.reports import side_by_side_plot as plot
 
 MODES: dict[str, tuple[ModelConfig, EmbeddingConfig, int, int]] = {
     # mode: (transformer, sparse_embedding model, checkpoints, interval)

@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.job is not None:
         jobs.job_main(args.job)
         return
-    from benchmarks import goodput_report as report
     from benchmarks.harness.machine import describe
+    from benchmarks.reports import goodput as report
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     text = report.markdown(doc)
     (out / "goodput.md").write_text(text)
     try:
-        from benchmarks import goodput_plot
+        from benchmarks.reports import goodput_plot
 
         goodput_plot.write_png(summary, out / "goodput.png")
     except ImportError:

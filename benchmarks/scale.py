@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child, args.path, args.step)
         return 0
-    from benchmarks.scale_report import update_docs, write_outputs
+    from benchmarks.reports.scale import update_docs, write_outputs
 
     machine = {**describe(), "parallel_scaling": parallel_scaling()}
     records: list[dict[str, Any]] = []

@@ -71,8 +71,8 @@ def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
 
 
 def test_parallel_scaling_is_measured_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    from benchmarks import report
     from benchmarks.harness import machine
+    from benchmarks.reports import side_by_side as report
 
     value = machine.parallel_scaling(work=200_000, processes=2)
     assert value is not None and 0 < value < 10
@@ -150,6 +150,7 @@ def test_peak_rss_counts_memory_freed_before_the_block_ends() -> None:
 
 def test_analysis_compares_the_codecs_per_tensor_kind() -> None:
     from benchmarks.harness import analysis
+    from benchmarks.reports import analysis as analysis_report
 
     g = torch.Generator().manual_seed(0)
 
@@ -177,7 +178,7 @@ def test_analysis_compares_the_codecs_per_tensor_kind() -> None:
     low, high = sorted((whole["encode_2t_race_MBps"], whole["encode_2t_hinted_MBps"]))
     assert low <= whole["encode_2t_MBps"] <= high
     assert whole["decode_2t_MBps"] > 0
-    table = analysis.markdown({"toy": rows})
+    table = analysis_report.markdown({"toy": rows})
     assert "before: ratio" in table and "| toy | weights |" in table
     assert "on 2 threads" in table
 
@@ -185,7 +186,7 @@ def test_analysis_compares_the_codecs_per_tensor_kind() -> None:
 def test_the_codec_goal_reads_the_two_thread_figures() -> None:
     """The codec goal covers the dense scenarios of the analysis; another scenario's figures
     (a sparse one, far faster) do not count, and without an analysis it is not measured."""
-    from benchmarks import report
+    from benchmarks.reports import side_by_side as report
 
     def whole(encode: float, decode: float) -> dict:
         race = encode * 0.8

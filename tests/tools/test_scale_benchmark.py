@@ -1,4 +1,4 @@
-"""The scale benchmark (``benchmarks/scale.py``, ``benchmarks/scale_report.py``) at a tiny size:
+"""The scale benchmark (``benchmarks/scale.py``, ``benchmarks/reports/scale.py``) at a tiny size:
 its records, its report, the PNG (or the note saying why there is none) and the generated
 section of its docs page."""
 
@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import scale, scale_report
+from benchmarks import scale
 from benchmarks.harness.state import tensor_bytes
+from benchmarks.reports import scale as scale_report
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "guides" / "scale.md"

@@ -1,4 +1,5 @@
-"""Summaries of the records: per scenario and system figures, goals, the Markdown report."""
+"""Summaries of the records of ``python -m benchmarks``: per scenario and system figures, goals,
+the Markdown report."""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -26,20 +25,11 @@ from benchmarks.harness.analysis import category
 from benchmarks.harness.model import FULL, FULL_EMBEDDING, QUICK, QUICK_EMBEDDING
 from benchmarks.harness.scenarios import SCENARIOS, Params
 from benchmarks.harness.state import clone, tensors
+from benchmarks.harness.timing import best_of
 from lightning_incremental.core import codecs as codec
 
 CHUNK = 4 << 20  # the engine's default chunk size
 MIN_PIECE = 64 << 10  # ignore smaller tail pieces and tensors (timings would be overhead)
-
-
-def best_of(fn: Callable[[], Any], repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls (robust to other load on the machine)."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _chunks(previous: Any, current: Any, per_kind: int) -> dict[str, list[tuple]]:

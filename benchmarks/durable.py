@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from benchmarks.harness.machine import parallel_scaling
+from benchmarks.harness.timing import torch_save
 from lightning_incremental.core import CheckpointStore
 
 RESULTS = Path(__file__).parent / "results"
@@ -50,15 +50,6 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
         opt.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         opt.step()
-
-
-def torch_save(state: Any, path: Path) -> float:
-    start = time.perf_counter()
-    with open(path, "wb") as fh:
-        torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return time.perf_counter() - start
 
 
 def _clone(state: Any) -> Any:

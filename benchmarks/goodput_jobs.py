@@ -24,9 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from benchmarks.harness.model import FULL, QUICK, ModelConfig, RandomTokens, TinyLM
+from benchmarks.harness.model import (
+    FULL,
+    QUICK,
+    ModelConfig,
+    TinyLM,
+    lightning_lm,
+    lm_loss,
+    token_data,
+)
 
 LIGHTNING_SYSTEMS = (
     "none",
@@ -63,17 +70,6 @@ def unavailable(system: str) -> str | None:
 
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-
-
-def token_data(cfg: ModelConfig, batches: int) -> list[torch.Tensor]:
-    """``batches`` batches of random sequences, one epoch, in order."""
-    tokens = RandomTokens.for_lm(cfg)
-    return [row for _ in range(batches) for row in tokens()]
 
 
 def _fsync_tree(path: Path) -> None:
@@ -144,28 +140,6 @@ def _ckpt_steps(root: Path) -> list[int]:
 
 
 # ---------------------------------------------------------------------------- Lightning
-
-
-def lightning_lm(cfg: ModelConfig, data: Any) -> Any:
-    """A LightningModule training :class:`TinyLM` with AdamW over ``data`` (batches of
-    ``cfg.batch``)."""
-    import lightning.pytorch as L
-
-    class LM(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = TinyLM(cfg)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            return self.model.loss(batch)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-        def train_dataloader(self) -> Any:
-            return torch.utils.data.DataLoader(data, batch_size=cfg.batch)
-
-    return LM()
 
 
 def run_lightning(spec: dict[str, Any], cfg: ModelConfig, root: Path) -> dict[str, Any]:

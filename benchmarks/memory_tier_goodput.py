@@ -111,8 +111,7 @@ def _lightning(spec: dict[str, Any], root: Path, memdir: Path) -> float:
 
     import lightning.pytorch as L
 
-    from benchmarks.goodput_jobs import lightning_lm, token_data
-    from benchmarks.harness.model import FULL, QUICK
+    from benchmarks.harness.model import FULL, QUICK, lightning_lm, token_data
     from lightning_incremental import IncrementalCheckpoint
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -164,8 +163,7 @@ def _accelerate(spec: dict[str, Any], root: Path, memdir: Path) -> float:
     from accelerate import Accelerator
 
     from accelerate_incremental import IncrementalCheckpointer
-    from benchmarks.goodput_jobs import lm_loss, token_data
-    from benchmarks.harness.model import FULL, QUICK, TinyLM
+    from benchmarks.harness.model import FULL, QUICK, TinyLM, lm_loss, token_data
 
     cfg = QUICK if spec["quick"] else FULL
     warmup, total = spec["warmup"], spec["warmup"] + spec["steps"]

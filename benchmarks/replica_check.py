@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.codec_profile import best_of
 from benchmarks.harness.model import FULL, QUICK
 from benchmarks.harness.scenarios import SCENARIOS, Params
+from benchmarks.harness.timing import best_of
 from lightning_incremental.runtime import replicas
 
 

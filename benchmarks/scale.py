@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.durable import torch_save
 from benchmarks.harness.machine import describe, parallel_scaling
 from benchmarks.harness.memory import peak_extra_rss
 from benchmarks.harness.state import tensor_bytes
+from benchmarks.harness.timing import torch_save
 
 RESULTS = Path(__file__).parent / "results"
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "scale.md"

@@ -3,7 +3,8 @@ embedding-heavy bag-of-ids classifier with a sparse-gradient embedding table.
 
 Real forward/backward/optimizer steps, so parameters and optimizer moments evolve the way they do
 in training (not synthetic noise). The LM head is tied to the token embedding (as in GPT-2), so
-the state dict holds each tensor once.
+the state dict holds each tensor once. The jobs that train the LM in a training loop take its
+loss, a run's batches and its LightningModule from here too.
 """
 
 from __future__ import annotations
@@ -157,3 +158,36 @@ def train_step(model: Trainable, optimizer: torch.optim.Optimizer, batch: torch.
     loss.backward()
     optimizer.step()
     return float(loss.detach())
+
+
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def token_data(cfg: ModelConfig, batches: int) -> list[torch.Tensor]:
+    """``batches`` batches of random sequences, one epoch, in order."""
+    tokens = RandomTokens.for_lm(cfg)
+    return [row for _ in range(batches) for row in tokens()]
+
+
+def lightning_lm(cfg: ModelConfig, data: Any) -> Any:
+    """A LightningModule training :class:`TinyLM` with AdamW over ``data`` (batches of
+    ``cfg.batch``)."""
+    import lightning.pytorch as L
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = TinyLM(cfg)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.model.loss(batch)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(data, batch_size=cfg.batch)
+
+    return LM()

@@ -8,7 +8,7 @@ import math
 import statistics
 from typing import Any
 
-from benchmarks.goodput_jobs import WORKLOADS
+from benchmarks.suites.goodput_jobs import WORKLOADS
 
 BASELINE = "none"
 OURS = "callback"  # the goals are about the Lightning callback

@@ -90,8 +90,9 @@ def test_parallel_scaling_is_measured_and_reported(monkeypatch: pytest.MonkeyPat
 @pytest.mark.slow
 def test_replica_check_benchmark_runs_over_two_ranks(tmp_path: Path) -> None:
     stdout = _bench(
-        "benchmarks.replica_check", "--quick", "--repeats", "1", "--json", str(tmp_path / "r.json")
-    )
+        "benchmarks.suites.replica_check", "--quick", "--repeats", "1",
+        "--json", str(tmp_path / "r.json"),
+    )  # fmt: skip
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["ranks"] == 2 and result["tensors"] > 10
     assert result["state_bytes"] > 1_000_000
@@ -101,7 +102,7 @@ def test_replica_check_benchmark_runs_over_two_ranks(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_restore_benchmark_runs_every_system(tmp_path: Path) -> None:
     _bench(
-        "benchmarks.restore", "--quick", "--repeats", "1", "--chains", "1", "2",
+        "benchmarks.suites.restore", "--quick", "--repeats", "1", "--chains", "1", "2",
         "--dir", str(tmp_path / "r"), "--json", str(tmp_path / "r.json"),
     )  # fmt: skip
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
@@ -208,7 +209,7 @@ def test_the_codec_goal_reads_the_two_thread_figures() -> None:
 def test_quality_and_durable_benchmarks_run(tmp_path: Path) -> None:
     for args in (
         [
-            "benchmarks.quality",
+            "benchmarks.suites.quality",
             "--layers",
             "1",
             "--dim",
@@ -221,7 +222,7 @@ def test_quality_and_durable_benchmarks_run(tmp_path: Path) -> None:
             "10",
         ],
         # coded in full: under auto a disk faster than the codec gets chunks stored as they are
-        ["benchmarks.durable", "--sizes", "8", "--repeats", "1", "--interval", "2"]
+        ["benchmarks.suites.durable", "--sizes", "8", "--repeats", "1", "--interval", "2"]
         + ["--codec-effort", "full"],
     ):
         _bench(*args, "--out", str(tmp_path))
@@ -238,14 +239,14 @@ def test_sharded_and_codec_profile_benchmarks_run(tmp_path: Path) -> None:
     codec profile end to end, on tiny states: they reach into the store's parts and the codec
     registry, which a refactoring can move."""
     _bench(
-        "benchmarks.sharded", "--mb", "4", "--checkpoints", "2", "--restores", "1",
+        "benchmarks.suites.sharded", "--mb", "4", "--checkpoints", "2", "--restores", "1",
         "--out", str(tmp_path), timeout=600,
     )  # fmt: skip
     report = json.loads((tmp_path / "sharded.json").read_text())
     assert report
     profile = tmp_path / "profile.md"
     _bench(
-        "benchmarks.codec_profile", "--quick", "--scenarios", "dense_fp32", "--chunks", "1",
+        "benchmarks.suites.codec_profile", "--quick", "--scenarios", "dense_fp32", "--chunks", "1",
         "--repeats", "1", "--markdown", str(profile), timeout=600,
     )  # fmt: skip
     assert "single-thread MB/s" in profile.read_text()
@@ -256,7 +257,7 @@ def test_goodput_benchmark_counts_saves_and_reports_overheads(tmp_path: Path) ->
     import math
 
     _bench(
-        "benchmarks.goodput", "--quick", "--systems", "none,callback,modelcheckpoint",
+        "benchmarks.suites.goodput", "--quick", "--systems", "none,callback,modelcheckpoint",
         "--intervals", "5", "--regimes", "free", "--workloads", "lightning",
         "--out", str(tmp_path), timeout=240,
     )  # fmt: skip
@@ -293,7 +294,9 @@ def test_goodput_benchmark_counts_saves_and_reports_overheads(tmp_path: Path) ->
 def test_memory_restore_benchmark_reads_own_memory_and_a_peers(tmp_path: Path) -> None:
     """The memory tier's restore benchmark: a resume from this node's memory and one from the
     other node's (two gloo processes), each beside its baseline."""
-    _bench("benchmarks.memory_restore", "--mb", "8", "--repeats", "2", "--out", str(tmp_path))
+    _bench(
+        "benchmarks.suites.memory_restore", "--mb", "8", "--repeats", "2", "--out", str(tmp_path)
+    )
     doc = json.loads((tmp_path / "memory_restore.json").read_text())
     own, peer = doc["own"], doc["peer"]
     assert own["part_bytes"] >= 8 << 20 and peer["part_bytes"] >= 8 << 20

@@ -1,6 +1,6 @@
-"""The scale benchmark (``benchmarks/scale.py``, ``benchmarks/reports/scale.py``) at a tiny size:
-its records, its report, the PNG (or the note saying why there is none) and the generated
-section of its docs page."""
+"""The scale benchmark (``benchmarks/suites/scale.py``, ``benchmarks/reports/scale.py``) at a
+tiny size: its records, its report, the PNG (or the note saying why there is none) and the
+generated section of its docs page."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import scale
 from benchmarks.harness.state import tensor_bytes
 from benchmarks.reports import scale as scale_report
+from benchmarks.suites import scale
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "guides" / "scale.md"
@@ -167,7 +167,7 @@ def test_the_sweeps_measure_every_figure_at_a_tiny_size(
 def test_the_ranks_sweep_is_skipped_with_a_note_or_takes_the_modules_records(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(sys.modules, "benchmarks.scale_ranks", None)  # not importable
+    monkeypatch.setitem(sys.modules, "benchmarks.suites.scale_ranks", None)  # not importable
     rows, note = scale.ranks_sweep((2, 4))
     assert rows == [] and note and "skipped" in note
 
@@ -177,9 +177,9 @@ def test_the_ranks_sweep_is_skipped_with_a_note_or_takes_the_modules_records(
         seen.append(ranks)
         return [{"ranks": n, "figure": "commit", "ours": 0.01 * n, "unit": "s"} for n in ranks]
 
-    fake = types.ModuleType("benchmarks.scale_ranks")
+    fake = types.ModuleType("benchmarks.suites.scale_ranks")
     fake.run = run  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "benchmarks.scale_ranks", fake)
+    monkeypatch.setitem(sys.modules, "benchmarks.suites.scale_ranks", fake)
     rows, note = scale.ranks_sweep((2, 4))
     assert note is None and seen == [(2, 4)]
     assert [(r["sweep"], r["ranks"]) for r in rows] == [("ranks", 2), ("ranks", 4)]
@@ -325,7 +325,7 @@ def test_the_command_writes_its_report(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "benchmarks.scale",
+            "benchmarks.suites.scale",
             "--tensors",
             "100",
             "--big-gb",

@@ -14,7 +14,7 @@ checkpoints go to:
 
 Reported: the bytes each layout holds, against one ``torch.save`` of the base's weights.
 
-    python -m benchmarks.pool_sweep [--quick] [--out DIR]
+    python -m benchmarks.suites.pool_sweep [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _bytes(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.pool_sweep")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suites.pool_sweep")
     parser.add_argument("--quick", action="store_true", help="the small model (seconds)")
     parser.add_argument("--out", type=Path, default=None, help="write pool_sweep.json/.md here")
     parser.add_argument("--child", nargs=3, metavar=("MODE", "RUN", "ROOT"), help=argparse.SUPPRESS)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 base_store(root, cfg)
             started = time.perf_counter()
             for run in range(RUNS):  # one process after the other
-                command = [sys.executable, "-m", "benchmarks.pool_sweep", "--child", mode]
+                command = [sys.executable, "-m", "benchmarks.suites.pool_sweep", "--child", mode]
                 command += [str(run), str(root)] + (["--quick"] if args.quick else [])
                 subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
             stored = _bytes(root)

@@ -1,4 +1,4 @@
-"""Time to durable against ``torch.save``: ``python -m benchmarks.durable``.
+"""Time to durable against ``torch.save``: ``python -m benchmarks.suites.durable``.
 
 For each state size (a stack of square Linear layers trained with AdamW: weights plus both
 moments, fp32), takes three states ``--interval`` training steps apart and times:
@@ -32,7 +32,7 @@ from benchmarks.harness.machine import parallel_scaling
 from benchmarks.harness.timing import torch_save
 from lightning_incremental.core import CheckpointStore
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent.parent / "results"
 
 
 def build(megabytes: int, width: int = 1024) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -158,7 +158,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.durable", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.suites.durable", description=__doc__)
     p.add_argument("--sizes", default="100,400,900", help="state sizes in MB")
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)

@@ -1,21 +1,23 @@
 """The memory tier's training-time overhead: memory every step plus the persistent store every
 50 steps, against no checkpointing (and the store every 50 alone), in one interleaved run.
 
-``python -m benchmarks.memory_tier_goodput [--quick] [--out DIR] [--repeats N]``. The harness is
-the goodput benchmark's (``goodput.py``, ``goodput_jobs.py``): every (workload, system, regime)
-is a job in a fresh process that trains the benchmark LM (FULL: 17.4 M parameters, ~209 MB of
-fp32 + AdamW state) on random tokens for ``warmup`` untimed steps (one memory step and nothing in
-flight when the clock starts) and then ``steps`` timed steps (default 50: 50 memory steps and
-one store save, at step 50). The two CPU regimes are the goodput benchmark's: *all cores*
-trains with torch's default threads, *a core free* with one (``torch.set_num_threads(1)``),
-leaving the other core to the background work. Overhead = (T_system - T_none) / T_none, T_none
-measured in the same run, each figure the best of ``repeats`` jobs run in a rotating order.
+``python -m benchmarks.suites.memory_tier_goodput [--quick] [--out DIR] [--repeats N]``. The
+harness is the goodput benchmark's (``goodput.py``, ``goodput_jobs.py``): every (workload,
+system, regime) is a job in a fresh process that trains the benchmark LM (FULL: 17.4 M
+parameters, ~209 MB of fp32 + AdamW state) on random tokens for ``warmup`` untimed steps (one
+memory step and nothing in flight when the clock starts) and then ``steps`` timed steps (default
+50: 50 memory steps and one store save, at step 50). The two CPU regimes are the goodput
+benchmark's: *all cores* trains with torch's default threads, *a core free* with one
+(``torch.set_num_threads(1)``), leaving the other core to the background work. Overhead =
+(T_system - T_none) / T_none, T_none measured in the same run, each figure the best of
+``repeats`` jobs run in a rotating order.
 
 Systems: ``none``; ``store50`` (``IncrementalCheckpoint`` / ``IncrementalCheckpointer`` every 50
 steps); ``memory`` (the same, plus ``memory_every_n_train_steps=1`` / ``memory_every_n_steps=1``,
 one replica: on one node nothing is sent); with ``--before DIR`` (another checkout of the
-project, holding this file), ``memory_before``: ``memory`` run from that checkout, in the same
-rotation, so that a before/after comparison on a shared machine sees the same load.
+project, holding this file, or ``benchmarks/memory_tier_goodput.py`` in a checkout from before
+the benchmarks were sorted into folders), ``memory_before``: ``memory`` run from that checkout,
+in the same rotation, so that a before/after comparison on a shared machine sees the same load.
 
 Memory, sampled every 20 ms by a thread of the job: the process's anonymous resident memory
 (``RssAnon``) plus the bytes the job's memory directory (a tmpfs under ``/dev/shm``) holds; the
@@ -41,7 +43,7 @@ from typing import Any
 
 from benchmarks.harness.job_process import run_job as in_process
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("none", "store50", "memory")
 BEFORE = "memory_before"  # ``memory`` from the checkout given by --before
 REGIMES = ("all", "free")
@@ -233,6 +235,14 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- the driver
 
 
+def job_module(root: Path) -> str:
+    """The module that runs a job in the checkout ``root``: this one, or where it was before the
+    benchmarks were sorted into folders (a ``--before`` checkout may be that old)."""
+    if (root / "benchmarks" / "memory_tier_goodput.py").is_file():
+        return "benchmarks.memory_tier_goodput"
+    return "benchmarks.suites.memory_tier_goodput"
+
+
 def run_one(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     job_dir = Path(tempfile.mkdtemp(prefix="memory-goodput-", dir=work))
     spec = {**spec, "dir": str(job_dir), "result": str(job_dir / "result.json")}
@@ -240,7 +250,7 @@ def run_one(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     # the checkout before runs its memory tier under this module's job
     job = {**spec, "system": "memory"} if spec["system"] == BEFORE else spec
     try:
-        record = in_process("benchmarks.memory_tier_goodput", job, root, JOB_TIMEOUT_S)
+        record = in_process(job_module(root), job, root, JOB_TIMEOUT_S)
         return {**record, "system": spec["system"]}
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
@@ -382,7 +392,7 @@ def _commit(path: str) -> str | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_tier_goodput")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suites.memory_tier_goodput")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="the ~6 MB QUICK model")
     parser.add_argument("--out", default="bench_out", help="output directory (default bench_out/)")

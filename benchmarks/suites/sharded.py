@@ -1,6 +1,6 @@
 """Sharded checkpoints: ours against DCP ``save`` and ``async_save`` on the same FSDP2 state.
 
-    python -m benchmarks.sharded [--mb 200] [--checkpoints 7] [--restores 5] [--out DIR]
+    python -m benchmarks.suites.sharded [--mb 200] [--checkpoints 7] [--restores 5] [--out DIR]
 
 Launches ``torchrun`` twice (gloo, CPU): 2 ranks train an MLP under FSDP2 + AdamW (about
 ``--mb`` MB of parameters and optimizer state in total) and, after each training step, every
@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks.harness.memory import peak_extra_rss
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -223,7 +223,7 @@ def _held(store: Any) -> int:
 def _launch(nproc: int, mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-        str(nproc), "-m", "benchmarks.sharded", "--worker", mode, "--work", str(work),
+        str(nproc), "-m", "benchmarks.suites.sharded", "--worker", mode, "--work", str(work),
         "--mb", str(args.mb), "--checkpoints", str(args.checkpoints),
         "--restores", str(args.restores),
     ]  # fmt: skip
@@ -245,7 +245,7 @@ def _summary(save: dict[str, Any], reshard: dict[str, Any], args: argparse.Names
     lines = [
         "# Sharded checkpoints: ours vs DCP save / async_save",
         "",
-        f"`python -m benchmarks.sharded --mb {args.mb} --checkpoints {args.checkpoints} "
+        f"`python -m benchmarks.suites.sharded --mb {args.mb} --checkpoints {args.checkpoints} "
         f"--restores {args.restores}`: 2 gloo "
         f"ranks on CPU, FSDP2 + AdamW, {save['layers']} Linear(2048, 2048) layers. A checkpoint "
         "follows each training step (every parameter and moment changes: dense updates). "

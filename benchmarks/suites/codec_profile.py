@@ -1,8 +1,8 @@
 """Stage-by-stage cost and what-if compression of the engine's chunk codec on real states.
 
-``python -m benchmarks.codec_profile``: trains a scenario's model for two checkpoint intervals,
-then for chunks of each tensor kind (weights, exp_avg, exp_avg_sq) times every stage of encode
-(hash, byte grouping, XOR, zstd, the byte-plane codecs) and decode on one thread,
+``python -m benchmarks.suites.codec_profile``: trains a scenario's model for two checkpoint
+intervals, then for chunks of each tensor kind (weights, exp_avg, exp_avg_sq) times every stage
+of encode (hash, byte grouping, XOR, zstd, the byte-plane codecs) and decode on one thread,
 best of ``--repeats`` (robust to other load on the machine), next to a plain memcpy; and
 compares the compression of alternatives (zstd levels, no grouping, arithmetic delta).
 """
@@ -184,7 +184,8 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.codec_profile", description=__doc__)
+    prog = "python -m benchmarks.suites.codec_profile"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--scenarios", default="dense_fp32,bf16")
     p.add_argument("--interval", type=int, default=10)

@@ -1,4 +1,5 @@
-"""Does training resume as well from a quantized checkpoint? ``python -m benchmarks.quality``.
+"""Does training resume as well from a quantized checkpoint?
+``python -m benchmarks.suites.quality``.
 
 Trains a small GPT-2-style language model (random init; character-level on this repository's own
 Python sources, a bundled text), saving a checkpoint every ``--every`` steps into three stores at
@@ -31,7 +32,7 @@ from lightning_incremental.core import CheckpointStore
 POLICIES = ("exact", "bf16", "int8")
 NOISE = "exact, exp_avg + 1 ulp"  # the control: how far any perturbation drifts
 FINAL = 50  # steps averaged for the final difference
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent.parent / "results"
 
 
 class Block(nn.Module):
@@ -72,7 +73,7 @@ class GPT(nn.Module):
 
 def corpus() -> torch.Tensor:
     """The bytes of this repository's Python sources (a bundled, learnable text)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     files = sorted((root / "lightning_incremental").rglob("*.py"))
     text = b"".join(f.read_bytes() for f in files)
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
@@ -254,7 +255,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.suites.quality", description=__doc__)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)

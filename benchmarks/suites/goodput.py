@@ -1,7 +1,7 @@
 """Goodput: the training throughput that checkpointing costs, for our callback, plug-in and
 Accelerate checkpointer against what users checkpoint with today, in one interleaved run.
 
-``python -m benchmarks.goodput [--quick] [--out DIR]``. Every (workload, system, regime,
+``python -m benchmarks.suites.goodput [--quick] [--out DIR]``. Every (workload, system, regime,
 interval) is a job in a fresh process (``--job``, see ``goodput_jobs.py``) that trains the
 benchmark LM (FULL: 17.4 M parameters, ~209 MB of fp32 + AdamW state) on random tokens for a
 few warm-up steps and then ``steps`` timed steps, checkpointing every ``interval`` steps into
@@ -38,10 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import goodput_jobs as jobs
 from benchmarks.harness.job_process import run_job
+from benchmarks.suites import goodput_jobs as jobs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REGIMES = ("all", "free")
 # intervals per regime without --intervals (see the docstring: a core free every 50 steps would
 # cost ~4 min for one save per job)
@@ -64,7 +64,7 @@ def _csv(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.goodput",
+        prog="python -m benchmarks.suites.goodput",
         description="Lost training throughput of checkpointing, against today's systems.",
     )
     parser.add_argument("--job", help=argparse.SUPPRESS)
@@ -210,7 +210,7 @@ def run_one(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     spec = {**spec, "dir": str(job_dir / "ckpt"), "result": str(job_dir / "result.json")}
     started = time.perf_counter()
     try:
-        record = run_job("benchmarks.goodput", spec, ROOT, JOB_TIMEOUT_S)
+        record = run_job("benchmarks.suites.goodput", spec, ROOT, JOB_TIMEOUT_S)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
     record.pop("dir", None)

@@ -1,6 +1,6 @@
 """From a failure to training again: the memory tier every step against the store alone.
 
-``python -m benchmarks.recovery [--out DIR]``
+``python -m benchmarks.suites.recovery [--out DIR]``
 
 Two torchrun agents as two nodes on this machine (one training process each, each node with its
 own memory directory), running the Lightning DDP job of ``tests/jobs/memory_job.py`` (a tiny
@@ -31,7 +31,7 @@ from typing import Any
 
 from tests.jobs import two_nodes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "jobs" / "memory_job.py"
 KILLS = ("1:25", "@memory1:29:node", "0:31:all")
 FAILURES = ("process", "node", "both")
@@ -82,7 +82,7 @@ def report(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.recovery")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suites.recovery")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     rows = []

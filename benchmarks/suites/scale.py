@@ -1,4 +1,4 @@
-"""Cost against size: ``python -m benchmarks.scale [--quick] [--results]``.
+"""Cost against size: ``python -m benchmarks.suites.scale [--quick] [--results]``.
 
 Three sweeps, each figure of ours a ratio to its baseline measured in the same run:
 
@@ -20,7 +20,7 @@ Three sweeps, each figure of ours a ratio to its baseline measured in the same r
   :func:`chain_makeup`); the peak extra host memory of the first save (snapshot
   buffers allocated) and of the fourth (recycled), as a multiple of the state
   (``benchmarks.harness.memory``: ``VmHWM``), beside ``torch.save``'s.
-* **Many ranks, simulated**: the records of ``benchmarks.scale_ranks.run(ranks=...)`` (commit
+* **Many ranks, simulated**: the records of ``benchmarks.suites.scale_ranks.run(ranks=...)`` (commit
   time against ranks), skipped with a note where that module is absent.
 
 Times are the best of ``--repeats``; every store is on the same local disk as the baseline's
@@ -55,8 +55,8 @@ from benchmarks.harness.memory import peak_extra_rss
 from benchmarks.harness.state import tensor_bytes
 from benchmarks.harness.timing import torch_save
 
-RESULTS = Path(__file__).parent / "results"
-DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "scale.md"
+RESULTS = Path(__file__).parent.parent / "results"
+DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "scale.md"
 TENSOR_NUMEL = 1024  # 4 KiB of float32
 BIG_TENSORS = 8
 CHAIN = 5
@@ -128,7 +128,8 @@ def child(kind: str, path: str, step: int | None) -> None:
 
 def fresh_restore(kind: str, path: Path, repeats: int, step: int | None = None) -> float:
     """Best seconds of ``repeats`` restores, each in a new process."""
-    command = [sys.executable, "-m", "benchmarks.scale", "--child", kind, "--path", str(path)]
+    command = [sys.executable, "-m", "benchmarks.suites.scale", "--child", kind]
+    command += ["--path", str(path)]
     command += ["--step", str(step)] if step is not None else []
     best = math.inf
     for _ in range(repeats):
@@ -495,11 +496,11 @@ def big_sweep(nbytes: int, root: Path, repeats: int) -> list[dict[str, Any]]:
 def ranks_sweep(ranks: tuple[int, ...]) -> tuple[list[dict[str, Any]], str | None]:
     """The simulated many-ranks records, or a note why there are none."""
     try:
-        module = importlib.import_module("benchmarks.scale_ranks")
+        module = importlib.import_module("benchmarks.suites.scale_ranks")
     except ModuleNotFoundError as error:
-        if error.name != "benchmarks.scale_ranks":
+        if error.name != "benchmarks.suites.scale_ranks":
             raise
-        return [], "many ranks: skipped, benchmarks/scale_ranks.py is not in this checkout"
+        return [], "many ranks: skipped, benchmarks/suites/scale_ranks.py is not in this checkout"
     rows = [dict(r) for r in module.run(ranks=ranks)]
     for r in rows:
         r.setdefault("sweep", "ranks")
@@ -519,7 +520,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.scale",
+        prog="python -m benchmarks.suites.scale",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

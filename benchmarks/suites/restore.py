@@ -1,7 +1,7 @@
 """Restore: time and peak extra memory against ``torch.load`` and DCP ``load``, in one run.
 
-``python -m benchmarks.restore [--quick] [--scenario S] [--chains 1 4 8] [--json FILE]``: trains
-the ``dense_fp32`` workload (a 210 MB fp32 + AdamW state; ``--quick``: 6 MB; ``--scenario
+``python -m benchmarks.suites.restore [--quick] [--scenario S] [--chains 1 4 8] [--json FILE]``:
+trains the ``dense_fp32`` workload (a 210 MB fp32 + AdamW state; ``--quick``: 6 MB; ``--scenario
 frozen90``: 90 % frozen, where delta chains reach their full depth) and saves it to this
 engine's store (a full base, then deltas every ``--interval`` training steps), ``torch.save`` and
 DCP ``save`` on local disk. Then every restore runs in a fresh process (its memory figures are its
@@ -152,7 +152,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def _run_child(
     root: Path, system: str, cold: bool, quick: bool, step: int | None, scenario: str
 ) -> dict:
-    command = [sys.executable, "-m", "benchmarks.restore", "--child", system, "--root", str(root)]
+    command = [sys.executable, "-m", "benchmarks.suites.restore", "--child", system]
+    command += ["--root", str(root)]
     command += ["--cold"] if cold else []
     command += ["--quick"] if quick else []
     command += ["--step", str(step)] if step is not None else []

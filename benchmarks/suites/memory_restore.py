@@ -1,6 +1,6 @@
 """Restore from the memory tier against ``torch.load`` and a plain gloo send, each in the same run.
 
-``python -m benchmarks.memory_restore [--mb N] [--repeats R] [--quick] [--out DIR]``
+``python -m benchmarks.suites.memory_restore [--mb N] [--repeats R] [--quick] [--out DIR]``
 
 * **Own node's memory**: a process takes one memory step of a state of ``--mb`` MB (float32
   tensors of 16 MiB, the benchmark's default 512 MB) into a memory directory under ``/dev/shm``
@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TENSOR_BYTES = 16 << 20
 
 _COMMON = """
@@ -234,7 +234,7 @@ def report(own: dict[str, Any], peer: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_restore")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suites.memory_restore")
     parser.add_argument("--mb", type=int, default=None, help="state size in MB (default 512)")
     parser.add_argument("--repeats", type=int, default=None, help="best of (default 3)")
     parser.add_argument("--quick", action="store_true", help="32 MB, best of 1")

@@ -2,11 +2,11 @@
 benchmark's 209 MB training state (the 17.4 M-parameter transformer LM with AdamW), on local disk
 and on an S3 endpoint on loopback (moto's server, as the tests use).
 
-``python -m benchmarks.preemption [--quick] [--out DIR]``: each target runs a real Lightning job in
-its own process with ``IncrementalCheckpoint(every_n_train_steps=10)``, sends it SIGTERM after
-step 15 (between two scheduled saves), and reads the job's own log for the moment the signal
-arrived and the moment the last checkpoint committed; the exit is timed by this process. Results
-go to ``DIR/preemption.{json,md}`` (default ``benchmarks/results``).
+``python -m benchmarks.suites.preemption [--quick] [--out DIR]``: each target runs a real
+Lightning job in its own process with ``IncrementalCheckpoint(every_n_train_steps=10)``, sends it
+SIGTERM after step 15 (between two scheduled saves), and reads the job's own log for the moment
+the signal arrived and the moment the last checkpoint committed; the exit is timed by this
+process. Results go to ``DIR/preemption.{json,md}`` (default ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIGNAL_AFTER = 15
 
 
@@ -100,7 +100,8 @@ def _s3_options(endpoint: str) -> dict[str, Any]:
 
 def _measure(name: str, url: str, options: dict[str, Any] | None, quick: bool) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix=f"preempt-{name}-"))
-    cmd = [sys.executable, "-m", "benchmarks.preemption", "--job", "--dir", url, "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.suites.preemption", "--job", "--dir", url]
+    cmd += ["--out", str(out)]
     cmd += ["--storage-options", json.dumps(options)] if options else []
     cmd += ["--quick"] if quick else []
     env = dict(os.environ, PYTHONPATH=str(ROOT))

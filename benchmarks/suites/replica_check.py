@@ -1,8 +1,8 @@
 """What the replica check costs per checkpoint, against a training step and a ``torch.save``.
 
-``python -m benchmarks.replica_check [--quick] [--ranks 2]``: trains the ``dense_fp32`` workload
-(the 210 MB-state transformer; ``--quick``: the 6 MB one) for a few steps, then times, best of
-``--repeats``:
+``python -m benchmarks.suites.replica_check [--quick] [--ranks 2]``: trains the ``dense_fp32``
+workload (the 210 MB-state transformer; ``--quick``: the 6 MB one) for a few steps, then times,
+best of ``--repeats``:
 
 - one training step (forward, backward, AdamW step; one torch thread, as in the main benchmark);
 - the check as the adapters run it: fingerprint the weights and optimizer state (one XXH3-128

@@ -4,7 +4,7 @@ to host and the write, synchronous), DCP ``async_save`` (blocked for its staging
 incremental store (blocked while the copies are queued on the side stream; see
 ``lightning_incremental/core/save/snapshot.py``), with a real training step between saves.
 
-``python -m benchmarks.gpu_stall [--quick] [--saves N] [--out DIR]`` writes
+``python -m benchmarks.suites.gpu_stall [--quick] [--saves N] [--out DIR]`` writes
 ``DIR/gpu_stall.{json,md}``. Needs a CUDA device; ``scripts/device-check.sh`` runs it.
 """
 
@@ -87,13 +87,14 @@ def measure(quick: bool, saves: int, work: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_stall", description=__doc__)
+    prog = "python -m benchmarks.suites.gpu_stall"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.gpu_stall needs a CUDA device")
+        raise SystemExit("benchmarks.suites.gpu_stall needs a CUDA device")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu-stall-") as work:

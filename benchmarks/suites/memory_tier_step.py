@@ -1,7 +1,7 @@
 """CPU time of one memory step, on the training thread and in all: a figure that a shared
 machine's load disturbs far less than wall-clock time.
 
-``python -m benchmarks.memory_tier_step [--before DIR] [--rounds N] [--out DIR]``. Each round
+``python -m benchmarks.suites.memory_tier_step [--before DIR] [--rounds N] [--out DIR]``. Each round
 runs, in a fresh process per checkout (this one, and ``--before``'s), the memory tier's
 ``take`` of the benchmark LM's checkpoint (FULL: 17.4 M parameters with AdamW, ~209 MB) for 15
 steps on one torch thread, and records per step from the 4th on: the training thread's CPU time
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 _JOB = """
 import json, shutil, tempfile, time
@@ -75,7 +75,7 @@ def run(root: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_tier_step")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suites.memory_tier_step")
     parser.add_argument("--before", help="another checkout of the project to compare with")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="bench_out")

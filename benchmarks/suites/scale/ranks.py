@@ -1,7 +1,7 @@
 """Many ranks, simulated: what the coordinator, a resharded load and retention cost against the
 number of ranks of a sharded save, on the real code paths, in one process.
 
-    python -m benchmarks.suites.scale_ranks [--ranks 16,256,4096] [--tensors 8]
+    python -m benchmarks.suites.scale.ranks [--ranks 16,256,4096] [--tensors 8]
 
 No process group is started: each of N simulated ranks has written its part (one pack of
 stored, verifiable chunks, a piece of every tensor: each tensor is split by rows over every
@@ -23,8 +23,8 @@ to the coordinator. On a local store, per N:
 
 Each phase is timed with ``time.perf_counter``: the plan best of ``repeats``, the merge (which
 is pure) best of at least three, the commit and the ``gc`` plan once (the second step's commit
-is kept). Records are those of :func:`benchmarks.suites.scale.record` (``sweep`` ``"ranks"``,
-``size`` the ranks, ``unit`` ``"s"``) with the counts as extra keys.
+is kept). Records are those of :func:`benchmarks.suites.scale.figures.record` (``sweep``
+``"ranks"``, ``size`` the ranks, ``unit`` ``"s"``) with the counts as extra keys.
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.suites.scale_ranks", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.suites.scale.ranks", description=__doc__)
     p.add_argument("--ranks", default="16,256,4096", help="simulated ranks, e.g. 16,256,4096")
     p.add_argument("--tensors", type=int, default=8, help="tensors, each split over every rank")
     p.add_argument("--repeats", type=int, default=1)

@@ -4,7 +4,8 @@
 #      ordered against training's later work, load(into=) onto device tensors, a bit-exact
 #      resume of a Lightning run on accelerator="gpu");
 #   2. the training stall per checkpoint on the GPU (benchmarks/suites/gpu_stall.py);
-#   3. the goodput benchmark on the GPU, both workloads, a save every 10 steps (benchmarks.suites.goodput).
+#   3. the goodput benchmark on the GPU, both workloads, a save every 10 steps
+#      (benchmarks.suites.goodput).
 # Usage, from the repository root:  scripts/device-check.sh [REPORT_DIR]   (default: $OUT, else
 # device_out). Writes REPORT_DIR/report.md (a summary of everything) and the logs and JSON it
 # is made from. Exits non-zero when a test failed or a step did not finish.

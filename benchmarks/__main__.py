@@ -1,3 +1,3 @@
-from benchmarks.cli import main
+from benchmarks.suites.side_by_side import main
 
 raise SystemExit(main())

@@ -3,8 +3,9 @@
 #   1. the GPU-marked tests (tests/gpu: the pinned-memory snapshot, the copies on a side stream
 #      ordered against training's later work, load(into=) onto device tensors, a bit-exact
 #      resume of a Lightning run on accelerator="gpu");
-#   2. the training stall per checkpoint on the GPU (benchmarks/gpu_stall.py);
-#   3. the goodput benchmark on the GPU, both workloads, a save every 10 steps (benchmarks.goodput).
+#   2. the training stall per checkpoint on the GPU (benchmarks/suites/gpu_stall.py);
+#   3. the goodput benchmark on the GPU, both workloads, a save every 10 steps
+#      (benchmarks.suites.goodput).
 # Usage, from the repository root:  scripts/device-check.sh [REPORT_DIR]   (default: $OUT, else
 # device_out). Writes REPORT_DIR/report.md (a summary of everything) and the logs and JSON it
 # is made from. Exits non-zero when a test failed or a step did not finish.
@@ -50,8 +51,8 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, its output in 
 cat "$REPORT/machine.txt"
 
 step gpu-tests 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs
-step gpu-stall 90 "$PY" -m benchmarks.gpu_stall --out "$REPORT"
-step goodput 240 "$PY" -m benchmarks.goodput --device cuda --regimes free --intervals 10 \
+step gpu-stall 90 "$PY" -m benchmarks.suites.gpu_stall --out "$REPORT"
+step goodput 240 "$PY" -m benchmarks.suites.goodput --device cuda --regimes free --intervals 10 \
     --steps 50 --repeats 1 --systems none,callback,plugin,modelcheckpoint,async_io,incremental,save_state \
     --out "$REPORT/goodput"
 

@@ -1,11 +1,11 @@
 """A Lightning DDP job over two torchrun agents (two nodes, of one or two processes each) with the
 memory tier every step and the store every 10 steps, for ``tests/multiprocess/test_memory_tier.py``
-(two processes a node) and ``benchmarks.recovery`` (one).
+(two processes a node) and ``benchmarks.suites.recovery`` (one).
 
 ``python -m torch.distributed.run --nnodes=2 --nproc-per-node=P ... tests/jobs/memory_job.py
 --dir D --out O [--kill RANK:STEP[:wipe|:node|:all] ...] [--memory-every N] [--no-reference]``, each
 agent with its own ``LIGHTNING_INCREMENTAL_MEMORY_DIR`` (``--memory-every 0``: the store alone, for
-``benchmarks.recovery``).
+``benchmarks.suites.recovery``).
 
 Unless ``--no-reference``, the first incarnation first trains an uninterrupted reference (memory
 tier off, its own store) and saves each rank's final weights to ``O/ref_rank<r>.pt``; then the

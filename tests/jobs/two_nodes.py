@@ -1,6 +1,6 @@
 """Two torchrun agents as two nodes on this machine (one training process each unless told, each
 node with its own memory directory), for the memory tier's two-node tests and
-``benchmarks.recovery``.
+``benchmarks.suites.recovery``.
 
 :func:`run` starts node 0 (it hosts the rendezvous) and node 1 with a job; when the job reports a
 node lost whole (a ``"node": true`` event: agent and process SIGKILLed), it starts a replacement

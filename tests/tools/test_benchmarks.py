@@ -41,8 +41,8 @@ def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
     for when in ("start", "end"):
         assert doc["machine"][f"parallel_scaling_at_{when}"] > 0
     records = doc["records"]
-    from benchmarks.scenarios import SCENARIOS
-    from benchmarks.systems import SYSTEMS
+    from benchmarks.harness.scenarios import SCENARIOS
+    from benchmarks.harness.systems import SYSTEMS
 
     ran = {(r["scenario"], r["system"]) for r in records}
     assert ran == {(scenario, system) for scenario in SCENARIOS for system in SYSTEMS}, (
@@ -71,7 +71,8 @@ def test_quick_benchmark_runs_and_reports(tmp_path: Path) -> None:
 
 
 def test_parallel_scaling_is_measured_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    from benchmarks import machine, report
+    from benchmarks.harness import machine
+    from benchmarks.reports import side_by_side as report
 
     value = machine.parallel_scaling(work=200_000, processes=2)
     assert value is not None and 0 < value < 10
@@ -89,8 +90,9 @@ def test_parallel_scaling_is_measured_and_reported(monkeypatch: pytest.MonkeyPat
 @pytest.mark.slow
 def test_replica_check_benchmark_runs_over_two_ranks(tmp_path: Path) -> None:
     stdout = _bench(
-        "benchmarks.replica_check", "--quick", "--repeats", "1", "--json", str(tmp_path / "r.json")
-    )
+        "benchmarks.suites.replica_check", "--quick", "--repeats", "1",
+        "--json", str(tmp_path / "r.json"),
+    )  # fmt: skip
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["ranks"] == 2 and result["tensors"] > 10
     assert result["state_bytes"] > 1_000_000
@@ -100,7 +102,7 @@ def test_replica_check_benchmark_runs_over_two_ranks(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_restore_benchmark_runs_every_system(tmp_path: Path) -> None:
     _bench(
-        "benchmarks.restore", "--quick", "--repeats", "1", "--chains", "1", "2",
+        "benchmarks.suites.restore", "--quick", "--repeats", "1", "--chains", "1", "2",
         "--dir", str(tmp_path / "r"), "--json", str(tmp_path / "r.json"),
     )  # fmt: skip
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
@@ -115,7 +117,7 @@ def test_restore_benchmark_runs_every_system(tmp_path: Path) -> None:
 _PEAK_RSS = """
 import gc
 import numpy as np
-from benchmarks.memory import peak_extra_rss
+from benchmarks.harness.memory import peak_extra_rss
 
 held = np.ones(64 << 20, dtype=np.uint8)  # resident before the block: not extra
 with peak_extra_rss() as peak:
@@ -136,7 +138,7 @@ print(peak.extra_bytes)
 
 
 def test_peak_rss_counts_memory_freed_before_the_block_ends() -> None:
-    """The benchmarks' memory figure (``benchmarks.memory``): the high-water mark of the
+    """The benchmarks' memory figure (``benchmarks.harness.memory``): the high-water mark of the
     block, so memory allocated, touched and freed inside it counts; memory held before it does
     not, and garbage of earlier work freed inside it does not hide the block's peak. In a
     fresh interpreter: another test's threads or garbage, freed during the block, would lower
@@ -148,7 +150,8 @@ def test_peak_rss_counts_memory_freed_before_the_block_ends() -> None:
 
 
 def test_analysis_compares_the_codecs_per_tensor_kind() -> None:
-    from benchmarks import analysis
+    from benchmarks.harness import analysis
+    from benchmarks.reports import analysis as analysis_report
 
     g = torch.Generator().manual_seed(0)
 
@@ -176,7 +179,7 @@ def test_analysis_compares_the_codecs_per_tensor_kind() -> None:
     low, high = sorted((whole["encode_2t_race_MBps"], whole["encode_2t_hinted_MBps"]))
     assert low <= whole["encode_2t_MBps"] <= high
     assert whole["decode_2t_MBps"] > 0
-    table = analysis.markdown({"toy": rows})
+    table = analysis_report.markdown({"toy": rows})
     assert "before: ratio" in table and "| toy | weights |" in table
     assert "on 2 threads" in table
 
@@ -184,7 +187,7 @@ def test_analysis_compares_the_codecs_per_tensor_kind() -> None:
 def test_the_codec_goal_reads_the_two_thread_figures() -> None:
     """The codec goal covers the dense scenarios of the analysis; another scenario's figures
     (a sparse one, far faster) do not count, and without an analysis it is not measured."""
-    from benchmarks import report
+    from benchmarks.reports import side_by_side as report
 
     def whole(encode: float, decode: float) -> dict:
         race = encode * 0.8
@@ -206,7 +209,7 @@ def test_the_codec_goal_reads_the_two_thread_figures() -> None:
 def test_quality_and_durable_benchmarks_run(tmp_path: Path) -> None:
     for args in (
         [
-            "benchmarks.quality",
+            "benchmarks.suites.quality",
             "--layers",
             "1",
             "--dim",
@@ -219,7 +222,7 @@ def test_quality_and_durable_benchmarks_run(tmp_path: Path) -> None:
             "10",
         ],
         # coded in full: under auto a disk faster than the codec gets chunks stored as they are
-        ["benchmarks.durable", "--sizes", "8", "--repeats", "1", "--interval", "2"]
+        ["benchmarks.suites.durable", "--sizes", "8", "--repeats", "1", "--interval", "2"]
         + ["--codec-effort", "full"],
     ):
         _bench(*args, "--out", str(tmp_path))
@@ -236,14 +239,14 @@ def test_sharded_and_codec_profile_benchmarks_run(tmp_path: Path) -> None:
     codec profile end to end, on tiny states: they reach into the store's parts and the codec
     registry, which a refactoring can move."""
     _bench(
-        "benchmarks.sharded", "--mb", "4", "--checkpoints", "2", "--restores", "1",
+        "benchmarks.suites.sharded", "--mb", "4", "--checkpoints", "2", "--restores", "1",
         "--out", str(tmp_path), timeout=600,
     )  # fmt: skip
     report = json.loads((tmp_path / "sharded.json").read_text())
     assert report
     profile = tmp_path / "profile.md"
     _bench(
-        "benchmarks.codec_profile", "--quick", "--scenarios", "dense_fp32", "--chunks", "1",
+        "benchmarks.suites.codec_profile", "--quick", "--scenarios", "dense_fp32", "--chunks", "1",
         "--repeats", "1", "--markdown", str(profile), timeout=600,
     )  # fmt: skip
     assert "single-thread MB/s" in profile.read_text()
@@ -254,7 +257,7 @@ def test_goodput_benchmark_counts_saves_and_reports_overheads(tmp_path: Path) ->
     import math
 
     _bench(
-        "benchmarks.goodput", "--quick", "--systems", "none,callback,modelcheckpoint",
+        "benchmarks.suites.goodput", "--quick", "--systems", "none,callback,modelcheckpoint",
         "--intervals", "5", "--regimes", "free", "--workloads", "lightning",
         "--out", str(tmp_path), timeout=240,
     )  # fmt: skip
@@ -291,7 +294,9 @@ def test_goodput_benchmark_counts_saves_and_reports_overheads(tmp_path: Path) ->
 def test_memory_restore_benchmark_reads_own_memory_and_a_peers(tmp_path: Path) -> None:
     """The memory tier's restore benchmark: a resume from this node's memory and one from the
     other node's (two gloo processes), each beside its baseline."""
-    _bench("benchmarks.memory_restore", "--mb", "8", "--repeats", "2", "--out", str(tmp_path))
+    _bench(
+        "benchmarks.suites.memory_restore", "--mb", "8", "--repeats", "2", "--out", str(tmp_path)
+    )
     doc = json.loads((tmp_path / "memory_restore.json").read_text())
     own, peer = doc["own"], doc["peer"]
     assert own["part_bytes"] >= 8 << 20 and peer["part_bytes"] >= 8 << 20

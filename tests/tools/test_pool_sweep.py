@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import pool_sweep
-from benchmarks.model import ModelConfig
+from benchmarks.harness.model import ModelConfig
+from benchmarks.suites import pool_sweep
 
 TINY = ModelConfig(vocab=512, d_model=64, layers=1, heads=2, ff=128, seq=8, batch=2)
 

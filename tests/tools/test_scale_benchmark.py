@@ -1,6 +1,6 @@
-"""The scale benchmark (``benchmarks/scale.py``, ``benchmarks/scale_report.py``) at a tiny size:
-its records, its report, the PNG (or the note saying why there is none) and the generated
-section of its docs page."""
+"""The scale benchmark (``benchmarks/suites/scale/``, ``benchmarks/reports/scale.py``) at a
+tiny size: its records, its report, the PNG (or the note saying why there is none) and the
+generated section of its docs page."""
 
 from __future__ import annotations
 
@@ -16,8 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import scale, scale_report
-from benchmarks.state import tensor_bytes
+from benchmarks.harness.state import tensor_bytes
+from benchmarks.reports import scale as scale_report
+from benchmarks.suites.scale import big as big_state
+from benchmarks.suites.scale import cli, measure
+from benchmarks.suites.scale import figures as scale_figures
+from benchmarks.suites.scale import tensors as many_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "guides" / "scale.md"
@@ -49,14 +53,14 @@ def _strict_json(text: str) -> Any:
 
 
 def _row(sweep: str, size: float, figure: str, ours: float, baseline: float | None, **kw: Any):
-    return scale.record(sweep, f"{size:g}", size, figure, ours, baseline, "base", "s", **kw)
+    return scale_figures.record(sweep, f"{size:g}", size, figure, ours, baseline, "base", "s", **kw)
 
 
 SAMPLE = [
-    _row("tensors", 500, "stall, full save", 0.01, 0.2, target=scale.STALL_TARGET),
-    _row("tensors", 2000, "stall, full save", 0.03, 0.5, target=scale.STALL_TARGET),
-    _row("tensors", 500, "restore, fresh process", 0.3, 0.2, target=scale.RESTORE_TARGET),
-    _row("tensors", 2000, "restore, fresh process", 0.5, 0.5, target=scale.RESTORE_TARGET),
+    _row("tensors", 500, "stall, full save", 0.01, 0.2, target=scale_figures.STALL_TARGET),
+    _row("tensors", 2000, "stall, full save", 0.03, 0.5, target=scale_figures.STALL_TARGET),
+    _row("tensors", 500, "restore, fresh process", 0.3, 0.2, target=scale_figures.RESTORE_TARGET),
+    _row("tensors", 2000, "restore, fresh process", 0.5, 0.5, target=scale_figures.RESTORE_TARGET),
     _row("big", 0.064, "stall, steady save", 0.02, 0.01),
     _row("big", 0.128, "stall, steady save", 0.04, 0.02),
     {"sweep": "ranks", "ranks": 16, "figure": "commit", "ours": 0.1, "unit": "s"},
@@ -81,14 +85,16 @@ def _check_records(records: list[dict[str, Any]], sweep: str) -> None:
 
 
 def test_a_record_compares_its_ratio_or_its_value_with_the_target() -> None:
-    r = scale.record("tensors", "c", 1, "stall", 0.05, 1.0, "torch.save", "s", 0.1)
+    r = scale_figures.record("tensors", "c", 1, "stall", 0.05, 1.0, "torch.save", "s", 0.1)
     assert r["ratio"] == pytest.approx(0.05) and r["met"] is True
-    assert scale.record("tensors", "c", 1, "stall", 0.5, 1.0, "b", "s", 0.1)["met"] is False
-    assert scale.record("tensors", "c", 1, "stall", 0.5, 1.0, "b", "s")["met"] is None
-    per_tensor = scale.record("tensors", "c", 1, "manifest", 40.0, None, None, "B", 64.0, True)
+    assert scale_figures.record("tensors", "c", 1, "stall", 0.5, 1.0, "b", "s", 0.1)["met"] is False
+    assert scale_figures.record("tensors", "c", 1, "stall", 0.5, 1.0, "b", "s")["met"] is None
+    per_tensor = scale_figures.record(
+        "tensors", "c", 1, "manifest", 40.0, None, None, "B", 64.0, True
+    )
     assert per_tensor["ratio"] is None and per_tensor["met"] is True
     # a multiple of the state has no ratio to a baseline near zero
-    assert scale.record("big", "c", 1, "peak", 1.5, 0.01, "b", "x")["ratio"] is None
+    assert scale_figures.record("big", "c", 1, "peak", 1.5, 0.01, "b", "x")["ratio"] is None
 
 
 def test_the_sweeps_measure_every_figure_at_a_tiny_size(
@@ -109,8 +115,8 @@ def test_the_sweeps_measure_every_figure_at_a_tiny_size(
         assert tensor_bytes(loaded) > 0
         return time.perf_counter() - started
 
-    monkeypatch.setattr(scale, "fresh_restore", restore_here)
-    tensors = scale.tensors_sweep(64, tmp_path, repeats=1)
+    monkeypatch.setattr(measure, "fresh_restore", restore_here)
+    tensors = many_tensors.tensors_sweep(64, tmp_path, repeats=1)
     _check_records(tensors, "tensors")
     figures = [r["figure"] for r in tensors]
     for kind in ("full", "unchanged", "1% changed"):
@@ -119,21 +125,21 @@ def test_the_sweeps_measure_every_figure_at_a_tiny_size(
     manifest = next(r for r in tensors if r["figure"].startswith("manifest"))
     assert manifest["target_absolute"] and manifest["unit"] == "B" and manifest["ours"] > 0
 
-    big = scale.big_sweep(2_000_000, tmp_path, repeats=1)
+    big = big_state.big_sweep(2_000_000, tmp_path, repeats=1)
     _check_records(big, "big")
     figures = [r["figure"] for r in big]
     assert "stall, steady save" in figures and "time to durable, steady save" in figures
     assert sum(f.startswith("restore") for f in figures) == 2
     stall = next(r for r in big if r["figure"] == "stall, steady save")
-    assert stall["target"] == scale.COPY_STALL_TARGET and stall["ratio"] is not None
+    assert stall["target"] == scale_figures.COPY_STALL_TARGET and stall["ratio"] is not None
     for peak in (r for r in big if r["figure"].startswith("peak extra host memory")):
         assert peak["unit"] == "x" and peak["ratio"] is None and peak["target_absolute"]
-        assert peak["met"] == (peak["ours"] <= scale.PEAK_MEMORY_TARGET_X)
+        assert peak["met"] == (peak["ours"] <= scale_figures.PEAK_MEMORY_TARGET_X)
     assert all(r["case"] == big[0]["case"] and r["size"] == pytest.approx(0.002) for r in big)
     # the chain's restore says what it decoded: 8 tensors of 250 kB, one chunk each
     chain = next(r for r in big if "chain" in r["figure"])
     assert re.fullmatch(
-        rf"step {scale.CHAIN} of the chain restored 8 chunks \((\d+ [a-z ]+(, )?)+\), "
+        rf"step {big_state.CHAIN} of the chain restored 8 chunks \((\d+ [a-z ]+(, )?)+\), "
         r"reading \d+\.\d\dx their raw bytes",
         chain["detail"],
     ), chain["detail"]
@@ -158,7 +164,7 @@ def test_the_sweeps_measure_every_figure_at_a_tiny_size(
         ("torch", "tensors-64.pt", None),
         ("torch", "big.pt", None),
         ("ours", "big-store", 1),
-        ("ours", "big-store", scale.CHAIN),
+        ("ours", "big-store", big_state.CHAIN),
     ]
     assert not list(tmp_path.iterdir()), "the sweeps remove their stores and files"
 
@@ -166,8 +172,8 @@ def test_the_sweeps_measure_every_figure_at_a_tiny_size(
 def test_the_ranks_sweep_is_skipped_with_a_note_or_takes_the_modules_records(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(sys.modules, "benchmarks.scale_ranks", None)  # not importable
-    rows, note = scale.ranks_sweep((2, 4))
+    monkeypatch.setitem(sys.modules, "benchmarks.suites.scale.ranks", None)  # not importable
+    rows, note = cli.ranks_sweep((2, 4))
     assert rows == [] and note and "skipped" in note
 
     seen: list[tuple[int, ...]] = []
@@ -176,10 +182,10 @@ def test_the_ranks_sweep_is_skipped_with_a_note_or_takes_the_modules_records(
         seen.append(ranks)
         return [{"ranks": n, "figure": "commit", "ours": 0.01 * n, "unit": "s"} for n in ranks]
 
-    fake = types.ModuleType("benchmarks.scale_ranks")
+    fake = types.ModuleType("benchmarks.suites.scale.ranks")
     fake.run = run  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "benchmarks.scale_ranks", fake)
-    rows, note = scale.ranks_sweep((2, 4))
+    monkeypatch.setitem(sys.modules, "benchmarks.suites.scale.ranks", fake)
+    rows, note = cli.ranks_sweep((2, 4))
     assert note is None and seen == [(2, 4)]
     assert [(r["sweep"], r["ranks"]) for r in rows] == [("ranks", 2), ("ranks", 4)]
 
@@ -200,7 +206,7 @@ def test_rows_kept_from_earlier_runs_name_the_run_that_measured_them(tmp_path: P
         )
     )
     new = [{"sweep": "big", "figure": "new"}]
-    kept, notes, settings = scale.keep_other_sweeps(previous, {"big"}, new, [], {"big_gb": [4.0]})
+    kept, notes, settings = cli.keep_other_sweeps(previous, {"big"}, new, [], {"big_gb": [4.0]})
     assert [r["figure"] for r in kept] == ["tensors", "new", "ranks"]
     assert notes == [
         "the rows of tensors are kept from the run of commit bbbbbbbbbb",
@@ -210,15 +216,15 @@ def test_rows_kept_from_earlier_runs_name_the_run_that_measured_them(tmp_path: P
 
 
 def test_the_options_default_by_mode_and_refuse_unknown_sweeps() -> None:
-    quick = scale.parse(["--quick"])
+    quick = cli.parse(["--quick"])
     assert quick.repeats == 1 and quick.sweeps == {"tensors", "big", "ranks"}
-    chosen = scale.parse(["--tensors", "1_000,2000", "--big-gb", "0.5", "--sweeps", "big"])
+    chosen = cli.parse(["--tensors", "1_000,2000", "--big-gb", "0.5", "--sweeps", "big"])
     assert chosen.tensors == (1000, 2000) and chosen.big_gb == (0.5,) and chosen.sweeps == {"big"}
-    assert scale.parse(["--results"]).out == scale.RESULTS
+    assert cli.parse(["--results"]).out == cli.RESULTS
     with pytest.raises(SystemExit):
-        scale.parse(["--sweeps", "tensors,nope"])
+        cli.parse(["--sweeps", "tensors,nope"])
     with pytest.raises(SystemExit):
-        scale.parse(["--repeats", "0"])
+        cli.parse(["--repeats", "0"])
 
 
 # ----------------------------------------------------------------------------- the report
@@ -324,7 +330,7 @@ def test_the_command_writes_its_report(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "benchmarks.scale",
+            "benchmarks.suites.scale",
             "--tensors",
             "100",
             "--big-gb",
@@ -358,7 +364,7 @@ def test_the_command_writes_its_report(tmp_path: Path) -> None:
 
 def test_the_durable_note_says_how_many_saves_were_paced() -> None:
     efforts = [("paced", 0.7), ("full", 0.0), ("paced", 0.85), ("fast", 1.0)]
-    assert scale.efforts_detail(efforts, ("paced", 0.7)) == (
+    assert measure.efforts_detail(efforts, ("paced", 0.7)) == (
         'the steady saves timed for durability under codec_effort="auto": 1 of 4 stored their '
         "changed chunks as they are, 1 coded them in full, 2 were paced (stored 70-85 % of them "
         "as they are); the fastest was paced"

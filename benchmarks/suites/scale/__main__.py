@@ -1,0 +1,3 @@
+from benchmarks.suites.scale.cli import main
+
+raise SystemExit(main())

@@ -187,9 +187,57 @@ def end_gloo_group() -> None:
         dist.destroy_process_group()
 
 
+def asked_processes(launcher: Sequence[str]) -> int | None:
+    """The ``--num_processes`` (``--num-processes``) of an ``accelerate launch`` command line;
+    None when it names none."""
+    for i, arg in enumerate(launcher):
+        for flag in ("--num_processes", "--num-processes"):
+            value = arg[len(flag) + 1 :] if arg.startswith(flag + "=") else None
+            if arg == flag and i + 1 < len(launcher):
+                value = launcher[i + 1]
+            if value is not None:
+                return int(value) if value.isdigit() else None
+    return None
+
+
+def _launcher() -> list[str]:
+    """The command line of the process that started this one (``accelerate launch``'s, when it
+    ran the script in one process itself); empty where it cannot be read."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def check_world(launcher: Sequence[str], world_size: int) -> str | None:
+    """Why the launched world is not the one asked for (None: it is): ``accelerate launch
+    --num_processes N`` on a machine without GPUs starts ONE process unless ``--multi_gpu``
+    says to start N (with torchrun; they still train on the CPU), and the run would go on alone
+    with every step counted once where N processes would have split the batches."""
+    by_accelerate = any(a in ("launch", "accelerate.commands.launch") for a in launcher)
+    asked = asked_processes(launcher) if by_accelerate else None
+    if asked is None or asked <= 1 or world_size != 1:
+        return None
+    return (
+        f"accelerate launch --num_processes {asked} started one process (WORLD_SIZE unset): "
+        "without GPUs it starts several only with --multi_gpu (they train on the CPU, over "
+        f"gloo): accelerate launch --multi_gpu --num_processes {asked} -m accelerate_incremental "
+        "... (or drop --num_processes to train in one process)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """The module's entry point: parse, install, run the script."""
+    """The module's entry point: parse, install, run the script.
+
+    Raises:
+        SystemExit: status 2 with a usage message (a bad flag or setting, or a launch that
+            started fewer processes than it was asked for).
+    """
     config, script, script_args = parse(sys.argv[1:] if argv is None else argv)
+    wrong = check_world(_launcher(), int(os.environ.get("WORLD_SIZE", "1")))
+    if wrong is not None:
+        parser().error(wrong)
     install(config)
     atexit.register(end_gloo_group)  # first registered: runs after the script's own hooks
     run_script(script, script_args)

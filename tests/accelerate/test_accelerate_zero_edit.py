@@ -130,6 +130,43 @@ def test_installed_integration_enables_each_accelerator_once_it_prepares_a_model
     ckpt.close()
 
 
+@pytest.mark.parametrize(
+    ("launcher", "world", "refused"),
+    [
+        (["accelerate", "launch", "--num_processes", "2", "-m", "accelerate_incremental"], 1, True),
+        (["python", "-m", "accelerate.commands.launch", "--num-processes=3", "x.py"], 1, True),
+        (["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "x.py"], 2, False),
+        (["accelerate", "launch", "--num_processes", "1", "x.py"], 1, False),
+        (["accelerate", "launch", "x.py"], 1, False),
+        (["bash", "run.sh", "--num_processes", "2"], 1, False),  # not accelerate's launcher
+        ([], 1, False),
+    ],
+)
+def test_a_launch_that_started_fewer_processes_than_asked_is_refused(
+    launcher: list[str], world: int, refused: bool
+) -> None:
+    why = _launch.check_world(launcher, world)
+    assert (why is not None) == refused
+    if refused:
+        assert "started one process" in why and "--multi_gpu" in why  # type: ignore[operator]
+
+
+@pytest.mark.slow  # a launch of its own
+def test_two_processes_asked_without_multi_gpu_on_cpu_stop_with_the_fix(tmp_path: Path) -> None:
+    """Without GPUs, ``accelerate launch --num_processes 2`` starts one process: the flag stops
+    it before the script runs, naming --multi_gpu, instead of training alone."""
+    script = tmp_path / "train.py"
+    script.write_text("print('TRAINED')\n")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "-m", "accelerate_incremental", "--dirpath", str(tmp_path), str(script)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode != 0 and "TRAINED" not in out.stdout, out.stdout + out.stderr
+    assert "accelerate launch --num_processes 2 started one process" in out.stderr, out.stderr
+    assert "--multi_gpu --num_processes 2 -m accelerate_incremental" in out.stderr
+
+
 @pytest.mark.slow  # a Python process of its own
 def test_module_runs_the_script_as_main(tmp_path: Path) -> None:
     """``python -m accelerate_incremental --dirpath D script.py ARGS`` (what ``accelerate

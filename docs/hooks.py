@@ -268,11 +268,22 @@ def _report_page(root: Path, report: Path) -> tuple[str, str]:
         + (f"; results committed {date}" if date else "")
         + ".</small>",
         "",
+        DIRECTIONS,
+        "",
     ]
     png = _results(root) / f"{stem}.png"
     if png.is_file():
         head += [f"![{title}]({stem}.png)", ""]
     return title, "\n".join(head) + body
+
+
+#: said at the top of every generated results page: which way each kind of figure is better
+DIRECTIONS = (
+    "<small>Reading the figures: bytes, seconds, stalls and memory are better lower; rates "
+    "(MB/s), work done and goodput are better higher; a ratio (x) is against the baseline its "
+    "column or sentence names — of a cost (time, bytes, memory), below 1x is better; of a "
+    "saving (\"x fewer\"), higher is better.</small>"
+)
 
 
 def _loose_page(root: Path) -> str:

@@ -1,5 +1,6 @@
 """The PNG figure: per scenario, bytes written per checkpoint and the training stall per
-checkpoint, one line per system (log scales). Needs matplotlib (the ``bench`` extra)."""
+checkpoint, one line per system (log scales; lower is better in every panel, which the
+figure's title says). Needs matplotlib (the ``bench`` extra)."""
 
 from __future__ import annotations
 
@@ -54,18 +55,23 @@ def write_png(records: list[dict[str, Any]], path: Path, title: str) -> None:
             bytes_ax.plot(x, [max(r["bytes_written"], 1) / 1e6 for r in recs], **style)
             stall_ax.plot(x, [max(r["stall_s"], 1e-4) * 1e3 for r in recs], **style)
         steps = [r["step"] for r in next(iter(by_system.values()))]
+        # a scenario that saves without training between saves ("unchanged") saves the same
+        # step again and again: its checkpoints are numbered, the step said once
+        repeated = len(set(steps)) < len(steps)
+        ticks = [f"#{i + 1}" for i in range(len(steps))] if repeated else [str(s) for s in steps]
+        at = f" (each at step {steps[0]})" if repeated and len(set(steps)) == 1 else ""
         for ax, label in ((bytes_ax, "MB written"), (stall_ax, "stall ms")):
             ax.set_yscale("log")
             ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
             ax.set_ylabel(label)
-            ax.set_xticks(range(len(steps)), [str(s) for s in steps])
+            ax.set_xticks(range(len(steps)), ticks)
             ax.grid(True, which="major", alpha=0.3)
-        bytes_ax.set_title(f"{scenario}: bytes written per checkpoint", fontsize=10)
-        stall_ax.set_title(f"{scenario}: training stall per checkpoint", fontsize=10)
+        bytes_ax.set_title(f"{scenario}: bytes written per checkpoint{at}", fontsize=10)
+        stall_ax.set_title(f"{scenario}: training stall per checkpoint{at}", fontsize=10)
     for ax in axes[-1]:
-        ax.set_xlabel("checkpoint at training step")
+        ax.set_xlabel("checkpoint at training step (#n: the n-th checkpoint of one step)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     top = 1 - 0.75 / fig.get_figheight()  # room for the legend (and its title) above the axes
     fig.tight_layout(rect=(0, 0, 1, top))

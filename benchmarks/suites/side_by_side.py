@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         title = (
             f"{mode} mode: {settings.checkpoints} checkpoints every {settings.params.interval} "
             f"steps; {info['cpu_available']} CPUs ({info['cpu_model']}), shared, load "
-            f"{report.load_range(records)}"
+            f"{report.load_range(records)}; lower is better in every panel"
         )
         plot.write_png(records, png_path, title)
         written.append(png_path)

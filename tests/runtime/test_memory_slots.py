@@ -218,7 +218,8 @@ def test_a_process_leaves_only_its_parts_and_a_finished_one_nothing(tmp_path: Pa
     again.wait()
     again.finish()
     again.close()
-    assert os.listdir(again.tier.parts) == []
+    assert not again.tier.parts.exists()  # not even the job's directory
+    assert os.listdir(tmp_path) == []
 
 
 def test_the_slots_of_a_process_that_is_gone_are_swept(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ the persistent store remains the tier of record; training never stops for the me
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import mmap
@@ -415,8 +416,14 @@ class MemoryTier:
 
     def release(self) -> None:
         """Delete this process's spare slots: nothing of it stays in the node's memory but its
-        parts."""
+        parts; the job's directory goes too once nothing is left in it (a finished run leaves
+        nothing behind)."""
         self.slots.release()
+        try:
+            self.parts.rmdir()  # only when empty: another rank's parts or a part being written stay
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                log.warning("memory tier: %s could not be removed: %s", self.parts, exc)
 
     def _ours(self, path: Path) -> bool:
         try:

@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_incremental.runtime.memory.tier import Held
+from lightning_incremental.runtime.memory.part import Held
 
 MEMORY, PEER, STORE = "memory", "peer", "store"
 

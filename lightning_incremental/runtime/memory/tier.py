@@ -8,11 +8,12 @@ A part is a directory ``s<step>-g<generation>-r<rank>`` under ``<memory_dir>/<jo
 - ``index.json``: the state's skeleton (:mod:`lightning_incremental.core.format.tree`, the
   engine's own) and each tensor's dtype, shape and offset;
 - ``header.json``: job, generation, world size, rank, step, and the size and xxh3-128 hash of
-  the two other files, checked when the part is read.
+  the two other files, checked when the part is read (the files, their records and checks:
+:mod:`.part`).
 
 It is written under a temporary name and made visible by one rename: a part is complete or
 absent. From a rank's second step on, the snapshot is copied straight into the mapped
-``data.bin`` of the part it becomes (:mod:`.memory_slots`): one copy of the state per step, on
+``data.bin`` of the part it becomes (:mod:`.slots`): one copy of the state per step, on
 the training thread; the hash, the index and the rename run in the background. A part of this
 process that is no longer kept is renamed back to a hidden slot and becomes the next step's
 file. Anything the tier cannot do (a full tmpfs, any ``OSError``) is a warning and ``None``:
@@ -26,22 +27,35 @@ import json
 import logging
 import mmap
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from lightning_incremental.core.buffers import BufferPool, collection_paused
+from lightning_incremental.core.buffers import BufferPool
 from lightning_incremental.core.codecs.bytes import chunk_hash, chunk_hasher
-from lightning_incremental.core.format.layout import loads_record
-from lightning_incremental.core.format.tree import Leaf
 from lightning_incremental.core.save.snapshot import flatten
+from lightning_incremental.runtime.memory.part import (
+    ALIGN,
+    DATA,
+    FORMAT,
+    HEADER,
+    INDEX,
+    NAME,
+    Held,
+    Part,
+    Snapshot,
+    changed,
+    check,
+    entry,
+    parse_header,
+    raw,
+    read_index,
+    snapshot,
+)
 from lightning_incremental.runtime.memory.read import (
     MemoryPartError,
     assemble,
@@ -60,62 +74,13 @@ from lightning_incremental.runtime.memory.slots import (
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
 ENV = "LIGHTNING_INCREMENTAL_MEMORY_DIR"
-HEADER, INDEX, DATA = "header.json", "index.json", "data.bin"
-ALIGN = 64
-_NAME = re.compile(r"^s(\d+)-g(\d+)-r(\d+)$")
-
 
 def default_dir() -> Path:
     """``$LIGHTNING_INCREMENTAL_MEMORY_DIR`` when set, else ``/dev/shm/lightning-incremental``
     (each job's parts go to a directory of their own in it)."""
     env = os.environ.get(ENV)
     return Path(env) if env else Path("/dev/shm/lightning-incremental")
-
-
-@dataclass(frozen=True)
-class Held:
-    """One complete part a node holds, as its header says (what inventories are made of)."""
-
-    rank: int  # whose part
-    step: int
-    generation: int
-    job: str
-    world_size: int
-    layout: int = 0  # k > 0: only every k-th rank's part holds the replicated state (see steps)
-
-
-@dataclass
-class Snapshot:
-    """A state copied to host memory, ready to be written by another thread: into ``slot``'s
-    mapped file where it fit (``used`` bytes of it), else into buffers of its own."""
-
-    skeleton: Any
-    leaves: list[Leaf]
-    slot: Slot | None = None
-    used: int = 0
-
-    def buffers(self) -> list[torch.Tensor]:
-        """The host buffers outside the slot (for the snapshot pool to reuse)."""
-        slot = self.slot
-        return [leaf.data for leaf in self.leaves if slot is None or not slot.holds(leaf.data)]
-
-
-@dataclass
-class Part:
-    """A part's three files in memory: what a replica transfer moves."""
-
-    header: bytes
-    index: bytes
-    data: torch.Tensor  # uint8, 1-D (a private view of the file when read from disk)
-
-
-def snapshot(state: Any, *, allow_pickle: bool = False, pool: BufferPool | None = None) -> Snapshot:
-    """Copy ``state`` to host memory with the engine's snapshot (on the caller's thread), into
-    buffers recycled from ``pool`` when given (pinned for CUDA tensors)."""
-    skeleton, leaves, _ = flatten(state, allow_pickle=allow_pickle, pool=pool)
-    return Snapshot(skeleton, leaves)
 
 
 class MemoryTier:
@@ -186,7 +151,7 @@ class MemoryTier:
                     f.write(raw.data)
                     self.copies += 1
                     hasher.update(raw.data)
-                    index.append(_entry(leaf, offset))
+                    index.append(entry(leaf, offset))
                     offset += raw.nbytes
             body = json.dumps({"skeleton": snap.skeleton, "leaves": index}).encode()
             header = self._header(rank, step, body, offset, hasher.hexdigest())
@@ -202,7 +167,7 @@ class MemoryTier:
         try:
             offsets, size, copies = fill(slot, snap.leaves, snap.used)
             self.copies += copies
-            index = [_entry(leaf, offset) for leaf, offset in zip(snap.leaves, offsets)]
+            index = [entry(leaf, offset) for leaf, offset in zip(snap.leaves, offsets)]
             body = json.dumps({"skeleton": snap.skeleton, "leaves": index}).encode()
             header = self._header(rank, step, body, size, hash_file(slot, size))
             self.slots.sizes[rank] = size
@@ -217,7 +182,7 @@ class MemoryTier:
         """Keep ``part`` (another node's, received as a replica) as it came; False (after a
         warning) when it is malformed or the memory tier cannot take it."""
         try:
-            head = _parse_header(part.header)
+            head = parse_header(part.header)
             rank, step, generation = head["rank"], head["step"], head["generation"]
         except MemoryPartError as exc:
             warnings.warn(f"memory tier: a received part is unusable: {exc}", stacklevel=2)
@@ -228,7 +193,7 @@ class MemoryTier:
             if slot is None:
                 tmp.mkdir(parents=True)
                 with open(tmp / DATA, "wb") as f:
-                    f.write(_raw(part.data).data)
+                    f.write(raw(part.data).data)
             self._commit(tmp, rank, step, part.header, part.index, generation)
         except OSError as exc:
             return self._failed(tmp, f"could not keep the replica of rank {rank}, step {step}", exc)
@@ -307,7 +272,7 @@ class MemoryTier:
         held = []
         for path in self._listing():
             try:
-                head = _parse_header((path / HEADER).read_bytes())
+                head = parse_header((path / HEADER).read_bytes())
             except (OSError, MemoryPartError):
                 continue  # torn or foreign: not a part
             fields = ("rank", "step", "generation", "job", "world_size", "layout")
@@ -324,19 +289,19 @@ class MemoryTier:
         try:
             head = self._check_header((path / HEADER).read_bytes())
             index = (path / INDEX).read_bytes()
-            _check(INDEX, index, head)
+            check(INDEX, index, head)
             size = int(head["files"][DATA]["size"])
             with open(path / DATA, "rb", buffering=0) as f:  # straight into each tensor
                 if os.fstat(f.fileno()).st_size != size:
                     raise MemoryPartError(f"{path / DATA} is not {size} bytes long")
-                body = _index(index, path / INDEX)
+                body = read_index(index, path / INDEX)
                 buffers, made = plan(body["leaves"], size, path / INDEX, len(index))
                 try:
                     digest = read_hashed(f.fileno(), buffers)
                 except EOFError as exc:
                     raise MemoryPartError(f"{path / DATA} is shorter than its index says") from exc
             if digest != head["files"][DATA]["hash"]:
-                raise _changed(DATA, head)
+                raise changed(DATA, head)
         except OSError as exc:
             raise MemoryPartError(f"cannot read {path}: {exc}") from exc
         return assemble(body, made, allow_pickle=self.allow_pickle)
@@ -369,20 +334,20 @@ class MemoryTier:
             MemoryPartError: of another job or world size, or its bytes do not match.
         """
         head = self._check_header(part.header)
-        _check(INDEX, part.index, head)
+        check(INDEX, part.index, head)
         where = "a received part's index"
-        body = _index(part.index, where)
-        data = _raw(part.data)
+        body = read_index(part.index, where)
+        data = raw(part.data)
         if data.nbytes != (head["files"].get(DATA) or {}).get("size"):
-            raise _changed(DATA, head)
+            raise changed(DATA, head)
         # copied into the tensors on several threads, hashed on the way (as a read from memory)
         buffers, made = plan(body["leaves"], data.nbytes, where, len(part.index))
         if copy_hashed(data, buffers) != head["files"][DATA].get("hash"):
-            raise _changed(DATA, head)
+            raise changed(DATA, head)
         return assemble(body, made, allow_pickle=self.allow_pickle)
 
     def _check_header(self, raw: bytes) -> dict[str, Any]:
-        head = _parse_header(raw)
+        head = parse_header(raw)
         if head["job"] != self.job or head["world_size"] != self.world_size:
             raise MemoryPartError(
                 f"part of job {head['job']!r} on {head['world_size']} ranks, not of this job"
@@ -403,7 +368,7 @@ class MemoryTier:
         changes."""
         ranks = set(ranks)
         for path in self._listing(every=True):
-            match = _NAME.match(path.name)
+            match = NAME.match(path.name)
             if match is None:
                 if path.name.endswith(f"-{os.getpid()}") and not self.slots.is_spare(path):
                     shutil.rmtree(path, ignore_errors=True)
@@ -427,7 +392,7 @@ class MemoryTier:
 
     def _ours(self, path: Path) -> bool:
         try:
-            return bool(_parse_header((path / HEADER).read_bytes())["job"] == self.job)
+            return bool(parse_header((path / HEADER).read_bytes())["job"] == self.job)
         except (OSError, MemoryPartError):
             return False
 
@@ -436,80 +401,5 @@ class MemoryTier:
             entries = list(self.parts.iterdir())
         except OSError:
             return []
-        return [p for p in entries if every or _NAME.match(p.name)]
+        return [p for p in entries if every or NAME.match(p.name)]
 
-
-def _entry(leaf: Leaf, offset: int) -> dict[str, Any]:
-    return {
-        "slot": leaf.slot,
-        "dtype": leaf.dtype,
-        "numpy": leaf.is_numpy,
-        "shape": leaf.shape,
-        "offset": offset,
-        "nbytes": leaf.nbytes,
-        "param": leaf.parameter,
-        "grad": leaf.requires_grad,
-    }
-
-
-def _raw(data: torch.Tensor) -> np.ndarray:
-    return data.numpy() if data.numel() else np.empty(0, dtype=np.uint8)
-
-
-def _parse_header(raw: bytes) -> dict[str, Any]:
-    try:
-        head = loads_record(raw)
-    except ValueError as exc:
-        raise MemoryPartError(f"unreadable header: {exc}") from exc
-    ints = ("generation", "world_size", "rank", "step", "layout")
-    if isinstance(head, dict):
-        head.setdefault("layout", 0)  # parts written before layouts: every part whole
-    if (
-        not isinstance(head, dict)
-        or head.get("format") != FORMAT
-        or not isinstance(head.get("job"), str)
-        or not all(type(head.get(k)) is int and head[k] >= 0 for k in ints)
-        or not isinstance(head.get("files"), dict)
-        or not all(_file_entry(head["files"].get(name)) for name in (INDEX, DATA))
-    ):
-        raise MemoryPartError(f"not a memory part header of format {FORMAT}")
-    return head
-
-
-def _file_entry(entry: Any) -> bool:
-    return (
-        isinstance(entry, dict)
-        and type(entry.get("size")) is int
-        and entry["size"] >= 0
-        and isinstance(entry.get("hash"), str)
-    )
-
-
-def _index(raw: bytes, where: Any) -> dict[str, Any]:
-    """A part's index (its hash checked already): the skeleton and the list of its tensors.
-
-    Raises:
-        MemoryPartError: not such an object.
-    """
-    try:
-        with collection_paused():
-            body = loads_record(raw)
-    except ValueError as exc:
-        raise MemoryPartError(f"{where} is unreadable: {exc}") from exc
-    if not isinstance(body, dict) or "skeleton" not in body or "leaves" not in body:
-        raise MemoryPartError(f"{where} is not the index of a memory part")
-    return body
-
-
-def _check(name: str, data: bytes | np.ndarray, head: dict[str, Any]) -> None:
-    expected = head["files"].get(name) or {}
-    size = len(data) if isinstance(data, bytes) else int(data.nbytes)
-    if size != expected.get("size") or chunk_hash(data) != expected.get("hash"):
-        raise _changed(name, head)
-
-
-def _changed(name: str, head: dict[str, Any]) -> MemoryPartError:
-    return MemoryPartError(
-        f"{name} of rank {head['rank']}'s part of step {head['step']} does not match its "
-        "hash: the memory copy changed after it was written"
-    )

@@ -5,7 +5,7 @@ every rank), so every rank computes the same :class:`Plan` without a coordinator
 
 - parts of another job, of another world size (a resize resumes from the store) or of another
   layout (where the replicated state is: every part, or one part a node of that many ranks,
-  see :mod:`.memory_steps`) are ignored;
+  see :mod:`.steps`) are ignored;
 - a step counts only when one generation wrote every rank's part of it (a zombie's lone write
   never completes a step; parts of two incarnations are never mixed), and the generation is
   older than the one resuming;

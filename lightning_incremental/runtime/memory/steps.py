@@ -2,9 +2,9 @@
 :class:`MemorySteps` at once; the adapter hands it a step's checkpoint to take
 (:meth:`MemorySteps.take`) and asks it for the step to resume from (:meth:`MemorySteps.resume`).
 
-It joins the pieces under it: the tier on this node (:mod:`.memory_tier`), the replication to
-the next nodes over a gloo group (:mod:`.memory_replica`) and the agreement on the step every
-rank can restore (:mod:`.memory_agree`). The adapters build the checkpoint and put it back;
+It joins the pieces under it: the tier on this node (:mod:`.tier`), the replication to
+the next nodes over a gloo group (:mod:`.replica`) and the agreement on the step every
+rank can restore (:mod:`.agree`). The adapters build the checkpoint and put it back;
 this module neither knows nor imports a framework.
 
 One copy of replicated state a node
@@ -21,7 +21,7 @@ node's memory, or — when the node's memory was lost and the leader received it
 peer — sent on by the leader; the adapter's ``merge(whole, own)`` makes the rank's checkpoint.
 The persistent store is laid out the same way (rank 0 writes the replicated state once). A
 rank's own state includes its buffers where DDP does not broadcast them
-(:mod:`.rank_buffers`), so a resume from memory stays exact.
+(:mod:`lightning_incremental.runtime.state.rank_buffers`), so a resume from memory stays exact.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a ``checkpoint-N`` folder holds besides its marker, and ``materialize``.
 
 Every folder the integration writes holds what the Trainer writes there apart from the weights,
-optimizer, scheduler, scaler and random states (:func:`~._hf_compat.write_small_files`:
+optimizer, scheduler, scaler and random states (:func:`~.hf_compat.write_small_files`:
 ``config.json``, ``generation_config.json``, the tokenizer or processor files,
 ``training_args.bin``; the Trainer adds ``trainer_state.json``), and a short :data:`README`
 saying where the weights are and how to get them as files. ``from_pretrained`` on such a folder

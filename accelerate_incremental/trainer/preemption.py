@@ -10,7 +10,7 @@ job under SLURM, and every process exits with code 143 (``SystemExit``). A reque
 after the last step counts when ``train()`` ends: every save committed, the processes exit 143.
 
 The Trainer's JIT checkpoint (``TrainingArguments(enable_jit_checkpoint=True)``) is its own answer
-to SIGTERM; this path takes its place (:func:`~._hf_compat.stand_aside_jit_checkpoint`): one
+to SIGTERM; this path takes its place (:func:`~.hf_compat.stand_aside_jit_checkpoint`): one
 process saving on its own when its timer fires would leave the others waiting in a collective.
 """
 

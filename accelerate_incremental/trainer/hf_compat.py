@@ -25,7 +25,7 @@ override still runs:
   tier only (:data:`MEMORY_HOOKED`, its parameters checked when the tier is asked for): a memory
   step is taken when it returns.
 
-The preemption path (:mod:`~._trainer_preemption`) adds a ``TrainerCallback`` (public API) and
+The preemption path (:mod:`~.preemption`) adds a ``TrainerCallback`` (public API) and
 reads the Trainer's JIT checkpoint (``TrainingArguments(enable_jit_checkpoint=True)``, in
 ``transformers.trainer_jit_checkpoint``, up to 5.24 as checked): a ``JITCheckpointCallback``
 among the Trainer's callbacks whose ``jit_manager`` (a ``CheckpointManager``) replaces the SIGTERM
